@@ -1,0 +1,647 @@
+"""The one config tree of roformer-dist.
+
+Frozen dataclasses, one section per component, a docstring under each field.
+Resolution order: dataclass defaults <- YAML file (``configs/experiments/*.yaml``)
+<- ``key.sub=value`` overrides from the command line.
+
+In YAML a section may be given as a preset name (``model: debug`` loads
+``configs/model/debug.yaml``), as a path to a YAML file, or as a mapping of
+fields. A mapping may name a preset too (``model: {preset: debug, hidden_size: 96}``):
+the preset is applied first, then the other keys.
+
+Every user error raises ``ValueError`` whose message names the key and what was
+expected. ``validate`` checks the combinations (stages vs positions, batch vs
+world size, heads vs hidden size, ...) before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+"""Where presets live. Overridable with ROFORMER_CONFIGS for installed copies."""
+if os.environ.get("ROFORMER_CONFIGS"):
+    CONFIGS_DIR = Path(os.environ["ROFORMER_CONFIGS"])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: Union[int, str] = "auto"
+    """Vocabulary size, or ``auto`` to take it from the shard manifest."""
+    embedding_size: Optional[int] = None
+    """Embedding width; None = hidden_size. Otherwise a linear projection maps it to hidden_size."""
+    hidden_size: int = 768
+    """Width of every transformer layer."""
+    num_hidden_layers: int = 12
+    """Number of transformer layers."""
+    num_attention_heads: int = 12
+    """Attention heads per layer; must divide hidden_size, head size must be even (rotary pairs)."""
+    intermediate_size: int = 3072
+    """Inner width of the feed-forward block."""
+    hidden_act: str = "gelu"
+    """Feed-forward activation: gelu | gelu_new | relu."""
+    hidden_dropout_prob: float = 0.1
+    """Dropout after embeddings, attention output and feed-forward output."""
+    attention_probs_dropout_prob: float = 0.1
+    """Dropout on attention probabilities."""
+    max_position_embeddings: int = 1536
+    """Longest sequence the model accepts (sizes the rotary cache / absolute table)."""
+    type_vocab_size: int = 2
+    """Number of token-type (segment) ids."""
+    layer_norm_eps: float = 1e-12
+    """LayerNorm epsilon (post-LN BERT layers)."""
+    rotary_value: bool = False
+    """Also rotate the values (RoFormer's ``rotary_value``)."""
+    pad_token_id: int = 0
+    """Id of [PAD]; its embedding row is kept zero at init."""
+    initializer_range: float = 0.02
+    """Std of the normal initialiser."""
+    position_embedding: str = "rotary"
+    """rotary (RoFormer) | absolute (the BERT baseline, learned absolute positions)."""
+    rotary_backend: str = "auto"
+    """auto | reference | compiled | triton | apex | flash_attn."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    shards: str = ""
+    """Training shard-set directory (manifest.json + shard-*.tar)."""
+    eval_shards: str = ""
+    """Held-out shard-set directory; empty = no eval."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank (0 = load in the training process)."""
+    mlm_probability: float = 0.15
+    """Fraction of non-special tokens chosen for MLM prediction."""
+    whole_word_mask: bool = True
+    """Mask whole words when the shards carry word-start marks (.wwm)."""
+    skip_bad_shards: bool = False
+    """Skip (and count, and log) a corrupt shard instead of stopping."""
+    shuffle_buffer_docs: int = 0
+    """Unused by the deterministic loader (documents are shuffled per shard); kept 0."""
+    eval_batches: int = 8
+    """Batches per eval length."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: str = "stage"
+    """Stage name, shown in logs and TensorBoard."""
+    seq_len: int = 512
+    """Packed sequence length (multiple of 8, <= model.max_position_embeddings)."""
+    global_batch_size: int = 256
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    steps: int = 1000
+    """Optimizer steps in this stage."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per rank per forward; None = curriculum.tokens_per_micro_batch // seq_len."""
+    lr: Optional[float] = None
+    """Peak LR of this stage (re-warmed up over warmup_steps); None = the global schedule continues."""
+    warmup_steps: int = 0
+    """Re-warmup steps when lr is set."""
+    eval_lengths: tuple[int, ...] = ()
+    """Eval sequence lengths in this stage; empty = the stage's own seq_len."""
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    stages: tuple[StageConfig, ...] = (StageConfig(),)
+    """The stages, run in order."""
+    tokens_per_micro_batch: int = 4096
+    """Token budget of a micro-batch when a stage does not fix micro_batch_size."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    """adamw | lamb."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    warmup_steps: int = 1000
+    """Linear warmup steps from 0 to lr."""
+    schedule: str = "linear"
+    """Decay after warmup: linear | cosine | constant."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of lr."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not on norms and biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-6
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 = off."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    zero_stage: int = 2
+    """ZeRO stage 0-3."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16 (fp16 uses dynamic loss scaling)."""
+    offload_optimizer: str = "none"
+    """none | cpu."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward."""
+    initial_loss_scale_power: int = 16
+    """fp16: initial loss scale is 2**this."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel degree (1 = off)."""
+    pipeline: int = 1
+    """Pipeline-parallel degree (1 = off)."""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    world_size: int = 1
+    """Processes roformer-train starts on this machine (ignored when launched by SLURM/torchrun)."""
+    backend: str = "auto"
+    """auto (nccl with CUDA, else gloo) | gloo | nccl."""
+    timeout_s: int = 1800
+    """Collective timeout in seconds."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    seed: int = 1234
+    """Seeds model init, data order and masking."""
+    stop_at_step: int = 0
+    """Stop cleanly with a checkpoint after this step (0 = run the whole curriculum)."""
+    save_every: int = 1000
+    """Checkpoint every N steps (0 = only at stage ends, stop and the end)."""
+    eval_every: int = 1000
+    """Evaluate every N steps (0 = only at stage ends)."""
+    log_every: int = 10
+    """Console line and TensorBoard scalars every N steps."""
+    max_nonfinite_steps: int = 5
+    """Stop (with a checkpoint of the last good state) after this many consecutive NaN/inf losses."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    keep_last: int = 3
+    """Complete checkpoints to keep (older ones are deleted)."""
+    resume: bool = True
+    """Resume from run_dir/checkpoints/latest when it exists."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard events to run_dir/tb (rank 0)."""
+    level: str = "INFO"
+    """Python logging level."""
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    partition: str = ""
+    """SLURM partition ('' = cluster default)."""
+    account: str = ""
+    """SLURM account."""
+    qos: str = ""
+    """SLURM QoS."""
+    constraint: str = ""
+    """SLURM --constraint."""
+    nodes: int = 1
+    """Nodes per job."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 = CPU job)."""
+    tasks_per_node: int = 1
+    """Ranks per node (one per GPU on GPU clusters)."""
+    cpus_per_task: int = 1
+    """CPUs per rank."""
+    mem_gb: int = 0
+    """Memory per node in GB (0 = cluster default)."""
+    time_min: int = 60
+    """Time limit in minutes."""
+    signal_delay_s: int = 120
+    """Seconds before the time limit at which SLURM sends USR2."""
+    max_num_timeout: int = 20
+    """Requeues allowed after a time-limit or preemption signal."""
+    setup: tuple[str, ...] = ()
+    """Shell lines run before the job (e.g. module load)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the job (e.g. NCCL settings)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run_dir: str = "runs/default"
+    """Where the run lives: config.yaml, tb/, checkpoints/, logs/."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    optim: OptimConfig = OptimConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    dist: DistConfig = DistConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    slurm: SlurmConfig = SlurmConfig()
+
+
+# Sections that can be given as a preset name: section -> configs/<dir>/<name>.yaml
+PRESET_DIRS = {
+    "model": "model",
+    "curriculum": "curriculum",
+    "deepspeed": "deepspeed",
+    "slurm": "cluster",
+}
+
+# --------------------------------------------------------------------------- building
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the field type ``tp`` or raise naming ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if _is_dataclass_type(tp):
+        return _build(tp, value, key)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ValueError as e:
+                errors.append(str(e))
+        names = " or ".join(_type_name(a) for a in args)
+        raise ValueError(f"{key}: expected {names}, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            value = [value] if value not in (None, "") else []
+        inner = args[0] if args else Any
+        return tuple(_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return int(f)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return "" if value is None else str(value)
+    return value
+
+
+def _load_yaml(path: Path, key: str) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{key}: file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{key}: {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{key}: {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _preset_path(section: str, name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    return CONFIGS_DIR / PRESET_DIRS[section] / f"{name}.yaml"
+
+
+def _expand_preset(section: str, value: Any) -> Any:
+    """``debug`` / ``path.yaml`` / ``{preset: debug, ...}`` -> a plain mapping."""
+    if section not in PRESET_DIRS:
+        return value
+    if isinstance(value, str):
+        path = _preset_path(section, value)
+        if not path.exists():
+            available = sorted(p.stem for p in (CONFIGS_DIR / PRESET_DIRS[section]).glob("*.yaml"))
+            raise ValueError(f"{section}: no preset {value!r} (looked for {path}); available: {available}")
+        return _load_yaml(path, section)
+    if isinstance(value, dict) and "preset" in value:
+        rest = {k: v for k, v in value.items() if k != "preset"}
+        return _merge(_expand_preset(section, value["preset"]), rest)
+    return value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(
+            f"unknown config key {where}{unknown[0]}"
+            f" (known keys{' of ' + prefix if prefix else ''}: {', '.join(sorted(names))})"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if not prefix:
+            value = _expand_preset(name, value)
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {} if nxt is None else _expand_preset(part, nxt) if node is tree else nxt
+            if not isinstance(nxt, dict):
+                raise ValueError(f"{dotted}: {part} is not a section")
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _check_override_key(dotted: str) -> None:
+    """Fail early on a key that does not exist, naming its first unknown part."""
+    cls: Any = Config
+    path = []
+    for part in dotted.split("."):
+        if not _is_dataclass_type(cls):
+            raise ValueError(f"unknown config key {dotted}: {'.'.join(path)} has no sub-keys")
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            raise ValueError(f"unknown config key {'.'.join(path + [part])} (in override {dotted})")
+        path.append(part)
+        cls = hints[part]
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> nested mapping with YAML-parsed values."""
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key.sub=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        _check_override_key(key)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- overrides, then ``validate``."""
+    data: dict = {}
+    if path is not None:
+        data = _load_yaml(Path(path), str(path))
+    data = {k: _expand_preset(k, v) for k, v in data.items()}
+    if overrides:
+        data = _merge(data, {k: _expand_preset(k, v) for k, v in parse_overrides(list(overrides)).items()})
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict) -> Config:
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> Any:
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_yaml(cfg), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` that accepts dotted keys: replace(cfg, **{"model.vocab_size": 8000})."""
+    nested: dict[str, dict] = {}
+    flat = {}
+    for k, v in changes.items():
+        head, _, rest = k.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = v
+        else:
+            flat[head] = v
+    for head, sub in nested.items():
+        flat[head] = replace(getattr(cfg, head), **sub)
+    return dataclasses.replace(cfg, **flat)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{key}: expected a {'non-negative' if allow_zero else 'positive'} value, got {value!r}")
+
+
+def data_parallel_size(cfg: Config, world_size: Optional[int] = None) -> int:
+    ws = cfg.dist.world_size if world_size is None else world_size
+    return ws // (cfg.parallel.tensor * cfg.parallel.pipeline)
+
+
+def micro_batch_size(cfg: Config, stage: StageConfig, world_size: Optional[int] = None) -> int:
+    """Micro-batch of a stage: explicit, or the token budget divided by seq_len, made to divide the batch."""
+    if stage.micro_batch_size is not None:
+        return stage.micro_batch_size
+    dp = max(1, data_parallel_size(cfg, world_size))
+    per_rank = max(1, stage.global_batch_size // dp)
+    mbs = max(1, min(per_rank, cfg.curriculum.tokens_per_micro_batch // stage.seq_len))
+    while per_rank % mbs:
+        mbs -= 1
+    return mbs
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    m = cfg.model
+    if isinstance(m.vocab_size, str):
+        if m.vocab_size != "auto":
+            raise ValueError(f"model.vocab_size: expected a positive integer or 'auto', got {m.vocab_size!r}")
+    else:
+        _positive(m.vocab_size, "model.vocab_size")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "type_vocab_size"):
+        _positive(getattr(m, key), f"model.{key}")
+    if m.embedding_size is not None:
+        _positive(m.embedding_size, "model.embedding_size")
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"model.num_attention_heads: {m.num_attention_heads} does not divide model.hidden_size {m.hidden_size}")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ValueError("model.num_attention_heads: head size hidden_size/heads must be even for rotary pairs")
+    _choice(m.hidden_act, ("gelu", "gelu_new", "relu"), "model.hidden_act")
+    _choice(m.position_embedding, ("rotary", "absolute"), "model.position_embedding")
+    _choice(m.rotary_backend, ("auto", "reference", "compiled", "triton", "apex", "flash_attn"),
+            "model.rotary_backend")
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if not 0.0 <= getattr(m, key) < 1.0:
+            raise ValueError(f"model.{key}: expected a probability in [0, 1), got {getattr(m, key)}")
+
+    if not 0.0 < cfg.data.mlm_probability < 1.0:
+        raise ValueError(f"data.mlm_probability: expected a value in (0, 1), got {cfg.data.mlm_probability}")
+    _positive(cfg.data.num_workers, "data.num_workers", allow_zero=True)
+
+    o = cfg.optim
+    _choice(o.name, ("adamw", "lamb"), "optim.name")
+    _choice(o.schedule, ("linear", "cosine", "constant"), "optim.schedule")
+    _positive(o.lr, "optim.lr")
+    _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio: expected a value in [0, 1], got {o.min_lr_ratio}")
+
+    d = cfg.deepspeed
+    if d.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"deepspeed.zero_stage: expected 0, 1, 2 or 3, got {d.zero_stage}")
+    _choice(d.precision, ("fp32", "bf16", "fp16"), "deepspeed.precision")
+    _choice(d.offload_optimizer, ("none", "cpu"), "deepspeed.offload_optimizer")
+    if d.offload_optimizer == "cpu" and d.zero_stage == 0:
+        raise ValueError("deepspeed.offload_optimizer: cpu offload needs deepspeed.zero_stage >= 1")
+
+    p = cfg.parallel
+    _positive(p.tensor, "parallel.tensor")
+    _positive(p.pipeline, "parallel.pipeline")
+    ws = cfg.dist.world_size if world_size is None else world_size
+    _positive(ws, "dist.world_size")
+    _choice(cfg.dist.backend, ("auto", "gloo", "nccl"), "dist.backend")
+    if ws % (p.tensor * p.pipeline):
+        raise ValueError(
+            f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
+    if p.pipeline > 1 and d.zero_stage > 1:
+        raise ValueError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
+    if p.pipeline > m.num_hidden_layers:
+        raise ValueError(
+            f"parallel.pipeline: {p.pipeline} stages but model.num_hidden_layers is {m.num_hidden_layers}")
+    if p.tensor > 1:
+        if m.num_attention_heads % p.tensor:
+            raise ValueError(f"parallel.tensor: {p.tensor} does not divide model.num_attention_heads "
+                             f"{m.num_attention_heads}")
+        if m.intermediate_size % p.tensor:
+            raise ValueError(f"parallel.tensor: {p.tensor} does not divide model.intermediate_size "
+                             f"{m.intermediate_size}")
+
+    if not cfg.curriculum.stages:
+        raise ValueError("curriculum.stages: expected at least one stage")
+    _positive(cfg.curriculum.tokens_per_micro_batch, "curriculum.tokens_per_micro_batch")
+    dp = data_parallel_size(cfg, ws)
+    for i, st in enumerate(cfg.curriculum.stages):
+        key = f"curriculum.stages[{i}] ({st.name})"
+        _positive(st.steps, f"{key}.steps")
+        _positive(st.global_batch_size, f"{key}.global_batch_size")
+        if st.seq_len <= 0 or st.seq_len % 8:
+            raise ValueError(f"{key}.seq_len: expected a positive multiple of 8, got {st.seq_len}")
+        if st.seq_len > m.max_position_embeddings:
+            raise ValueError(f"{key}.seq_len: {st.seq_len} is longer than model.max_position_embeddings "
+                             f"{m.max_position_embeddings}")
+        for ln in st.eval_lengths:
+            if ln <= 0 or ln % 8 or ln > m.max_position_embeddings:
+                raise ValueError(f"{key}.eval_lengths: {ln} must be a positive multiple of 8 <= "
+                                 f"model.max_position_embeddings {m.max_position_embeddings}")
+        mbs = micro_batch_size(cfg, st, ws)
+        _positive(mbs, f"{key}.micro_batch_size")
+        if st.global_batch_size % (mbs * dp):
+            raise ValueError(
+                f"{key}.global_batch_size: {st.global_batch_size} is not a multiple of micro_batch_size {mbs} x "
+                f"data-parallel size {dp} (dist.world_size {ws} / (parallel.tensor x parallel.pipeline))")
+        if st.lr is not None:
+            _positive(st.lr, f"{key}.lr")
+
+    t = cfg.trainer
+    for key in ("stop_at_step", "save_every", "eval_every"):
+        _positive(getattr(t, key), f"trainer.{key}", allow_zero=True)
+    _positive(t.log_every, "trainer.log_every")
+    _positive(t.max_nonfinite_steps, "trainer.max_nonfinite_steps")
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    _choice(cfg.logging.level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level")
+    s = cfg.slurm
+    for key in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
+        _positive(getattr(s, key), f"slurm.{key}")
+    if s.signal_delay_s >= s.time_min * 60:
+        raise ValueError(f"slurm.signal_delay_s: {s.signal_delay_s} s is not shorter than slurm.time_min "
+                         f"{s.time_min} min")
+
+
+def total_steps(cfg: Config) -> int:
+    return sum(st.steps for st in cfg.curriculum.stages)

@@ -1,0 +1,112 @@
+"""Run a function in N processes joined by a gloo process group, as a test would.
+
+    run_distributed(fn, world_size=2, args=(tmp_path,))
+
+``fn(rank, world_size, *args)`` runs in each process after
+``torch.distributed.init_process_group("gloo")`` on a free localhost port. Its
+return values come back as a list indexed by rank. Any rank's exception fails
+the call with that rank's traceback; a rank that does not finish within
+``timeout`` seconds fails it too (all ranks are killed, nothing hangs). Every
+rank ends with ``barrier`` + ``destroy_process_group`` so that gloo does not
+abort at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+# DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: keep one cache per machine.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or timed out; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str,
+            env: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    out = Path(result_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        payload = ("ok", value)
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        payload = ("error", traceback.format_exc())
+    try:
+        out.write_bytes(pickle.dumps(payload))
+    except Exception:  # the value could not be pickled: say so instead
+        out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+    if payload[0] == "ok" and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    # A failed rank exits at once, without waiting for the others in a collective.
+    os._exit(0 if payload[0] == "ok" else 1)
+
+
+def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 300.0,
+                    env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rdist-") as result_dir:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, result_dir, env or {}),
+                             daemon=False) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed: list[str] = []
+        while True:
+            alive = [p for p in procs if p.is_alive()]
+            for r in range(world_size):
+                f = Path(result_dir) / f"rank{r}.pkl"
+                if f.exists() and not procs[r].is_alive():
+                    status, value = pickle.loads(f.read_bytes())
+                    if status == "error" and f"rank {r}" not in " ".join(failed):
+                        failed.append(f"rank {r} raised:\n{value}")
+            if failed or not alive:
+                break
+            if time.monotonic() > deadline:
+                failed.append(f"timed out after {timeout:.0f} s; ranks still running: "
+                              f"{[procs.index(p) for p in alive]}")
+                break
+            time.sleep(0.05)
+        if failed:
+            time.sleep(0.5)  # let a rank that is about to report its own error do so
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+            raise DistributedTestError("\n".join(failed))
+        results = []
+        for r, p in enumerate(procs):
+            p.join()
+            f = Path(result_dir) / f"rank{r}.pkl"
+            if not f.exists():
+                raise DistributedTestError(f"rank {r} exited with code {p.exitcode} without a result")
+            status, value = pickle.loads(f.read_bytes())
+            results.append(value)
+        return results
