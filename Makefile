@@ -1,0 +1,45 @@
+# The two commands of the README:  make demo  (the demo pretraining run)  and  make test.
+# Both create .venv and install the project on first use.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/roformer-dist/torch_extensions
+export DS_ACCELERATOR ?= cpu
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv demo test test-fast slurm-up slurm-down bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip wheel setuptools
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+## the demo: People's Daily 1998 -> tokenizer + shards -> 2-rank ZeRO-2 curriculum run -> eval -> HF export
+demo: venv
+	$(BIN)/python -m roformer_dist.demo
+
+## the whole test suite (starts the local SLURM cluster when run as root, as in CI)
+test: venv
+	@if [ "$$(id -u)" = 0 ] && [ -z "$$ROFORMER_NO_SLURM" ]; then bash slurm/local_cluster/start.sh; fi
+	$(BIN)/python -m pytest -q --durations=15
+
+## tests without the SLURM cluster
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slurm"
+
+slurm-up:
+	bash slurm/local_cluster/start.sh
+slurm-down:
+	bash slurm/local_cluster/stop.sh
+
+bench: venv
+	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf runs data .pytest_cache

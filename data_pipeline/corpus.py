@@ -1,0 +1,277 @@
+"""Corpus readers and text normalisation.
+
+Readers turn files into a stream of :class:`Document` (normalised text, plus gold
+word boundaries when the source has them). Supported inputs, each optionally
+gzip-compressed (``.gz``):
+
+- ``.txt``: one document per line (``doc_boundary="line"``, default) or documents
+  separated by blank lines (``doc_boundary="blank"``; the lines of a document are
+  joined with a space, which normalisation then keeps as a single space).
+- ``.jsonl``: one JSON object per line, text in field ``text`` (``jsonl_field``).
+- People's Daily tagged text (``word/tag  word/tag``; format ``pd``, detected
+  automatically in ``auto`` mode from the first non-empty line): the ``/tag``
+  suffixes and the ``[...]nt`` compound brackets are stripped, a leading date id
+  (``19980101-01-001-001/m``) is dropped, and the words are kept as gold word
+  boundaries (used for whole-word-masking marks).
+
+Inputs may be files, directories (every file below them, sorted) or glob patterns.
+
+Normalisation (:func:`normalize`), applied to every document, in this order:
+
+1. Unicode NFKC. This also maps full-width ASCII (``Ａ１，``) to half-width
+   (``A1,``) and the ideographic space U+3000 to a plain space.
+2. Control and format characters (Unicode categories Cc, Cf: NUL, BEL, zero-width
+   space/joiner, BOM, ...) are removed; tabs and newlines count as whitespace.
+3. Runs of whitespace collapse to one ASCII space; leading and trailing
+   whitespace is stripped.
+
+Lines that are not valid UTF-8 are skipped and counted (``strict=True``: a
+``ValueError`` naming the file and line instead); documents that are empty after
+normalisation are skipped and counted. :class:`CorpusStats` holds the counts.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+__all__ = ["Document", "CorpusStats", "normalize", "normalize_words", "expand_inputs", "read_documents",
+           "detect_format", "FORMATS"]
+
+FORMATS = ("auto", "txt", "jsonl", "pd")
+
+_WS = re.compile(r"\s+")
+_PD_DATE = re.compile(r"^\d{8}-\d{2}-\d{3}-\d{3}(/m)?$")
+
+
+def _control_class() -> re.Pattern:
+    """A regex class of Cc (controls) and Cf (format: zero-width, BOM, bidi marks), whitespace excluded."""
+    cps = [cp for cp in range(0x110000)
+           if unicodedata.category(chr(cp)) in ("Cc", "Cf") and not chr(cp).isspace()]
+    ranges, start, prev = [], cps[0], cps[0]
+    for cp in cps[1:] + [-1]:
+        if cp != prev + 1:
+            ranges.append(re.escape(chr(start)) + ("-" + re.escape(chr(prev)) if prev > start else ""))
+            start = cp
+        prev = cp
+    return re.compile("[" + "".join(ranges) + "]+")
+
+
+_CONTROL = _control_class()
+_US = "\ue000"  # private-use char (NFKC leaves it alone): joins words while normalising them in one call
+_PD_TAG = re.compile(r"/[A-Za-z]+(?:\][A-Za-z]*)?(?=\s|$)")   # word/tag, word/tag]nt
+_PD_OPEN = re.compile(r"(?:(?<=\s)|^)\[(?=\S)")                 # [word/tag  (compound start)
+
+
+@dataclass
+class Document:
+    text: str
+    """Normalised text."""
+    words: Optional[list[str]] = None
+    """Gold word segmentation (``"".join(words) == text``) when the source has it."""
+
+
+@dataclass
+class CorpusStats:
+    files: int = 0
+    docs: int = 0
+    chars: int = 0
+    bytes: int = 0
+    invalid_utf8_lines: int = 0
+    empty_docs: int = 0
+    invalid_json_lines: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.files} files, {self.docs} documents, {self.chars} characters "
+                f"({self.bytes / 1e6:.1f} MB UTF-8); skipped: {self.invalid_utf8_lines} invalid UTF-8 lines, "
+                f"{self.empty_docs} empty documents, {self.invalid_json_lines} invalid JSON lines")
+
+
+def normalize(text: str) -> str:
+    """NFKC, drop control/format characters, collapse whitespace (see the module docstring)."""
+    text = _CONTROL.sub("", unicodedata.normalize("NFKC", text))
+    return _WS.sub(" ", text).strip()
+
+
+def normalize_words(words: Iterable[str]) -> list[str]:
+    """Normalise pre-segmented words one by one (NFKC, controls removed, whitespace collapsed and
+    stripped); words that become empty are dropped. The document text is ``"".join(words)``."""
+    words = [w.replace(_US, "") for w in words]
+    joined = _CONTROL.sub("", unicodedata.normalize("NFKC", _US.join(words)))
+    if _WS.search(joined):
+        return [w for w in (_WS.sub(" ", w).strip() for w in joined.split(_US)) if w]
+    return [w for w in joined.split(_US) if w]
+
+
+def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Path]:
+    """Files named by paths, directories (recursively, sorted) and glob patterns."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    files: list[Path] = []
+    for item in inputs:
+        s = str(item)
+        p = Path(s)
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")))
+        elif p.is_file():
+            files.append(p)
+        elif any(ch in s for ch in "*?["):
+            matched = sorted(Path(m) for m in glob.glob(s, recursive=True) if Path(m).is_file())
+            if not matched:
+                raise FileNotFoundError(f"input {s!r}: the glob pattern matches no file")
+            files.extend(matched)
+        else:
+            raise FileNotFoundError(f"input {s!r}: no such file or directory")
+    if not files:
+        raise FileNotFoundError(f"input {[str(i) for i in inputs]!r}: no files found")
+    return files
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _base_suffix(path: Path) -> str:
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return Path(name).suffix.lower()
+
+
+def _is_pd_line(line: str) -> bool:
+    toks = line.split()
+    if len(toks) < 2:
+        return False
+    tagged = sum(1 for t in toks[:20] if re.match(r"^\[?.+/[A-Za-z]+\]?[A-Za-z]*$", t))
+    return tagged >= 0.9 * min(len(toks), 20)
+
+
+def detect_format(path: Path) -> str:
+    """txt | jsonl | pd, from the extension and (for text files) the first non-empty line."""
+    if _base_suffix(path) in (".jsonl", ".json"):
+        return "jsonl"
+    with _open_binary(path) as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                continue
+            if line:
+                return "pd" if _is_pd_line(line) else "txt"
+    return "txt"
+
+
+def _lines(path: Path, stats: CorpusStats, strict: bool) -> Iterator[tuple[int, str]]:
+    with _open_binary(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if strict:
+                    raise ValueError(f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start}); "
+                                     f"expected UTF-8 text (without --strict such lines are skipped)") from None
+                stats.invalid_utf8_lines += 1
+
+
+def _pd_words(line: str) -> list[str]:
+    line = line.strip()
+    first, _, rest = line.partition(" ")
+    if _PD_DATE.match(first):
+        line = rest
+    return _PD_OPEN.sub("", _PD_TAG.sub("", line)).split()
+
+
+def _emit(text: str, words: Optional[list[str]], stats: CorpusStats) -> Optional[Document]:
+    if words is not None:
+        words = normalize_words(words)
+        text = "".join(words)
+    else:
+        text = normalize(text)
+    if not text:
+        stats.empty_docs += 1
+        return None
+    stats.docs += 1
+    stats.chars += len(text)
+    stats.bytes += len(text.encode("utf-8"))
+    return Document(text, words)
+
+
+def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+              strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[Document]:
+    stats = stats if stats is not None else CorpusStats()
+    if fmt not in FORMATS:
+        raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if doc_boundary not in ("line", "blank"):
+        raise ValueError(f"doc_boundary: expected 'line' or 'blank', got {doc_boundary!r}")
+    if fmt == "auto":
+        fmt = detect_format(path)
+    stats.files += 1
+    if fmt == "jsonl":
+        for lineno, line in _lines(path, stats, strict):
+            if not line.strip():
+                stats.empty_docs += 1
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                if strict:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                stats.invalid_json_lines += 1
+                continue
+            if not isinstance(obj, dict) or jsonl_field not in obj:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field "
+                                 f"{jsonl_field!r} (set --jsonl-field), got keys "
+                                 f"{sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+            value = obj[jsonl_field]
+            if not isinstance(value, str):
+                raise ValueError(f"{path}:{lineno}: field {jsonl_field!r} must be a string, got "
+                                 f"{type(value).__name__}")
+            doc = _emit(value, None, stats)
+            if doc:
+                yield doc
+    elif fmt == "pd":
+        for _, line in _lines(path, stats, strict):
+            if not line.strip():
+                stats.empty_docs += 1
+                continue
+            doc = _emit("", _pd_words(line), stats)
+            if doc:
+                yield doc
+    elif doc_boundary == "line":
+        for _, line in _lines(path, stats, strict):
+            doc = _emit(line, None, stats)
+            if doc:
+                yield doc
+    else:  # blank-line separated documents
+        buf: list[str] = []
+        for _, line in _lines(path, stats, strict):
+            if line.strip():
+                buf.append(line)
+            elif buf:
+                doc = _emit(" ".join(buf), None, stats)
+                buf = []
+                if doc:
+                    yield doc
+        if buf:
+            doc = _emit(" ".join(buf), None, stats)
+            if doc:
+                yield doc
+
+
+def read_documents(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+                   strict: bool = False, stats: Optional[CorpusStats] = None,
+                   limit: Optional[int] = None) -> Iterator[Document]:
+    """Documents from files / directories / globs, in sorted file order (see the module docstring)."""
+    stats = stats if stats is not None else CorpusStats()
+    n = 0
+    for path in expand_inputs(inputs):
+        for doc in read_file(path, fmt, doc_boundary, jsonl_field, strict, stats):
+            yield doc
+            n += 1
+            if limit is not None and n >= limit:
+                return

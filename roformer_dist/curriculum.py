@@ -1,0 +1,82 @@
+"""The sequence-length curriculum: a pure schedule plus a thin stateful part.
+
+Steps are counted from 0: ``step`` is the index of the optimizer step about to
+run (equivalently, the number of steps already done). Stage ``i`` covers steps
+``[start_i, start_i + stages[i].steps)``.
+
+Learning rate (``lr_at``):
+- the global schedule: linear warmup from 0 to ``optim.lr`` over
+  ``optim.warmup_steps``, then ``linear`` / ``cosine`` decay to
+  ``optim.lr * optim.min_lr_ratio`` at the last step, or ``constant``;
+- a stage that sets its own ``lr`` re-warms up linearly to that value over its
+  ``warmup_steps`` and then holds it for the rest of the stage (the paper's
+  long stages were run as separate jobs with their own LR; this reproduces that
+  without restarting).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from roformer_dist.config import OptimConfig, StageConfig
+
+
+@dataclass(frozen=True)
+class StageAt:
+    index: int
+    """Position of the stage in the curriculum."""
+    stage: StageConfig
+    start_step: int
+    """First step of the stage."""
+
+    @property
+    def end_step(self) -> int:
+        """One past the last step of the stage."""
+        return self.start_step + self.stage.steps
+
+
+def total_steps(stages: tuple[StageConfig, ...]) -> int:
+    return sum(s.steps for s in stages)
+
+
+def stage_at(stages: tuple[StageConfig, ...], step: int) -> StageAt:
+    """The stage that step ``step`` (0-based) belongs to."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    start = 0
+    for i, st in enumerate(stages):
+        if step < start + st.steps:
+            return StageAt(i, st, start)
+        start += st.steps
+    raise ValueError(f"step {step} is past the end of the curriculum ({start} steps)")
+
+
+def lr_at(optim: OptimConfig, stages: tuple[StageConfig, ...], step: int) -> float:
+    """Learning rate of step ``step`` (0-based); pure."""
+    at = stage_at(stages, step)
+    if at.stage.lr is not None:
+        k = step - at.start_step
+        warm = at.stage.warmup_steps
+        return at.stage.lr * (min(1.0, (k + 1) / warm) if warm > 0 else 1.0)
+    peak = optim.lr
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return peak * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return peak
+    total = total_steps(stages)
+    decay_steps = max(1, total - 1 - optim.warmup_steps)
+    progress = min(1.0, max(0.0, (step - optim.warmup_steps) / decay_steps))
+    floor = peak * optim.min_lr_ratio
+    if optim.schedule == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def stage_boundaries(stages: tuple[StageConfig, ...]) -> list[int]:
+    """The end step of each stage (where a checkpoint is written)."""
+    out, start = [], 0
+    for st in stages:
+        start += st.steps
+        out.append(start)
+    return out

@@ -1,0 +1,108 @@
+"""Rank 0's view of a run: TensorBoard scalars, ``metrics.jsonl`` and console lines.
+
+``metrics.jsonl`` holds one JSON line per optimizer step (step, loss, seq_len,
+stage, lr, ...). On resume both it and TensorBoard drop what came after the
+checkpoint (``purge_step``), so a resumed run's curves equal an uninterrupted one's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def max_mem_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matrices plus 12·L·H·S for attention scores (fwd+bwd)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+def peak_flops() -> Optional[float]:
+    """bf16 dense peak of the current GPU, when known."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("V100", 125e12),
+                        ("A10", 125e12), ("L4", 121e12)):
+        if key in name:
+            return tflops
+    return None
+
+
+class MetricsWriter:
+    """No-op on ranks other than 0."""
+
+    def __init__(self, run_dir: Path, rank: int, resume_step: int, tensorboard: bool = True):
+        self.enabled = rank == 0
+        self.tb = None
+        self.jsonl_path = run_dir / "metrics.jsonl"
+        if not self.enabled:
+            return
+        self._truncate_jsonl(resume_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events of steps >= resume_step + 1 left by the interrupted run.
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+
+    def _truncate_jsonl(self, resume_step: int) -> None:
+        if not self.jsonl_path.exists():
+            return
+        keep = []
+        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= resume_step:
+                    keep.append(line)
+            except (ValueError, KeyError):
+                continue  # a line cut by a crash
+        tmp = self.jsonl_path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        os.replace(tmp, self.jsonl_path)
+
+    def step_record(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.jsonl_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def scalars(self, step: int, values: dict) -> None:
+        if self.tb is None:
+            return
+        for tag, value in values.items():
+            if value is not None:
+                self.tb.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        if self.tb is not None:
+            self.tb.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def read_scalars(tb_dir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+    """All scalar events under ``tb_dir``: tag -> [(step, value)], as TensorBoard would show them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
