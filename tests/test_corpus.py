@@ -1,0 +1,67 @@
+import gzip
+import json
+
+import pytest
+
+from data_pipeline.corpus import CorpusStats, normalize, read_documents
+
+
+def test_normalize_nfkc_fullwidth_controls_whitespace():
+    assert normalize("Ａ１，ｂ\u3000ｃ") == "A1,b c"             # full-width -> half-width, ideographic space
+    assert normalize("中\u200b文\x07\ufeff") == "中文"           # zero-width, BEL, BOM removed
+    assert normalize("  a \t\n b  ") == "a b"                   # whitespace collapsed and stripped
+    assert normalize("\x00\x01 \u3000 ") == ""
+
+
+def test_peoples_daily_tags_stripped_words_kept(tmp_path):
+    f = tmp_path / "pd.txt"
+    f.write_text("19980101-01-001-002/m  [中国/ns  政府/n]nt  发表/v  声明/n  ，/w  １９９８年/t\n"
+                 "迈向/v  充满/v  希望/n\n", encoding="utf-8")
+    stats = CorpusStats()
+    docs = list(read_documents(f, stats=stats))
+    assert [d.text for d in docs] == ["中国政府发表声明,1998年", "迈向充满希望"]
+    assert docs[0].words == ["中国", "政府", "发表", "声明", ",", "1998年"]
+    assert "".join(docs[1].words) == docs[1].text
+
+
+def test_real_peoples_daily_has_gold_words(peoples_daily):
+    docs = list(read_documents(peoples_daily, limit=50))
+    assert len(docs) == 50 and all(d.words and "".join(d.words) == d.text for d in docs)
+    assert not any("/" in d.text and d.text.count("/") > 3 for d in docs)  # tags gone
+    assert docs[0].text.startswith("迈向充满希望的新世纪")
+
+
+def test_invalid_utf8_and_empty_lines_skipped_and_counted(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_bytes("第一行\n".encode() + b"\xff\xfe bad \xc3\n" + b"\n   \n" + "第二行\n".encode())
+    stats = CorpusStats()
+    assert [d.text for d in read_documents(f, stats=stats)] == ["第一行", "第二行"]
+    assert stats.invalid_utf8_lines == 1 and stats.empty_docs == 2 and stats.docs == 2
+    assert "1 invalid UTF-8 lines" in stats.summary() and "2 empty documents" in stats.summary()
+
+
+def test_invalid_utf8_strict_names_file_and_line(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"ok\n\xff\n")
+    with pytest.raises(ValueError, match=r"c\.txt:2: invalid UTF-8"):
+        list(read_documents(f, strict=True))
+
+
+def test_jsonl_gz_blank_boundary_dir_and_glob(tmp_path):
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as g:
+        g.write(json.dumps({"content": "你好 世界"}) + "\n\n" + json.dumps({"content": "再见"}) + "\n")
+    assert [d.text for d in read_documents(tmp_path / "a.jsonl.gz", jsonl_field="content")] == ["你好 世界", "再见"]
+    with pytest.raises(ValueError, match=r"a\.jsonl\.gz:1: expected a JSON object with a string field 'text'"):
+        list(read_documents(tmp_path / "a.jsonl.gz"))
+    d = tmp_path / "txt"
+    d.mkdir()
+    (d / "b.txt").write_text("第一段\n第一段续\n\n第二段\n", encoding="utf-8")
+    assert [x.text for x in read_documents(d, doc_boundary="blank")] == ["第一段 第一段续", "第二段"]
+    assert [x.text for x in read_documents(str(d / "*.txt"))] == ["第一段", "第一段续", "第二段"]
+
+
+def test_missing_input_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        list(read_documents(tmp_path / "nope.txt"))
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        list(read_documents(str(tmp_path / "*.zzz")))

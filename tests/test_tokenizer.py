@@ -1,0 +1,64 @@
+import sys
+
+import numpy as np
+import pytest
+
+from data_pipeline.corpus import read_documents
+from data_pipeline.tokenizer import SPECIAL_IDS, Tokenizer, train_tokenizer
+
+
+def test_special_ids_fixed(small_shards):
+    tk = Tokenizer(small_shards.tokenizer)
+    assert tk.special_ids == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    assert [tk.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert tk.vocab_size == small_shards.vocab_size and tk.dtype == np.uint16
+
+
+def test_roundtrip_and_byte_fallback(small_shards):
+    tk = Tokenizer(small_shards.tokenizer)
+    for d in read_documents(small_shards.source, limit=200):
+        assert tk.decode(tk.encode(d.text)) == d.text
+    rare = "𠀀龘 Hello World 123 [SEP] [MASK]"        # outside the vocabulary; literal special names
+    ids = tk.encode(rare)
+    assert tk.decode(ids) == rare
+    assert not np.isin(ids, list(SPECIAL_IDS.values())).any()  # text never becomes a special id
+
+
+def test_word_marks_from_gold_words(small_shards):
+    tk = Tokenizer(small_shards.tokenizer)
+    doc = next(iter(read_documents(small_shards.source)))
+    ids = tk.encode(doc.text)
+    marks = tk.word_marks(doc.text, ids, doc.words)
+    assert marks.dtype == np.uint8 and len(marks) == len(ids) and marks[0] == 1
+    # every word start that is also a token start is marked, and nothing else
+    word_starts = set(np.cumsum([0] + [len(w) for w in doc.words[:-1]]).tolist())
+    pieces = [tk.decode([i]) for i in ids]
+    tok_starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
+    assert [int(s in word_starts) for s in tok_starts] == marks.tolist()
+
+
+def test_bpe_option_and_too_small_vocab(tmp_path, peoples_daily):
+    texts = [d.text for d in read_documents(peoples_daily, limit=300)]
+    model = train_tokenizer(texts, tmp_path / "bpe", vocab_size=3000, model_type="bpe", num_threads=2,
+                            input_sentence_size=200)
+    tk = Tokenizer(model)
+    assert tk.sp.GetPieceSize() <= 3000 and tk.decode(tk.encode(texts[0])) == texts[0]
+    with pytest.raises(ValueError, match="vocab_size: 300 is smaller than the characters"):
+        train_tokenizer(texts, tmp_path / "small", vocab_size=300, num_threads=2)
+    with pytest.raises(ValueError, match="model_type"):
+        train_tokenizer(texts, tmp_path / "x", vocab_size=3000, model_type="wordpiece")
+
+
+def test_jieba_missing_gives_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "jieba", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install jieba"):
+        train_tokenizer(["中文"], tmp_path / "j", vocab_size=1000, jieba=True)
+
+
+def test_not_a_model(tmp_path):
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="bad.model: not a SentencePiece model"):
+        Tokenizer(bad)
+    with pytest.raises(FileNotFoundError, match="missing.model"):
+        Tokenizer(tmp_path / "missing.model")
