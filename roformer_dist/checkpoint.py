@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from roformer_dist import faults
+
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
@@ -118,6 +120,7 @@ def save(engine, ckpt_root: Path, step: int, trainer_state: dict, rank: int, wor
     barrier()
     t0 = time.monotonic()
     engine.save_checkpoint(str(ckpt_root), tag=tag, save_latest=False)
+    faults.maybe_crash_in_save(step, rank, world_size)
     atomic_torch_save(trainer_state, state_file(ckpt_dir, rank))
     barrier()
     if rank == 0:

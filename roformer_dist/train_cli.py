@@ -38,7 +38,12 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: Config, status) -> No
 
 
 def spawn_local(cfg: Config) -> int:
-    """Start dist.world_size ranks on this machine and wait; returns the job's exit status."""
+    """Start dist.world_size ranks on this machine and wait; returns the job's exit status.
+
+    SIGUSR2 / SIGTERM sent to this process are passed on to the ranks (they save and stop together).
+    If a rank dies, the others are stopped."""
+    import signal
+
     import torch.multiprocessing as mp
 
     world = cfg.dist.world_size
@@ -48,30 +53,36 @@ def spawn_local(cfg: Config) -> int:
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, status)) for r in range(world)]
     for p in procs:
         p.start()
+
+    def forward(signum, frame):  # noqa: ARG001
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    failed = None
     try:
-        failed = None
         while any(p.is_alive() for p in procs):
-            for r, p in enumerate(procs):
-                if not p.is_alive() and p.exitcode not in (0, None) and failed is None:
-                    failed = (r, p.exitcode)
-            if failed:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
+            if dead:
+                failed = dead[0]
                 print(f"roformer-train: rank {failed[0]} exited with status {failed[1]}; stopping the others",
                       file=sys.stderr)
                 for p in procs:
-                    p.terminate()
+                    if p.is_alive():
+                        p.kill()
                 break
-            procs[0].join(timeout=0.5)
+            procs[0].join(timeout=0.2)
         for p in procs:
             p.join()
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     if failed:
         return failed[1] if failed[1] > 0 else 1
-    codes = [status[r] if procs[r].exitcode == 0 else procs[r].exitcode for r in range(world)]
+    codes = [status[r] for r in range(world)]
     bad = [c for c in codes if c != 0]
-    return max(bad, key=abs) if bad else 0
+    return bad[0] if bad else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

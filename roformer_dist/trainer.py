@@ -26,15 +26,13 @@ import torch
 import torch.distributed as dist
 
 from roformer_dist import checkpoint as ckpt
+from roformer_dist import faults
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, replace, save_config, validate
 from roformer_dist.curriculum import lr_at, stage_at, stage_boundaries, total_steps
 from roformer_dist.metrics import MetricsWriter, flops_per_token, max_mem_gb, peak_flops
 from roformer_dist.stop import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, StopFlag
 
 log = logging.getLogger("roformer_dist.trainer")
-
-# Test hook: comma-separated 1-based steps whose loss is replaced by NaN on every rank.
-INJECT_NAN_ENV = "ROFORMER_INJECT_NAN_AT"
 
 
 @dataclass
@@ -147,7 +145,7 @@ class Trainer:
         self.ends = set(stage_boundaries(self.stages))
         self.state = TrainState()
         self.stop = StopFlag()
-        self.nan_steps = {int(s) for s in os.environ.get(INJECT_NAN_ENV, "").split(",") if s.strip()}
+        self.nan_steps = faults.nan_steps()
         self.dp_size = env.world_size  # tensor/pipeline degrees are 1 here (validated in run_rank)
         self.dp_rank = env.rank
 
@@ -231,7 +229,7 @@ class Trainer:
             self.engine.load_checkpoint(str(self.ckpt_root), tag=found.tag)
         if self.elastic:
             old = [ckpt.load_trainer_state(found.dir, r)["loader"] for r in range(found.world_size)]
-            self.loader.load_state_dict({"elastic_from": old})
+            self.loader.load_state_dict(old)  # every old rank's slots: the elastic rule
             own = ckpt.load_trainer_state(found.dir, 0)
         else:
             own = ckpt.load_trainer_state(found.dir, env.rank)
@@ -365,6 +363,7 @@ class Trainer:
             t0 = time.monotonic()
             out = self.train_step(it)
             dt = time.monotonic() - t0
+            faults.step_delay()
             s = self.state
             s.step += 1
             s.tokens_seen += out["tokens"]

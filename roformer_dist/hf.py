@@ -1,0 +1,197 @@
+"""Conversion between our :class:`RoFormerForMaskedLM` and HF ``transformers.RoFormerForMaskedLM``.
+
+Key mapping (ours <- HF, ``L`` = layer index):
+    embeddings.word_embeddings.weight        <- roformer.embeddings.word_embeddings.weight
+                                                (also cls.predictions.decoder.weight: tied)
+    embeddings.token_type_embeddings.weight  <- roformer.embeddings.token_type_embeddings.weight
+    embeddings.norm.{weight,bias}            <- roformer.embeddings.LayerNorm.*
+    embeddings.project.{weight,bias}         <- roformer.embeddings_project.*   (embedding_size != hidden)
+    layers.L.attention.qkv.{weight,bias}     <- cat(attention.self.{query,key,value}.*)  along dim 0
+    layers.L.attention.out.*                 <- attention.output.dense.*
+    layers.L.attention_norm.*                <- attention.output.LayerNorm.*
+    layers.L.ffn_in.*                        <- intermediate.dense.*
+    layers.L.ffn_out.*                       <- output.dense.*
+    layers.L.ffn_norm.*                      <- output.LayerNorm.*
+    head.dense.*                             <- cls.predictions.transform.dense.*
+    head.norm.*                              <- cls.predictions.transform.LayerNorm.*
+    head.bias                                <- cls.predictions.bias  (= cls.predictions.decoder.bias)
+HF's ``roformer.encoder.embed_positions.weight`` (the fixed sinusoidal table) is not a parameter of
+ours: it is ignored on the way in and written from our rotary tables on the way out.
+
+Only ``position_embedding="rotary"`` models have an HF RoFormer equivalent. ``transformers`` is
+needed by :func:`from_hf_pretrained`, :func:`to_hf_pretrained` and the ``hf_config_*`` helpers; the
+state-dict mappings are pure torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from roformer_dist.config import ModelConfig
+from roformer_dist.model import RoFormerForMaskedLM
+from roformer_dist.rotary import rotary_tables
+
+# HF config attribute names that equal ours one to one
+_SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                  "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "rotary_value",
+                  "pad_token_id", "initializer_range")
+
+_LAYER_MAP = (  # ours suffix, HF suffix (both under their layer prefix)
+    ("attention.out", "attention.output.dense"),
+    ("attention_norm", "attention.output.LayerNorm"),
+    ("ffn_in", "intermediate.dense"),
+    ("ffn_out", "output.dense"),
+    ("ffn_norm", "output.LayerNorm"),
+)
+_TOP_MAP = (
+    ("embeddings.word_embeddings.weight", "roformer.embeddings.word_embeddings.weight"),
+    ("embeddings.token_type_embeddings.weight", "roformer.embeddings.token_type_embeddings.weight"),
+    ("embeddings.norm.weight", "roformer.embeddings.LayerNorm.weight"),
+    ("embeddings.norm.bias", "roformer.embeddings.LayerNorm.bias"),
+    ("head.dense.weight", "cls.predictions.transform.dense.weight"),
+    ("head.dense.bias", "cls.predictions.transform.dense.bias"),
+    ("head.norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+    ("head.norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+    ("head.bias", "cls.predictions.bias"),
+)
+_PROJECT_MAP = (("embeddings.project.weight", "roformer.embeddings_project.weight"),
+                ("embeddings.project.bias", "roformer.embeddings_project.bias"))
+
+
+def _require_rotary(cfg: ModelConfig) -> None:
+    if cfg.position_embedding != "rotary":
+        raise ValueError("model.position_embedding: only 'rotary' models have an HF RoFormer equivalent, "
+                         f"got {cfg.position_embedding!r}")
+
+
+def _has_projection(cfg: ModelConfig) -> bool:
+    return cfg.embedding_size is not None and cfg.embedding_size != cfg.hidden_size
+
+
+def _take(sd: dict, key: str, source: str = "HF state dict") -> torch.Tensor:
+    try:
+        return sd[key]
+    except KeyError:
+        raise KeyError(f"{source} has no {key!r}") from None
+
+
+def sinusoidal_table(cfg: ModelConfig) -> torch.Tensor:
+    """HF's ``embed_positions.weight``: (max_positions, head_dim) = [sin | cos], fp32."""
+    cos, sin = rotary_tables(cfg.max_position_embeddings, cfg.hidden_size // cfg.num_attention_heads)
+    return torch.cat((sin, cos), dim=-1)
+
+
+def state_dict_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF RoFormerForMaskedLM state dict -> ours (a new dict; tensors are shared or concatenated)."""
+    _require_rotary(cfg)
+    out = {ours: _take(sd, theirs) for ours, theirs in _TOP_MAP}
+    decoder = sd.get("cls.predictions.decoder.weight")
+    if decoder is not None and decoder is not out["embeddings.word_embeddings.weight"] and \
+            not torch.equal(decoder, out["embeddings.word_embeddings.weight"]):
+        raise ValueError("HF state dict: cls.predictions.decoder.weight differs from the word embeddings; "
+                         "our model ties them (tie_word_embeddings=True)")
+    if _has_projection(cfg):
+        out.update({ours: _take(sd, theirs) for ours, theirs in _PROJECT_MAP})
+    for i in range(cfg.num_hidden_layers):
+        hp = f"roformer.encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            out[f"layers.{i}.attention.qkv.{kind}"] = torch.cat(
+                [_take(sd, f"{hp}attention.self.{n}.{kind}") for n in ("query", "key", "value")], dim=0)
+            for ours, theirs in _LAYER_MAP:
+                out[f"layers.{i}.{ours}.{kind}"] = _take(sd, f"{hp}{theirs}.{kind}")
+    return out
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF RoFormerForMaskedLM's (complete: tied decoder and sinusoidal table included)."""
+    _require_rotary(cfg)
+    src = "our state dict"
+    out = {theirs: _take(sd, ours, src) for ours, theirs in _TOP_MAP}
+    if _has_projection(cfg):
+        out.update({theirs: _take(sd, ours, src) for ours, theirs in _PROJECT_MAP})
+    out["cls.predictions.decoder.weight"] = out["roformer.embeddings.word_embeddings.weight"]
+    out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
+    table = sinusoidal_table(cfg)
+    out["roformer.encoder.embed_positions.weight"] = table
+    for i in range(cfg.num_hidden_layers):
+        hp = f"roformer.encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            q, k, v = _take(sd, f"layers.{i}.attention.qkv.{kind}", src).chunk(3, dim=0)
+            for name, t in zip(("query", "key", "value"), (q, k, v)):
+                out[f"{hp}attention.self.{name}.{kind}"] = t
+            for ours, theirs in _LAYER_MAP:
+                out[f"{hp}{theirs}.{kind}"] = _take(sd, f"layers.{i}.{ours}.{kind}", src)
+    return out
+
+
+def hf_config_from(cfg: ModelConfig):
+    """Our ModelConfig -> ``transformers.RoFormerConfig``."""
+    from transformers import RoFormerConfig
+
+    _require_rotary(cfg)
+    if not isinstance(cfg.vocab_size, int):
+        raise ValueError(f"model.vocab_size: needs an integer to build an HF config, got {cfg.vocab_size!r}")
+    kwargs = {name: getattr(cfg, name) for name in _SHARED_FIELDS}
+    return RoFormerConfig(embedding_size=cfg.embedding_size or cfg.hidden_size, **kwargs)
+
+
+def model_config_from_hf(hf_cfg: Any, **overrides: Any) -> ModelConfig:
+    """``transformers.RoFormerConfig`` (or its dict) -> our ModelConfig (rotary positions)."""
+    get = (lambda k, d=None: hf_cfg.get(k, d)) if isinstance(hf_cfg, dict) else \
+        (lambda k, d=None: getattr(hf_cfg, k, d))
+    if get("is_decoder", False) or get("add_cross_attention", False):
+        raise ValueError("HF config: decoder / cross-attention RoFormer models are not supported")
+    defaults = ModelConfig()
+    kwargs = {name: get(name, getattr(defaults, name)) for name in _SHARED_FIELDS}
+    emb = get("embedding_size")
+    kwargs["embedding_size"] = None if emb in (None, kwargs["hidden_size"]) else int(emb)
+    if kwargs["pad_token_id"] is None:
+        kwargs["pad_token_id"] = 0
+    kwargs.update(position_embedding="rotary", **overrides)
+    return ModelConfig(**kwargs)
+
+
+def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> RoFormerForMaskedLM:
+    """Build our model for ``cfg`` and load ``sd`` (our keys) strictly."""
+    model = RoFormerForMaskedLM(cfg)
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def from_hf_pretrained(path: str | os.PathLike, **config_overrides: Any) -> RoFormerForMaskedLM:
+    """Directory written by ``transformers``' ``save_pretrained`` (safetensors or bin) -> our model (fp32)."""
+    from transformers import RoFormerForMaskedLM as HFRoFormerForMaskedLM
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"HF model directory not found: {path}")
+    hf = HFRoFormerForMaskedLM.from_pretrained(str(path), dtype=torch.float32)
+    cfg = model_config_from_hf(hf.config, **config_overrides)
+    sd = state_dict_from_hf(hf.state_dict(), cfg)
+    return model_from_state_dict(cfg, {k: v.detach().clone() for k, v in sd.items()})
+
+
+def to_hf_model(model: RoFormerForMaskedLM):
+    """Our model -> an HF ``RoFormerForMaskedLM`` in memory (fp32, eval mode)."""
+    from transformers import RoFormerForMaskedLM as HFRoFormerForMaskedLM
+
+    cfg = model.config
+    hf = HFRoFormerForMaskedLM(hf_config_from(cfg))
+    sd = state_dict_to_hf({k: v.detach().float() for k, v in model.state_dict().items()}, cfg)
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.eval()
+
+
+def to_hf_pretrained(model: RoFormerForMaskedLM, path: str | os.PathLike) -> None:
+    """Write a directory that ``transformers.RoFormerForMaskedLM.from_pretrained`` loads (safetensors)."""
+    os.makedirs(path, exist_ok=True)
+    to_hf_model(model).save_pretrained(str(path))
+
+
+__all__ = ["state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
+           "from_hf_pretrained", "to_hf_pretrained", "to_hf_model", "model_from_state_dict",
+           "sinusoidal_table"]

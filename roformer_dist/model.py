@@ -1,0 +1,329 @@
+"""RoFormer for masked-language-model pretraining: single-device model code, torch only.
+
+Architecture (matches HF ``transformers.RoFormerForMaskedLM``, see ``roformer_dist/hf.py``):
+    embeddings   word + token-type (+ learned absolute positions when
+                 ``position_embedding="absolute"``, the BERT baseline) -> LayerNorm -> dropout
+                 (-> linear embedding_size -> hidden_size when they differ)
+    layers       post-LN BERT layers: x = LN(x + drop(out(attn(x)))); x = LN(x + drop(ffn(x)))
+                 attention: one fused QKV GEMM, rotary on q and k (and v with ``rotary_value``),
+                 ``F.scaled_dot_product_attention`` with the padding mask
+    head         dense -> act -> LayerNorm -> decoder tied to the word embeddings (+ bias)
+
+With labels the vocabulary projection runs only at the predicted positions (labels != -100):
+pretraining predicts ~15 % of tokens, so the biggest GEMM of the model shrinks ~7x.
+
+Distribution (DeepSpeed, tensor / pipeline parallelism) is applied from outside; the submodules
+``embeddings``, ``layers[i]`` and ``head`` are usable on their own for that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from roformer_dist.config import ModelConfig
+from roformer_dist.rotary import RotaryCache, apply_rotary, qk_half_permutation, resolve_backend, rotate, rotate_half
+
+IGNORE_INDEX = -100
+
+
+def _activation(name: str):
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_new":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"model.hidden_act: expected gelu, gelu_new or relu, got {name!r}")
+
+
+@dataclass
+class MaskedLMOutput:
+    """What :meth:`RoFormerForMaskedLM.forward` returns.
+
+    Without labels only ``logits`` is set. With labels ``loss``, ``accuracy``, ``num_predicted`` and
+    ``masked_logits`` are set and ``logits`` is None (the full [B, S, V] projection is never made).
+    """
+
+    logits: Optional[torch.Tensor] = None
+    """(B, S, V) vocabulary scores, when called without labels."""
+    loss: Optional[torch.Tensor] = None
+    """fp32 scalar: mean cross-entropy over the predicted positions (0 with a graph if there are none)."""
+    accuracy: Optional[torch.Tensor] = None
+    """Detached fp32 scalar: fraction of predicted positions whose argmax equals the label."""
+    num_predicted: Optional[torch.Tensor] = None
+    """int64 scalar tensor: number of positions with labels != -100."""
+    masked_logits: Optional[torch.Tensor] = None
+    """(N, V) scores at the predicted positions, in row-major (batch, position) order."""
+
+
+class RoFormerEmbeddings(nn.Module):
+    """input_ids, token_type_ids (B, S) -> hidden (B, S, hidden_size)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        emb = cfg.embedding_size or cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, emb, padding_idx=cfg.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, emb)
+        self.position_embeddings = (nn.Embedding(cfg.max_position_embeddings, emb)
+                                    if cfg.position_embedding == "absolute" else None)
+        self.norm = nn.LayerNorm(emb, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.project = nn.Linear(emb, cfg.hidden_size) if emb != cfg.hidden_size else None
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # (B, S, E)
+        if token_type_ids is None:
+            # row 0 broadcast: same as embedding a zero tensor, without allocating one
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings.weight[: input_ids.shape[1]]
+        x = self.dropout(self.norm(x))
+        if self.project is not None:
+            x = self.project(x)
+        return x
+
+
+class RoFormerSelfAttention(nn.Module):
+    """Fused QKV -> rotary -> SDPA -> output projection (before the residual and LayerNorm)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.rotary_value = cfg.rotary_value
+        self.rotary_backend = cfg.rotary_backend
+        self.dropout_p = cfg.attention_probs_dropout_prob
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: q, k, v; heads in order
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def _projections(self, x: torch.Tensor, half_layout: bool):
+        """(B, S, hidden) -> qkv (B, S, 3, H, D), and the output projection's weight."""
+        B, S, _ = x.shape
+        weight, bias, out_weight = self.qkv.weight, self.qkv.bias, self.out.weight
+        if half_layout:
+            # apex: permute the q/k(/v) projection rows per head (evens then odds) so that the
+            # rotate-half kernel rotates RoFormer's pairs; q.k is invariant under the common
+            # permutation. Gathering the weight costs O(hidden^2), nothing per token.
+            parts = (0, 1, 2) if self.rotary_value else (0, 1)
+            rows = qk_half_permutation(self.num_heads, self.head_dim, 3, parts).to(weight.device)
+            weight, bias = weight.index_select(0, rows), bias.index_select(0, rows)
+            if self.rotary_value:  # the context comes out permuted too: permute out's input columns
+                cols = rows[2 * self.num_heads * self.head_dim:] - 2 * self.num_heads * self.head_dim
+                out_weight = out_weight.index_select(1, cols)
+        qkv = F.linear(x, weight, bias).view(B, S, 3, self.num_heads, self.head_dim)
+        return qkv, out_weight
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, S, hidden = x.shape
+        backend = resolve_backend(self.rotary_backend, x.device) if cos is not None else None
+        half_layout = backend == "apex"
+        qkv, out_weight = self._projections(x, half_layout)
+        q, k, v = qkv.unbind(2)  # (B, S, H, D) views of one buffer
+        if cos is not None:
+            if half_layout:
+                q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+                if self.rotary_value:
+                    v = rotate_half(v, cos, sin)
+            else:
+                q, k = apply_rotary(q, k, cos, sin, backend)
+                if self.rotary_value:
+                    v = rotate(v, cos, sin, backend)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        p = self.dropout_p if self.training else 0.0
+        if p > 0.0 and x.device.type == "cpu":
+            # PyTorch's CPU SDPA has no fused kernel with dropout; its math fallback is ~2x slower
+            # than this eager path (measured in bench/step.py).
+            ctx = _eager_attention(q, k, v, attn_mask, p)
+        else:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        ctx = ctx.transpose(1, 2).reshape(B, S, hidden)
+        return F.linear(ctx, out_weight, self.out.bias)
+
+
+def _eager_attention(q, k, v, attn_mask, dropout_p):
+    # scale q (S x D) rather than the scores (S x S): one pass less over the big tensor, fwd and bwd
+    scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))  # (B, H, S, S)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attn_mask
+    probs = F.dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
+    return torch.matmul(probs, v)
+
+
+class RoFormerLayer(nn.Module):
+    """Post-LN transformer layer: (hidden (B, S, H), mask, cos, sin) -> hidden (B, S, H).
+
+    ``attn_mask``: bool (B, 1, 1, S), True = attend (or an additive float mask, or None).
+    ``cos``/``sin``: (S, head_dim/2) fp32 rotary tables, None for absolute positions.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = RoFormerSelfAttention(cfg)
+        self.attention_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, hidden: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attn_mask, cos, sin)))
+        ffn = self.ffn_out(self.act(self.ffn_in(hidden)))
+        return self.ffn_norm(hidden + self.dropout(ffn))
+
+
+class RoFormerMLMHead(nn.Module):
+    """hidden (N, H) -> scores (N, V): dense -> act -> LayerNorm -> tied decoder + bias.
+
+    The decoder weight is the word-embedding matrix, passed in by the caller (so it is stored
+    once in the state dict; a pipeline stage holding the head gets it as a tied parameter).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        emb = cfg.embedding_size or cfg.hidden_size
+        self.dense = nn.Linear(cfg.hidden_size, emb)
+        self.act = _activation(cfg.hidden_act)
+        self.norm = nn.LayerNorm(emb, eps=cfg.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, hidden: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(self.act(self.dense(hidden))), decoder_weight, self.bias)
+
+
+class RoFormerForMaskedLM(nn.Module):
+    """RoFormer encoder + MLM head. ``forward(input_ids, attention_mask, token_type_ids, labels)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not isinstance(cfg.vocab_size, int):
+            raise ValueError(f"model.vocab_size: the model needs an integer, got {cfg.vocab_size!r} "
+                             "(resolve 'auto' from the shard manifest first)")
+        if cfg.hidden_size % cfg.num_attention_heads or (cfg.hidden_size // cfg.num_attention_heads) % 2:
+            raise ValueError("model.num_attention_heads: must divide hidden_size into an even head size")
+        self.config = cfg
+        # Modules draw their default init from the RNG; rewind it so that the weights depend only
+        # on init_weights(): seed s -> same weights as ``torch.manual_seed(s); model.init_weights()``.
+        rng = torch.get_rng_state()
+        self.embeddings = RoFormerEmbeddings(cfg)
+        self.layers = nn.ModuleList(RoFormerLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.head = RoFormerMLMHead(cfg)
+        self.rotary = (RotaryCache(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings)
+                       if cfg.position_embedding == "rotary" else None)
+        self.gradient_checkpointing = False
+        torch.set_rng_state(rng)
+        self.init_weights()
+
+    # ----------------------------------------------------------------------- init
+
+    def _init_module(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, RoFormerMLMHead):
+            nn.init.zeros_(module.bias)
+
+    def init_weights(self) -> None:
+        """Deterministic from torch's global RNG: N(0, initializer_range) weights, zero biases,
+        LayerNorm ones/zeros, [PAD] embedding row zero. Modules in ``self.modules()`` order."""
+        self.apply(self._init_module)
+
+    # ----------------------------------------------------------------------- pieces
+
+    def rotary_tables(self, seq_len: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """fp32 cos/sin (seq_len, head_dim/2) for the layers; (None, None) with absolute positions."""
+        if self.rotary is None:
+            return None, None
+        return self.rotary.get(seq_len, device)
+
+    @staticmethod
+    def attention_bias(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """(B, S) 1 = token, 0 = padding -> bool (B, 1, 1, S) True = attend; None stays None
+        (which lets SDPA use its fastest kernels)."""
+        if attention_mask is None:
+            return None
+        return attention_mask.bool()[:, None, None, :]
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+               token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states (B, S, hidden)."""
+        S = input_ids.shape[1]
+        if S > self.config.max_position_embeddings and self.rotary is None:
+            raise ValueError(f"sequence length {S} exceeds model.max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        hidden = self.embeddings(input_ids, token_type_ids)
+        mask = self.attention_bias(attention_mask)
+        cos, sin = self.rotary_tables(S, hidden.device)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                hidden = checkpoint(layer, hidden, mask, cos, sin, use_reentrant=False)
+            else:
+                hidden = layer(hidden, mask, cos, sin)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> MaskedLMOutput:
+        hidden = self.encode(input_ids, attention_mask, token_type_ids)  # (B, S, H)
+        decoder_weight = self.embeddings.word_embeddings.weight
+        if labels is None:
+            return MaskedLMOutput(logits=self.head(hidden, decoder_weight))
+
+        labels = labels.reshape(-1)
+        index = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (N,)
+        target = labels.index_select(0, index)
+        # gather first: the head and the vocabulary GEMM only see the N predicted positions
+        logits = self.head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), decoder_weight)
+        num_predicted = torch.tensor(index.numel(), device=labels.device)
+        if index.numel() == 0:
+            loss = logits.float().sum() * 0.0  # keeps the graph (and DeepSpeed) happy on an empty batch
+            accuracy = torch.zeros((), device=labels.device)
+        else:
+            loss = F.cross_entropy(logits.float(), target)
+            accuracy = (logits.detach().argmax(-1) == target).float().mean()
+        return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=num_predicted, masked_logits=logits)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:
+        """Training FLOPs (forward + backward = 3x forward) per token, matmuls only.
+
+        Dense layers 2*params-per-token each, attention 2 * 2 * S * hidden per layer, and the
+        vocabulary projection only on ``predicted_fraction`` of the tokens.
+        """
+        c = self.config
+        emb = c.embedding_size or c.hidden_size
+        h, f, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+        per_layer = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * seq_len * h
+        proj = 2 * emb * h if emb != h else 0
+        head = predicted_fraction * (2 * h * emb + 2 * emb * c.vocab_size)
+        return 3.0 * (n * per_layer + proj + head)
+
+
+__all__ = ["RoFormerForMaskedLM", "RoFormerEmbeddings", "RoFormerLayer", "RoFormerSelfAttention",
+           "RoFormerMLMHead", "MaskedLMOutput", "IGNORE_INDEX"]

@@ -1,0 +1,406 @@
+"""Rotary position embedding (RoFormer, arXiv 2104.09864) with interchangeable backends.
+
+Convention (the one RoFormer and HF ``transformers`` use):
+    head dimension d (even), pairs (x[2i], x[2i+1]) for i < d/2, angle theta_i = m / 10000^(2i/d) at
+    position m:
+        out[2i]   = x[2i] * cos(theta_i) - x[2i+1] * sin(theta_i)
+        out[2i+1] = x[2i+1] * cos(theta_i) + x[2i] * sin(theta_i)
+    i.e. the complex number x[2i] + 1j*x[2i+1] is multiplied by exp(1j*theta_i). This is the
+    *interleaved* (GPT-J) layout, not the rotate-half (GPT-NeoX) layout that pairs (i, i + d/2).
+
+Shapes:
+    q, k, x   (B, S, N, D)  batch, sequence, heads, head_dim; any strides with stride(-1) == 1.
+              (B, S, H, D) is what a QKV projection gives without a transpose; pass
+              ``q.transpose(1, 2)`` to SDPA afterwards.
+    cos, sin  (S, D/2) float32, from :class:`RotaryCache`.
+All backends compute in float32 and cast the result back to the input dtype.
+
+Backends (``apply_rotary(..., backend=...)``):
+    reference   eager: one complex multiplication per tensor, and an autograd.Function whose backward
+                is the inverse rotation (nothing but cos/sin is saved for backward).
+    compiled    the same formula through ``torch.compile`` (fwd and bwd fused by inductor).
+    triton      one kernel launch for q and k together, forward and backward (GPU; on CPU only
+                under ``TRITON_INTERPRET=1``).
+    apex        NVIDIA apex's fused RoPE. It only does rotate-half; see :func:`qk_half_permutation`
+                for how the model uses it without any runtime permutation.
+    flash_attn  ``flash_attn.layers.rotary.apply_rotary_emb(..., interleaved=True)``.
+    auto        CUDA: triton > flash_attn > reference (apex only when asked for). CPU: reference. On CPU the
+                compiled backend is ~1.6x faster per call (bench/rotary.py) but costs a ~10 s compile
+                per process and sequence length, and rotary is ~2 % of a training step there, so
+                ``auto`` takes the eager path; choose ``compiled`` explicitly for long CPU runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
+
+import torch
+
+BACKENDS = ("auto", "reference", "compiled", "triton", "apex", "flash_attn")
+
+
+# --------------------------------------------------------------------------- cos/sin cache
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0,
+                  device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim/2), float32.
+
+    Angles are computed in float64 as ``m / base**(2i/d)`` and rounded once, exactly as HF's
+    ``RoFormerSinusoidalPositionalEmbedding`` does, so our tables match theirs.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+    pos = torch.arange(seq_len, dtype=torch.float64, device=device)
+    denom = torch.pow(torch.tensor(base, dtype=torch.float64, device=device),
+                      torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    angles = pos[:, None] / denom[None, :]  # (S, D/2)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+class RotaryCache:
+    """float32 cos/sin tables per device, built for ``max_len`` and extended on demand.
+
+    Not an ``nn.Module`` buffer on purpose: ``model.to(torch.bfloat16)`` (DeepSpeed bf16) must not
+    round the angles.
+    """
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+        self.head_dim = head_dim
+        self.max_len = max_len
+        self.base = base
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, seq_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (seq_len, head_dim/2) float32 on ``device``."""
+        device = torch.device(device)
+        tables = self._tables.get(device)
+        if tables is None or tables[0].shape[0] < seq_len:
+            length = max(seq_len, self.max_len)
+            if tables is not None:  # extending: grow geometrically so a slowly growing S rebuilds rarely
+                length = max(length, 2 * tables[0].shape[0])
+            tables = rotary_tables(length, self.head_dim, self.base, device)
+            self._tables[device] = tables
+        cos, sin = tables
+        return cos[:seq_len], sin[:seq_len]
+
+
+# --------------------------------------------------------------------------- reference (eager)
+
+
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) real -> (..., D/2) complex view, float32 (a view when x is fp32 with even strides)."""
+    x = x.float()
+    if x.stride(-1) != 1 or any(s % 2 for s in x.stride()[:-1]) or x.storage_offset() % 2:
+        x = x.contiguous()
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
+def _broadcast_table(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(S, D/2) -> (S, 1, ..., 1, D/2) so that it broadcasts against x (B, S, ..., D)."""
+    return t.view(t.shape[0], *([1] * (x.dim() - 3)), t.shape[1])
+
+
+def _rotate_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    freqs = _broadcast_table(torch.complex(cos.float(), sin.float()), x)
+    return torch.view_as_real(_as_pairs(x) * freqs).flatten(-2).to(x.dtype)
+
+
+class _ReferenceRotary(torch.autograd.Function):
+    """Rotation of any number of tensors at the same positions; backward rotates by -theta."""
+
+    @staticmethod
+    def forward(ctx, cos, sin, *xs):
+        ctx.save_for_backward(cos, sin)
+        return tuple(_rotate_complex(x, cos, sin) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cos, sin = ctx.saved_tensors
+        return (None, None, *(None if g is None else _rotate_complex(g, cos, -sin) for g in grads))
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The documented convention on one tensor (B, S, ..., D); see the module docstring."""
+    return _ReferenceRotary.apply(cos, sin, x)[0]
+
+
+# --------------------------------------------------------------------------- compiled
+
+
+def _rotate_pairs_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Plain real-arithmetic formula; inductor fuses it into one loop (no complex dtype in inductor)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = _broadcast_table(cos, x), _broadcast_table(sin, x)
+    return torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2).to(x.dtype)
+
+
+def _pair_formula(q, k, cos, sin):
+    return _rotate_pairs_formula(q, cos, sin), _rotate_pairs_formula(k, cos, sin)
+
+
+@functools.cache
+def _compiled(which: str):
+    fn = _pair_formula if which == "pair" else _rotate_pairs_formula
+    return torch.compile(fn, dynamic=None)
+
+
+# --------------------------------------------------------------------------- triton
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_kernel(X1, X2, O1, O2, COS, SIN,
+                    sx1b, sx1s, sx1h, sx2b, sx2s, sx2h,
+                    so1b, so1s, so1h, so2b, so2s, so2h,
+                    S, H1, H2, HALF,
+                    HAS_X2: tl.constexpr, BACKWARD: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program per (batch, position): load cos/sin once, rotate every head of x1 and x2.
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid // S
+        s = pid % S
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HALF
+        c = tl.load(COS + s * HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + s * HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        if BACKWARD:
+            sn = -sn
+        c = c[None, :]
+        sn = sn[None, :]
+        h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H1, BLOCK_H):
+            hh = h0 + h
+            m = (hh[:, None] < H1) & dmask[None, :]
+            src = X1 + b * sx1b + s * sx1s + hh[:, None] * sx1h + 2 * d[None, :]
+            dst = O1 + b * so1b + s * so1s + hh[:, None] * so1h + 2 * d[None, :]
+            x0 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+            x1 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+            tl.store(dst, (x0 * c - x1 * sn).to(O1.dtype.element_ty), mask=m)
+            tl.store(dst + 1, (x1 * c + x0 * sn).to(O1.dtype.element_ty), mask=m)
+        if HAS_X2:
+            for h0 in range(0, H2, BLOCK_H):
+                hh = h0 + h
+                m = (hh[:, None] < H2) & dmask[None, :]
+                src = X2 + b * sx2b + s * sx2s + hh[:, None] * sx2h + 2 * d[None, :]
+                dst = O2 + b * so2b + s * so2s + hh[:, None] * so2h + 2 * d[None, :]
+                x0 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+                x1 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+                tl.store(dst, (x0 * c - x1 * sn).to(O2.dtype.element_ty), mask=m)
+                tl.store(dst + 1, (x1 * c + x0 * sn).to(O2.dtype.element_ty), mask=m)
+
+    return rope_kernel, triton.next_power_of_2
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 4:
+        raise ValueError(f"triton rotary expects (B, S, H, D) tensors, got shape {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _triton_launch(x1, x2, cos, sin, backward: bool):
+    kernel, next_pow2 = _triton_kernel()
+    x1 = _as_4d(x1)
+    x2 = _as_4d(x2) if x2 is not None else None
+    B, S, H1, D = x1.shape
+    H2 = x2.shape[2] if x2 is not None else 0
+    o1 = torch.empty(x1.shape, dtype=x1.dtype, device=x1.device)
+    o2 = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device) if x2 is not None else o1
+    x2_ = x2 if x2 is not None else x1
+    cos = cos.float().contiguous()
+    sin = sin.float().contiguous()
+    block_h = min(next_pow2(max(H1, H2, 1)), 16)
+    kernel[(B * S,)](
+        x1, x2_, o1, o2, cos, sin,
+        x1.stride(0), x1.stride(1), x1.stride(2), x2_.stride(0), x2_.stride(1), x2_.stride(2),
+        o1.stride(0), o1.stride(1), o1.stride(2), o2.stride(0), o2.stride(1), o2.stride(2),
+        S, H1, H2, D // 2,
+        HAS_X2=x2 is not None, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=next_pow2(D // 2),
+    )
+    return o1, (o2 if x2 is not None else None)
+
+
+class _TritonRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x1, x2, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.has_x2 = x2 is not None
+        return _triton_launch(x1, x2, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        # autograd materialises missing output grads as zeros, so g1 (and g2 with x2) are tensors
+        cos, sin = ctx.saved_tensors
+        d1, d2 = _triton_launch(g1, g2 if ctx.has_x2 else None, cos, sin, backward=True)
+        return d1, d2, None, None
+
+
+# --------------------------------------------------------------------------- apex (rotate-half)
+
+
+def apex_available() -> bool:
+    return importlib.util.find_spec("apex") is not None and \
+        importlib.util.find_spec("apex.transformer.functional") is not None
+
+
+def interleaved_to_half_index(head_dim: int) -> torch.Tensor:
+    """Index that reorders one head's dims to evens-then-odds: [0, 2, 4, ..., 1, 3, 5, ...].
+
+    After it, interleaved pair (2i, 2i+1) sits at (i, i + d/2): the rotate-half layout.
+    """
+    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+
+def qk_half_permutation(num_heads: int, head_dim: int, num_parts: int = 3,
+                        permuted_parts: tuple[int, ...] = (0, 1)) -> torch.Tensor:
+    """Row order of a fused (q, k, v) projection weight that makes rotate-half compute RoFormer.
+
+    Permuting the rows of the q and k projections per head (evens then odds) permutes the head dims
+    of q and k identically; q.k is unchanged by a common permutation, and rotate-half on the
+    permuted vectors rotates exactly the interleaved pairs. So an apex (rotate-half-only) kernel
+    gives RoFormer's attention scores with no runtime permutation of activations. ``permuted_parts``
+    includes 2 (v) with ``rotary_value``; then the attention output is in permuted order too and the
+    output projection's input columns take :func:`interleaved_to_half_index` per head.
+    """
+    inner = num_heads * head_dim
+    per_head = interleaved_to_half_index(head_dim)
+    permuted = torch.cat([h * head_dim + per_head for h in range(num_heads)])
+    parts = [(p * inner + (permuted if p in permuted_parts else torch.arange(inner))) for p in range(num_parts)]
+    return torch.cat(parts)
+
+
+def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (GPT-NeoX) rotary on (B, S, ..., D): pairs (i, i + D/2), cos/sin (S, D/2).
+
+    What apex's fused kernel computes; used to test the permutation trick on CPU.
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    c, s = _broadcast_table(cos.float(), x), _broadcast_table(sin.float(), x)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def _apex_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apex's fused rotate-half RoPE on (B, S, H, D); apex wants (S, B, H, D) and full-width tables."""
+    from apex.transformer.functional import fused_apply_rotary_pos_emb_cached
+
+    cos_full = torch.cat((cos, cos), dim=-1)[:, None, None, :]
+    sin_full = torch.cat((sin, sin), dim=-1)[:, None, None, :]
+    out = fused_apply_rotary_pos_emb_cached(x.transpose(0, 1), cos_full, sin_full)
+    return out.transpose(0, 1)
+
+
+# Swappable so that tests can stand in the reference rotate-half for apex on CPU.
+rotate_half_kernel = _apex_rotate_half
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary through :data:`rotate_half_kernel` (apex's fused kernel)."""
+    return rotate_half_kernel(x, cos, sin)
+
+
+def _apex_interleaved(x, cos, sin):
+    """Interleaved rotary through the rotate-half kernel by permuting activations (slow path, for
+    ``apply_rotary(backend="apex")`` callers; the model permutes weights instead)."""
+    idx = interleaved_to_half_index(x.shape[-1]).to(x.device)
+    inv = torch.argsort(idx)
+    return rotate_half(x.index_select(-1, idx), cos, sin).index_select(-1, inv)
+
+
+# --------------------------------------------------------------------------- flash-attn
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _flash_attn_rotate(x, cos, sin):
+    from flash_attn.layers.rotary import apply_rotary_emb
+
+    # flash-attn wants cos/sin in x's dtype; its kernel computes in fp32 after loading them.
+    return apply_rotary_emb(x, cos.to(x.dtype), sin.to(x.dtype), interleaved=True)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+@functools.cache
+def _resolve(backend: str, device_type: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"model.rotary_backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        if device_type == "cuda":
+            if triton_available():
+                return "triton"
+            if flash_attn_available():
+                return "flash_attn"
+        return "reference"
+    if backend == "triton" and not triton_available():
+        raise ValueError("model.rotary_backend: triton is not installed (pip install 'roformer-dist[gpu]')")
+    if backend == "apex" and not apex_available():
+        raise ValueError("model.rotary_backend: apex is not installed (NVIDIA apex with its CUDA extensions)")
+    if backend == "flash_attn" and not flash_attn_available():
+        raise ValueError("model.rotary_backend: flash_attn is not installed")
+    return backend
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The concrete backend ``backend`` means on ``device`` ("auto" -> fastest available)."""
+    return _resolve(backend, torch.device(device).type)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k (B, S, H, D) at positions 0..S-1; cos/sin (S, D/2) fp32. Returns new tensors."""
+    backend = resolve_backend(backend, q.device)
+    if backend == "reference":
+        return _ReferenceRotary.apply(cos, sin, q, k)
+    if backend == "compiled":
+        return _compiled("pair")(q, k, cos, sin)
+    if backend == "triton":
+        return _TritonRotary.apply(q, k, cos, sin)
+    if backend == "apex":
+        return _apex_interleaved(q, cos, sin), _apex_interleaved(k, cos, sin)
+    if backend == "flash_attn":
+        return _flash_attn_rotate(q, cos, sin), _flash_attn_rotate(k, cos, sin)
+    raise AssertionError(backend)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "reference") -> torch.Tensor:
+    """Rotate one tensor (B, S, H, D), e.g. v with ``rotary_value``."""
+    backend = resolve_backend(backend, x.device)
+    if backend == "reference":
+        return rotate_reference(x, cos, sin)
+    if backend == "compiled":
+        return _compiled("single")(x, cos, sin)
+    if backend == "triton":
+        return _TritonRotary.apply(x, None, cos, sin)[0]
+    if backend == "apex":
+        return _apex_interleaved(x, cos, sin)
+    if backend == "flash_attn":
+        return _flash_attn_rotate(x, cos, sin)
+    raise AssertionError(backend)
+
+
+def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Bytes a rotary pass over q and k must move at least (read + write each); for bandwidth figures."""
+    return 2 * (q.numel() * q.element_size() + k.numel() * k.element_size())
+
+
+__all__ = [
+    "BACKENDS", "RotaryCache", "rotary_tables", "apply_rotary", "rotate", "rotate_reference",
+    "resolve_backend", "triton_available", "apex_available", "flash_attn_available",
+    "interleaved_to_half_index", "qk_half_permutation", "rotate_half_reference", "rotate_half",
+    "rotary_bytes",
+]

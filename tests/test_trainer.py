@@ -1,0 +1,318 @@
+"""The DeepSpeed trainer on CPU with gloo: ZeRO equivalence, exact resume, crashes, elastic resume,
+stop signals, non-finite losses, TensorBoard, HF export. Real DeepSpeed engines, real shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from roformer_dist.config import load_config
+from roformer_dist.stop import EXIT_DONE, EXIT_REQUEUE
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = ROOT / "configs" / "experiments" / "debug.yaml"
+STAGES_1 = "curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 8}]"
+STAGES_2 = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 4}, "
+            "{name: s256, seq_len: 256, global_batch_size: 8, steps: 4}]")
+
+
+def make_cfg(shards, run_dir, *overrides, world_size=2):
+    return load_config(DEBUG, [f"data.shards={shards.dir}", f"data.eval_shards={shards.eval_dir}",
+                               f"run_dir={run_dir}", f"dist.world_size={world_size}", "trainer.save_every=0",
+                               "trainer.eval_every=0", "data.eval_batches=2", *overrides])
+
+
+def _run(rank, world_size, cfg, env):
+    os.environ.update(env)
+    from roformer_dist.trainer import run_rank
+
+    return run_rank(cfg)
+
+
+def train(cfg, env=None, timeout=300):
+    """Run the trainer on cfg.dist.world_size gloo ranks in fresh processes; returns each rank's status."""
+    return run_distributed(_run, world_size=cfg.dist.world_size, args=(cfg, env or {}), timeout=timeout)
+
+
+def trace(run_dir, key="loss"):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1)), "steps must be continuous, no duplicates"
+    return [r[key] for r in recs]
+
+
+def assert_traces_equal(a, b, tol):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= tol, f"step {i + 1}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def reference(small_shards, tmp_path_factory):
+    """One uninterrupted 2-rank ZeRO-2 run over two stages, shared by the resume tests."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    cfg = make_cfg(small_shards, run_dir, STAGES_2, "trainer.save_every=3")
+    assert train(cfg) == [EXIT_DONE, EXIT_DONE]
+    return run_dir
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_two_ranks_equal_one_rank(small_shards, tmp_path, stage):
+    """2 ranks x 1 loader worker see the same micro-batches as 1 rank x 2 workers with accumulation 2."""
+    stages = STAGES_1.replace("steps: 8}", "steps: 8, micro_batch_size: 4}")
+    one = make_cfg(small_shards, tmp_path / "one", stages, "trainer.stop_at_step=4", "data.num_workers=2",
+                   f"deepspeed.zero_stage={stage}", world_size=1)
+    two = make_cfg(small_shards, tmp_path / "two", stages, "trainer.stop_at_step=4", "data.num_workers=1",
+                   f"deepspeed.zero_stage={stage}", world_size=2)
+    train(one)
+    train(two)
+    # fp32; reductions over ranks vs over accumulation steps differ in summation order only
+    assert_traces_equal(trace(tmp_path / "one"), trace(tmp_path / "two"), tol=1e-5)
+
+
+# --------------------------------------------------------------------------- exact resume
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stop_and_resume_equals_uninterrupted(small_shards, tmp_path, stage, reference):
+    ref = reference
+    if stage != 2:
+        ref = tmp_path / "ref"
+        assert train(make_cfg(small_shards, ref, STAGES_2, "deepspeed.zero_stage=3")) == [0, 0]
+    run = tmp_path / "run"
+    # stop inside stage 2 (steps 5-8), then resume to the end
+    assert train(make_cfg(small_shards, run, STAGES_2, f"deepspeed.zero_stage={stage}",
+                          "trainer.stop_at_step=6")) == [EXIT_DONE, EXIT_DONE]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert train(make_cfg(small_shards, run, STAGES_2, f"deepspeed.zero_stage={stage}")) == [0, 0]
+    assert_traces_equal(trace(ref), trace(run), tol=1e-6)
+    assert trace(ref, "seq_len") == trace(run, "seq_len") == [128] * 4 + [256] * 4
+
+
+def test_tensorboard_has_contract_tags_and_continuous_steps(small_shards, tmp_path):
+    from roformer_dist.metrics import read_scalars
+
+    run = tmp_path / "run"
+    cfg = make_cfg(small_shards, run, STAGES_2, "trainer.log_every=1", "trainer.stop_at_step=5")
+    train(cfg)
+    train(make_cfg(small_shards, run, STAGES_2, "trainer.log_every=1"))
+    scalars = read_scalars(run / "tb")
+    for tag in ("train/loss", "train/mlm_acc", "train/lr", "train/seq_len", "train/stage", "train/grad_norm",
+                "train/loss_scale", "perf/tokens_per_s", "perf/samples_per_s", "perf/step_time_s",
+                "perf/max_mem_gb", "eval/loss", "eval/mlm_acc", "eval/loss_128"):
+        assert tag in scalars, f"missing TensorBoard tag {tag}"
+    steps = [s for s, _ in scalars["train/loss"]]
+    assert steps == list(range(1, 9)), steps
+    assert [v for _, v in scalars["train/seq_len"]] == [128] * 4 + [256] * 4
+    losses = [v for _, v in scalars["train/loss"]]
+    assert_traces_equal(losses, trace(run), tol=1e-6)
+
+
+def _run_cli(cfg_overrides, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "roformer_dist.train_cli", "--config", str(DEBUG),
+                             *cfg_overrides], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _cli_overrides(shards, run_dir, *extra):
+    return [f"data.shards={shards.dir}", f"data.eval_shards={shards.eval_dir}", f"run_dir={run_dir}",
+            "trainer.eval_every=0", "data.eval_batches=2", "trainer.save_every=0", *extra]
+
+
+def _wait_for_step(run_dir, step, proc, timeout=240):
+    deadline = time.monotonic() + timeout
+    path = Path(run_dir) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _children(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _rank_pids(proc):
+    """The spawned rank processes (children of roformer-train that are python, not the resource tracker)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pids = []
+        for p in _children(proc.pid):
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+            if "spawn_main" in cmd:
+                pids.append(p)
+        if len(pids) == 2:
+            return sorted(pids)
+        time.sleep(0.2)
+    raise AssertionError("rank processes not found")
+
+
+def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_path, reference):
+    run = tmp_path / "run"
+    # slow each step a little so that the signal lands mid-run
+    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"),
+                    env={"ROFORMER_STEP_DELAY_S": "0.3"})
+    _wait_for_step(run, 2, proc)
+    os.kill(_rank_pids(proc)[1], signal.SIGUSR2)   # one rank only: the ranks must agree
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_REQUEUE, out
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.split("_")[1])
+    assert 2 <= stopped_at < 8
+    assert len(trace(run)) == stopped_at
+    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert_traces_equal(trace(reference), trace(run), tol=1e-6)
+
+
+def test_kill_9_between_checkpoints_resumes_from_last_complete(small_shards, tmp_path, reference):
+    run = tmp_path / "run"
+    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"),
+                    env={"ROFORMER_STEP_DELAY_S": "0.3"})
+    _wait_for_step(run, 5, proc)
+    os.kill(_rank_pids(proc)[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    # checkpoints at 3 (save_every) and 4 (end of stage 1); killed after step 5
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "resuming from" in (run / "logs" / "rank0.log").read_text()
+    assert_traces_equal(trace(reference), trace(run), tol=1e-6)
+
+
+def test_crash_inside_a_save_keeps_previous_latest(small_shards, tmp_path, reference):
+    run = tmp_path / "run"
+    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"),
+                    env={"ROFORMER_CRASH_IN_SAVE_AT": "6"})
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000004"
+    assert (ckpts / "step_00000006").is_dir() and not (ckpts / "step_00000006" / "COMPLETE").exists()
+    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "ignoring incomplete checkpoint" in log and "step_00000006" in log
+    assert_traces_equal(trace(reference), trace(run), tol=1e-6)
+
+
+# --------------------------------------------------------------------------- elastic
+
+
+def _loaded_weights(rank, world_size, cfg):
+    """Set up a trainer (which resumes) and return the full fp32 weights it loaded."""
+    import deepspeed
+
+    from roformer_dist.trainer import DistEnv, Trainer, init_distributed
+
+    env = DistEnv.from_environ()
+    init_distributed(cfg, env)
+    tr = Trainer(cfg, env)
+    tr.setup()
+    params = dict(tr.engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=cfg.deepspeed.zero_stage == 3):
+        weights = {k: v.detach().float().clone() for k, v in params.items()}
+    tr.close()
+    return weights, tr.state.step, tr.elastic
+
+
+@pytest.mark.parametrize("stage, before, after", [(2, 2, 1), (3, 2, 1), (2, 1, 2)])
+def test_elastic_resume_other_world_size(small_shards, tmp_path, stage, before, after):
+    from roformer_dist.checkpoint import load_consolidated_weights
+
+    run = tmp_path / "run"
+    cfg = make_cfg(small_shards, run, STAGES_1, f"deepspeed.zero_stage={stage}", "trainer.stop_at_step=3",
+                   world_size=before)
+    train(cfg)
+    _, saved = load_consolidated_weights(run / "checkpoints" / "step_00000003")
+    resumed = make_cfg(small_shards, run, STAGES_1, f"deepspeed.zero_stage={stage}", world_size=after)
+    weights, step, elastic = run_distributed(_loaded_weights, world_size=after, args=(resumed,), timeout=300)[0]
+    assert step == 3 and elastic
+    for name, w in weights.items():
+        torch.testing.assert_close(w, saved[name], rtol=0, atol=0, msg=f"{name} changed across the conversion")
+    # and training continues to the end on the new world size
+    assert train(resumed) == [EXIT_DONE] * after
+    assert len(trace(run)) == 8
+    log = (run / "logs" / "rank0.log").read_text()
+    assert f"world size changed {before} -> {after}" in log
+
+
+# --------------------------------------------------------------------------- non-finite
+
+
+def test_nan_loss_is_skipped_and_counted(small_shards, tmp_path):
+    run = tmp_path / "run"
+    cfg = make_cfg(small_shards, run, STAGES_1, "trainer.stop_at_step=5")
+    assert train(cfg, env={"ROFORMER_INJECT_NAN_AT": "3"}) == [0, 0]
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in recs] == [False, False, True, False, False]
+    assert recs[2]["loss"] is None
+    # the skipped step changed nothing: weights after step 3 equal weights after step 2
+    ref = tmp_path / "ref"
+    cfg2 = make_cfg(small_shards, ref, STAGES_1, "trainer.stop_at_step=2")
+    train(cfg2)
+    from roformer_dist.checkpoint import load_consolidated_weights, load_trainer_state
+
+    run3 = tmp_path / "run3"
+    train(make_cfg(small_shards, run3, STAGES_1, "trainer.stop_at_step=3"), env={"ROFORMER_INJECT_NAN_AT": "3"})
+    _, w2 = load_consolidated_weights(ref / "checkpoints" / "step_00000002")
+    _, w3 = load_consolidated_weights(run3 / "checkpoints" / "step_00000003")
+    for k in w2:
+        torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=0)
+    assert load_trainer_state(run3 / "checkpoints" / "step_00000003", 0)["trainer"]["nonfinite_total"] == 1
+
+
+def test_too_many_nonfinite_losses_stop_with_checkpoint(small_shards, tmp_path):
+    from roformer_dist.stop import EXIT_NONFINITE
+
+    run = tmp_path / "run"
+    cfg = make_cfg(small_shards, run, STAGES_1, "trainer.max_nonfinite_steps=2")
+    assert train(cfg, env={"ROFORMER_INJECT_NAN_AT": "3,4"}) == [EXIT_NONFINITE] * 2
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert "consecutive non-finite" in (run / "logs" / "rank0.log").read_text()
+
+
+# --------------------------------------------------------------------------- export
+
+
+def test_to_hf_from_zero3_checkpoint_matches_our_logits(small_shards, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from roformer_dist.checkpoint import load_consolidated_weights
+    from roformer_dist.model import RoFormerForMaskedLM
+
+    run = tmp_path / "run"
+    train(make_cfg(small_shards, run, STAGES_1, "deepspeed.zero_stage=3", "trainer.stop_at_step=2"))
+    out = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.convert_cli", "to-hf", "--checkpoint",
+                        str(run / "checkpoints" / "step_00000002"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    mcfg, sd = load_consolidated_weights(run / "checkpoints" / "step_00000002")
+    ours = RoFormerForMaskedLM(mcfg)
+    ours.load_state_dict(sd, strict=False)
+    ours.eval()
+    hf = transformers.RoFormerForMaskedLM.from_pretrained(out).eval()
+    ids = torch.randint(5, mcfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(input_ids=ids).logits, rtol=0, atol=1e-5)
