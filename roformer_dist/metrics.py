@@ -25,11 +25,6 @@ def max_mem_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matrices plus 12·L·H·S for attention scores (fwd+bwd)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
-
-
 def peak_flops() -> Optional[float]:
     """bf16 dense peak of the current GPU, when known."""
     if not torch.cuda.is_available():

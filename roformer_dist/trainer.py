@@ -29,7 +29,7 @@ from roformer_dist import checkpoint as ckpt
 from roformer_dist import faults
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, replace, save_config, validate
 from roformer_dist.curriculum import lr_at, stage_at, stage_boundaries, total_steps
-from roformer_dist.metrics import MetricsWriter, flops_per_token, max_mem_gb, peak_flops
+from roformer_dist.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.stop import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, StopFlag
 
 log = logging.getLogger("roformer_dist.trainer")
@@ -103,7 +103,7 @@ def setup_logging(cfg: Config, rank: int) -> None:
     root.addHandler(fh)
     root.addHandler(sh)
     root.setLevel(cfg.logging.level.upper())
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "compilers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -173,7 +173,6 @@ class Trainer:
 
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         model = RoFormerForMaskedLM(cfg.model)
-        self.num_params = sum(p.numel() for p in model.parameters())
         self.preflight(model)
         first = stage_at(self.stages, found.step if found and found.step < self.total else 0)
         self.stage_index = first.index
@@ -415,8 +414,7 @@ class Trainer:
                    "perf/step_time_s": dt, "perf/max_mem_gb": max_mem_gb()}
         peak = peak_flops()
         if peak:
-            m = self.cfg.model
-            fpt = flops_per_token(self.num_params, m.num_hidden_layers, m.hidden_size, st.seq_len)
+            fpt = self.engine.module.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
             scalars["perf/mfu"] = toks_per_s * fpt / (peak * self.env.world_size)
         self.metrics.scalars(s.step, scalars)
         if self.env.rank == 0:
@@ -471,6 +469,10 @@ def run_rank(cfg: Config) -> int:
     if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
         raise ValueError("parallel.tensor / parallel.pipeline: model parallelism is not supported yet; use 1")
     setup_logging(cfg, env.rank)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # ranks on one machine share its cores; oversubscribed threads make every rank slower
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     own_group = not dist.is_initialized()
     init_distributed(cfg, env)
     trainer = Trainer(cfg, env)

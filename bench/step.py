@@ -1,0 +1,205 @@
+"""One MLM training step (forward, loss, backward): ours vs HF ``transformers.RoFormerForMaskedLM``.
+
+Same weights (ours converted with roformer_dist.hf.to_hf_model), same batch, same process for the
+timings (medians of interleaved repeats). With dropout 0 (the default here) both compute the same
+loss, which is checked, so the comparison is of the same math.
+
+Peak memory (CPU): each model runs in its own subprocess with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
+tensor buffer is mmapped and returned to the OS on free, so RSS tracks live tensors); after one
+warm-up step the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``) and the reported figure
+is the peak RSS during the measured step minus the RSS before it (gradients are freed between steps,
+so they count). On CUDA: ``torch.cuda.max_memory_allocated`` over the step minus allocated before.
+
+    python bench/step.py                      # the CPU benchmark of the issue (2 threads, fp32)
+    python bench/step.py --device cuda --dtype bf16 --seq 1536
+    python bench/step.py --device cuda --dtype bf16 --hidden 768 --layers 12 --heads 12 --ffn 3072 \
+        --vocab 50000 --batch 32 --ours-only      # MFU of the base model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
+
+import torch
+
+from roformer_dist.config import ModelConfig
+from roformer_dist.model import RoFormerForMaskedLM
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+"""Dense bf16 tensor-core peaks (TFLOP/s) by GPU name fragment, for MFU."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--mask-prob", type=float, default=0.15)
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout of both models")
+    p.add_argument("--rotary-backend", default="auto")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ours-only", action="store_true", help="skip HF (e.g. for MFU of big models)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU (GPU)")
+    p.add_argument("--memory-worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def model_config(a) -> ModelConfig:
+    return ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                       num_attention_heads=a.heads, intermediate_size=a.ffn,
+                       max_position_embeddings=max(512, a.seq), hidden_dropout_prob=a.dropout,
+                       attention_probs_dropout_prob=a.dropout, rotary_backend=a.rotary_backend)
+
+
+def make_batch(a, device):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, a.vocab, (a.batch, a.seq), generator=g)
+    masked = torch.rand(a.batch, a.seq, generator=g) < a.mask_prob
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    ids = torch.where(masked, torch.full_like(ids, 4), ids)  # [MASK] = 4
+    return ids.to(device), labels.to(device)
+
+
+def build(a, which: str):
+    """ours or hf, identical weights (ours initialised from seed 0, HF converted from it)."""
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    ours = RoFormerForMaskedLM(model_config(a))
+    if which == "hf":
+        from roformer_dist.hf import to_hf_model
+
+        model = to_hf_model(ours)
+    else:
+        model = ours
+    return model.to(device=a.device, dtype=dtype).train()
+
+
+def step_fn(model, which: str, ids, labels):
+    def step():
+        model.zero_grad(set_to_none=True)
+        if which == "ours":
+            loss = model(ids, labels=labels).loss
+        else:
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def memory_worker(a) -> None:
+    """Runs in a subprocess: prints {"peak_delta": bytes, "rss_before": bytes}."""
+    torch.set_num_threads(a.threads)
+    model = build(a, a.memory_worker)
+    ids, labels = make_batch(a, a.device)
+    step = step_fn(model, a.memory_worker, ids, labels)
+    step()
+    model.zero_grad(set_to_none=True)
+    before = C.reset_peak_rss()
+    step()
+    print(json.dumps({"peak_delta": C.peak_rss() - before, "rss_before": before}))
+
+
+def cpu_memory(a, which: str) -> int:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--memory-worker", which,
+            *[x for x in sys.argv[1:] if x != "--memory-worker"]]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_delta"]
+
+
+def cuda_memory(step) -> int:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def peak_tflops(a) -> float | None:
+    if a.peak_tflops:
+        return a.peak_tflops
+    if a.device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        for frag, tf in PEAK_TFLOPS.items():
+            if frag in name:
+                return tf
+    return None
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if a.memory_worker:
+        memory_worker(a)
+        return
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
+    ids, labels = make_batch(a, a.device)
+    names = ["ours"] if a.ours_only else ["ours", "hf"]
+    models = {n: build(a, n) for n in names}
+    steps = {n: step_fn(models[n], n, ids, labels) for n in names}
+    losses = {n: steps[n]().float().item() for n in names}
+    times = C.time_interleaved(steps, repeats=a.repeats, warmup=a.warmup, device=a.device)
+
+    mem = {}
+    if not a.no_memory:
+        for n in names:
+            if a.device.startswith("cuda"):
+                mem[n] = cuda_memory(steps[n])
+            else:
+                mem[n] = cpu_memory(a, n)
+
+    tokens = a.batch * a.seq
+    frac = float((labels != -100).float().mean())
+    ours_model = models["ours"]
+    flops = {"ours": ours_model.flops_per_token(a.seq, frac) * tokens,
+             "hf": ours_model.flops_per_token(a.seq, 1.0) * tokens}
+    peak = peak_tflops(a)
+    print(f"train step, B={a.batch} S={a.seq} hidden={a.hidden} layers={a.layers} heads={a.heads} "
+          f"ffn={a.ffn} vocab={a.vocab} {a.dtype} {a.device} dropout={a.dropout} "
+          f"threads={torch.get_num_threads() if a.device == 'cpu' else '-'} masked={frac:.3f} "
+          f"rotary={a.rotary_backend}")
+    rows = []
+    for n in names:
+        row = [n, times[n] * 1e3, tokens / times[n], losses[n], flops[n] / times[n] / 1e12]
+        row.append(mem[n] / 2**20 if n in mem else "-")
+        row.append(f"{100 * flops[n] / times[n] / 1e12 / peak:.1f}" if peak else "-")
+        rows.append(row)
+    C.print_table(["model", "step ms (median)", "tokens/s", "loss", "TFLOP/s", "peak MiB", "MFU %"], rows)
+    if not a.ours_only:
+        if a.dropout == 0.0:
+            tol = 1e-4 if a.dtype == "fp32" else 5e-2
+            assert abs(losses["ours"] - losses["hf"]) <= tol * max(1.0, abs(losses["hf"])), losses
+            print(f"losses agree: |ours - hf| = {abs(losses['ours'] - losses['hf']):.2e}")
+        if mem:
+            print(f"peak memory ours/hf = {mem['ours'] / mem['hf']:.3f}")
+        C.emit("step", times["ours"], times["hf"], "s", times["hf"] / times["ours"],
+               device=a.device, dtype=a.dtype, seq=a.seq,
+               mem_ours_mib=round(mem.get("ours", 0) / 2**20, 1), mem_hf_mib=round(mem.get("hf", 0) / 2**20, 1),
+               mem_ratio=round(mem["hf"] / mem["ours"], 3) if mem else None)
+    else:
+        mfu = flops["ours"] / times["ours"] / 1e12 / peak if peak else None
+        C.emit("step_ours", times["ours"], times["ours"], "s", 1.0, device=a.device, dtype=a.dtype, seq=a.seq,
+               tflops=round(flops["ours"] / times["ours"] / 1e12, 2), mfu=round(mfu, 4) if mfu else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Rotary embedding: the convention, the paper's properties, and every backend against the reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from roformer_dist import rotary as R
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def naive_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Written straight from the paper, pair by pair: (x[2i], x[2i+1]) rotated by theta_i; x (B, S, H, D)."""
+    out = torch.empty_like(x, dtype=torch.float32)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()
+    out[..., 0::2] = x0 * c - x1 * s
+    out[..., 1::2] = x1 * c + x0 * s
+    return out.to(x.dtype)
+
+
+def make_qk(B=2, S=16, H=3, D=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g).to(dtype)
+    k = torch.randn(B, S, H, D, generator=g).to(dtype)
+    return q, k
+
+
+def test_tables_match_hf_sinusoidal():
+    from transformers.models.roformer.modeling_roformer import RoFormerSinusoidalPositionalEmbedding
+
+    emb = RoFormerSinusoidalPositionalEmbedding(300, 64)
+    hf = emb.create_weight()  # (S, D): [sin | cos]
+    cos, sin = R.rotary_tables(300, 64)
+    torch.testing.assert_close(torch.cat((sin, cos), -1), hf, atol=1e-7, rtol=0)
+    assert cos.dtype == torch.float32
+
+
+def test_cache_extends_on_demand_and_stays_fp32():
+    cache = R.RotaryCache(head_dim=8, max_len=32)
+    cos, sin = cache.get(16)
+    assert cos.shape == (16, 4) and cos.dtype == torch.float32
+    cos2, sin2 = cache.get(100)  # longer than max_len: rebuilt, prefix identical
+    assert cos2.shape == (100, 4)
+    assert torch.equal(cos2[:16], cos) and torch.equal(sin2[:16], sin)
+    ref_cos, ref_sin = R.rotary_tables(100, 8)
+    assert torch.equal(cos2, ref_cos) and torch.equal(sin2, ref_sin)
+
+
+def test_reference_matches_naive_and_hf():
+    from transformers.models.roformer.modeling_roformer import RoFormerSelfAttention
+
+    q, k = make_qk(D=16)
+    cos, sin = R.rotary_tables(q.shape[1], 16)
+    qr, kr = R.apply_rotary(q, k, cos, sin, backend="reference")
+    torch.testing.assert_close(qr, naive_rotary(q, cos, sin), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kr, naive_rotary(k, cos, sin), atol=1e-6, rtol=1e-6)
+    table = torch.cat((sin, cos), -1)[None, :, None, :]  # HF's layout, broadcast over (B, S, H, D)
+    hq, hk = RoFormerSelfAttention.apply_rotary_position_embeddings(table, q, k)
+    torch.testing.assert_close(qr, hq, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kr, hk, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_backward_matches_autograd_of_naive():
+    q, k = make_qk(D=8)
+    cos, sin = R.rotary_tables(q.shape[1], 8)
+    gq, gk = make_qk(D=8, seed=1)
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    torch.autograd.backward(R.apply_rotary(q1, k1, cos, sin, "reference"), (gq, gk))
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    torch.autograd.backward((naive_rotary(q2, cos, sin), naive_rotary(k2, cos, sin)), (gq, gk))
+    torch.testing.assert_close(q1.grad, q2.grad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k1.grad, k2.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_accepts_strided_views_of_a_fused_projection():
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 10, 3, 4, 8, generator=g)  # (B, S, 3, H, D) as the model's QKV GEMM gives
+    q, k, _ = qkv.unbind(2)
+    cos, sin = R.rotary_tables(10, 8)
+    qr, kr = R.apply_rotary(q, k, cos, sin, "reference")
+    torch.testing.assert_close(qr, naive_rotary(q.contiguous(), cos, sin), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kr, naive_rotary(k.contiguous(), cos, sin), atol=1e-6, rtol=1e-6)
+
+
+def test_score_depends_only_on_relative_offset():
+    """q.k after rotation at positions (m, n) equals that at (m + s, n + s): RoFormer's key property."""
+    D, S = 16, 64
+    g = torch.Generator().manual_seed(0)
+    qv, kv = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    q = qv.expand(1, S, 1, D).contiguous()  # the same vectors at every position
+    k = kv.expand(1, S, 1, D).contiguous()
+    cos, sin = R.rotary_tables(S, D)
+    qr, kr = R.apply_rotary(q, k, cos, sin, "reference")
+    scores = qr[0, :, 0] @ kr[0, :, 0].T  # (S, S): scores[m, n]
+    for m, n in [(0, 5), (7, 3), (10, 10), (2, 40)]:
+        for shift in (1, 9, 20):
+            torch.testing.assert_close(scores[m + shift, n + shift], scores[m, n], atol=1e-4, rtol=1e-5)
+    # and it does depend on the offset (not a trivial identity)
+    assert not torch.allclose(scores[0, 1], scores[0, 9], atol=1e-3)
+
+
+def test_rotation_preserves_norms_per_pair():
+    q, k = make_qk(S=50, D=32)
+    cos, sin = R.rotary_tables(50, 32)
+    qr, _ = R.apply_rotary(q, k, cos, sin, "reference")
+    torch.testing.assert_close(qr.norm(dim=-1), q.norm(dim=-1), atol=1e-5, rtol=1e-5)
+    pair = lambda x: x.unflatten(-1, (-1, 2)).norm(dim=-1)  # noqa: E731
+    torch.testing.assert_close(pair(qr), pair(q), atol=1e-5, rtol=1e-5)
+
+
+def test_position_zero_is_identity():
+    q, k = make_qk(S=4, D=8)
+    cos, sin = R.rotary_tables(4, 8)
+    qr, _ = R.apply_rotary(q, k, cos, sin, "reference")
+    assert torch.equal(qr[:, 0], q[:, 0])
+
+
+def test_resolve_backend():
+    assert R.resolve_backend("auto", "cpu") == "reference"
+    assert R.resolve_backend("compiled", "cpu") == "compiled"
+    with pytest.raises(ValueError, match="rotary_backend"):
+        R.resolve_backend("nope", "cpu")
+
+
+# --------------------------------------------------------------------------- backends vs reference
+
+
+def _compare_backend(backend: str, device: str, dtype: torch.dtype, S: int = 24, H: int = 3, D: int = 16):
+    """Forward and backward of ``backend`` against the reference (fp32: equal to rounding; bf16: 1 ulp).
+
+    q and k are strided views of one fused (B, S, 3, H, D) projection, as in the model."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, S, 3, H, D, generator=g).to(device=device, dtype=dtype)
+    gq, gk = (torch.randn(2, S, H, D, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    cos, sin = R.rotary_tables(S, D, device=device)
+    outs = {}
+    for name in ("reference", backend):
+        base = qkv.clone().requires_grad_()
+        q, k, _ = base.unbind(2)
+        qo, ko = R.apply_rotary(q, k, cos, sin, name)
+        torch.autograd.backward((qo, ko), (gq, gk))
+        outs[name] = (qo.detach(), ko.detach(), base.grad[:, :, 0], base.grad[:, :, 1])
+        assert qo.dtype == dtype and qo.shape == q.shape
+        assert torch.all(base.grad[:, :, 2] == 0)
+    if dtype == torch.float32:
+        tol = dict(atol=1e-6, rtol=1e-6)
+    else:  # both compute in fp32 and round once; allow one bf16 ulp (Triton's interpreter truncates)
+        tol = dict(atol=1.6e-2, rtol=1.6e-2)
+    for a, b in zip(outs["reference"], outs[backend]):
+        torch.testing.assert_close(b.float(), a.float(), **tol)
+    # the single-tensor path (v with rotary_value), on a contiguous tensor
+    v = qkv[:, :, 2].contiguous()
+    torch.testing.assert_close(R.rotate(v, cos, sin, backend).float(),
+                               R.rotate(v, cos, sin, "reference").float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_backend_matches_reference(dtype):
+    _compare_backend("compiled", "cpu", dtype)
+
+
+def _triton_env_ok() -> bool:
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not R.triton_available(),
+                    reason="triton is not installed (optional `gpu` extra: pip install -e '.[gpu]'); the "
+                           "Triton kernel is tested on CUDA, or on CPU under TRITON_INTERPRET=1")
+def test_triton_backend_matches_reference():
+    if _triton_env_ok():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        for dtype in (torch.float32, torch.bfloat16):
+            _compare_backend("triton", device, dtype)
+            _compare_backend("triton", device, dtype, S=7, H=5, D=12)  # non-power-of-2 heads and dims
+        return
+    # CPU without the interpreter flag: run this very test in a child with TRITON_INTERPRET=1
+    # (triton reads the flag when a kernel is defined, so it must be set before import).
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_triton_backend_matches_reference"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.skipif(not (R.flash_attn_available() and torch.cuda.is_available()),
+                    reason="flash_attn backend needs flash-attn installed and a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flash_attn_backend_matches_reference(dtype):
+    if dtype == torch.float32:
+        _compare_backend("flash_attn", "cuda", dtype)
+    else:  # flash-attn takes cos/sin in the input dtype: angles rounded to bf16, so a looser bound
+        q, k = make_qk(dtype=dtype)
+        cos, sin = R.rotary_tables(q.shape[1], q.shape[-1], device="cuda")
+        a = R.apply_rotary(q.cuda(), k.cuda(), cos, sin, "reference")[0].float()
+        b = R.apply_rotary(q.cuda(), k.cuda(), cos, sin, "flash_attn")[0].float()
+        torch.testing.assert_close(b, a, atol=6e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not (R.apex_available() and torch.cuda.is_available()),
+                    reason="apex backend needs NVIDIA apex (with its CUDA extensions) and a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_apex_backend_matches_reference(dtype):
+    _compare_backend("apex", "cuda", dtype)
+
+
+# --------------------------------------------------------------------------- rotate-half permutation (apex)
+
+
+def test_half_permutation_gives_same_scores_with_rotate_half():
+    """Evens-then-odds per head + rotate-half == interleaved rotary, as far as q.k is concerned."""
+    B, S, H, D = 2, 12, 3, 8
+    q, k = make_qk(B, S, H, D)
+    cos, sin = R.rotary_tables(S, D)
+    qi, ki = R.apply_rotary(q, k, cos, sin, "reference")
+    idx = R.interleaved_to_half_index(D)
+    qh = R.rotate_half_reference(q[..., idx], cos, sin)
+    kh = R.rotate_half_reference(k[..., idx], cos, sin)
+    scores_i = torch.einsum("bshd,bthd->bhst", qi, ki)
+    scores_h = torch.einsum("bshd,bthd->bhst", qh, kh)
+    torch.testing.assert_close(scores_h, scores_i, atol=1e-5, rtol=1e-5)
+    # the rotated vectors themselves are the same, only in permuted order
+    torch.testing.assert_close(qh, qi[..., idx], atol=1e-6, rtol=1e-6)
+
+
+def test_qk_half_permutation_rows_of_fused_projection():
+    H, D = 3, 4
+    perm = R.qk_half_permutation(H, D)
+    hid = H * D
+    assert sorted(perm.tolist()) == list(range(3 * hid))
+    assert perm[:D].tolist() == [0, 2, 1, 3]
+    assert perm[hid:hid + D].tolist() == [hid + 0, hid + 2, hid + 1, hid + 3]
+    assert perm[2 * hid:].tolist() == list(range(2 * hid, 3 * hid))  # v untouched by default
+    x = torch.randn(5, hid)
+    w = torch.randn(3 * hid, hid)
+    q = (x @ w.T)[:, :hid].view(5, H, D)
+    qp = (x @ w[perm].T)[:, :hid].view(5, H, D)
+    assert torch.equal(qp, q[..., R.interleaved_to_half_index(D)])
+
+
+def test_apex_slow_path_equals_reference_with_rotate_half_stand_in(monkeypatch):
+    monkeypatch.setattr(R, "rotate_half_kernel", R.rotate_half_reference)
+    q, k = make_qk()
+    cos, sin = R.rotary_tables(q.shape[1], q.shape[-1])
+    ref = R.apply_rotary(q, k, cos, sin, "reference")
+    got = (R._apex_interleaved(q, cos, sin), R._apex_interleaved(k, cos, sin))
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
