@@ -402,7 +402,9 @@ class Trainer:
         s, st = self.state, at.stage
         toks_per_s = out["tokens"] / dt if dt > 0 else 0.0
         rec = {"step": s.step, "loss": None if out["nonfinite"] else out["loss"], "mlm_acc": out["mlm_acc"],
-               "lr": lr, "seq_len": st.seq_len, "stage": st.name, "tokens_seen": s.tokens_seen,
+               "lr": lr, "seq_len": st.seq_len, "stage": st.name, "samples": out["samples"],
+               "global_batch": self.engine.train_batch_size(),
+               "accumulation": self.engine.gradient_accumulation_steps(), "tokens_seen": s.tokens_seen,
                "skipped": out["nonfinite"]}
         self.metrics.step_record(rec)
         if s.step % self.cfg.trainer.log_every and s.step != self.total:

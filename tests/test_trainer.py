@@ -21,8 +21,8 @@ from roformer_dist.stop import EXIT_DONE, EXIT_REQUEUE
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG = ROOT / "configs" / "experiments" / "debug.yaml"
 STAGES_1 = "curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 8}]"
-STAGES_2 = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 4}, "
-            "{name: s256, seq_len: 256, global_batch_size: 8, steps: 4}]")
+# The debug curriculum (configs/curriculum/debug.yaml): s128 steps 1-6, s256 7-12, s512 13-18.
+SCHEDULE = [128] * 6 + [256] * 6 + [512] * 6
 
 
 def make_cfg(shards, run_dir, *overrides, world_size=2):
@@ -58,9 +58,9 @@ def assert_traces_equal(a, b, tol):
 
 @pytest.fixture(scope="module")
 def reference(small_shards, tmp_path_factory):
-    """One uninterrupted 2-rank ZeRO-2 run over two stages, shared by the resume tests."""
+    """One uninterrupted 2-rank ZeRO-2 run through the three debug stages, shared by the resume tests."""
     run_dir = tmp_path_factory.mktemp("reference")
-    cfg = make_cfg(small_shards, run_dir, STAGES_2, "trainer.save_every=3")
+    cfg = make_cfg(small_shards, run_dir, "trainer.save_every=4")
     assert train(cfg) == [EXIT_DONE, EXIT_DONE]
     return run_dir
 
@@ -90,32 +90,45 @@ def test_stop_and_resume_equals_uninterrupted(small_shards, tmp_path, stage, ref
     ref = reference
     if stage != 2:
         ref = tmp_path / "ref"
-        assert train(make_cfg(small_shards, ref, STAGES_2, "deepspeed.zero_stage=3")) == [0, 0]
+        assert train(make_cfg(small_shards, ref, "deepspeed.zero_stage=3")) == [0, 0]
     run = tmp_path / "run"
-    # stop inside stage 2 (steps 5-8), then resume to the end
-    assert train(make_cfg(small_shards, run, STAGES_2, f"deepspeed.zero_stage={stage}",
-                          "trainer.stop_at_step=6")) == [EXIT_DONE, EXIT_DONE]
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000006"
-    assert train(make_cfg(small_shards, run, STAGES_2, f"deepspeed.zero_stage={stage}")) == [0, 0]
+    # stop inside stage 2 (steps 7-12), then resume through stage 3 to the end
+    assert train(make_cfg(small_shards, run, f"deepspeed.zero_stage={stage}",
+                          "trainer.stop_at_step=8")) == [EXIT_DONE, EXIT_DONE]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    assert train(make_cfg(small_shards, run, f"deepspeed.zero_stage={stage}")) == [0, 0]
     assert_traces_equal(trace(ref), trace(run), tol=1e-6)
-    assert trace(ref, "seq_len") == trace(run, "seq_len") == [128] * 4 + [256] * 4
+    assert trace(ref, "seq_len") == trace(run, "seq_len") == SCHEDULE
+
+
+def test_stages_keep_the_global_batch(reference):
+    """Sequences per step, as consumed and as DeepSpeed is configured, follow each stage's global batch."""
+    cfg = load_config(DEBUG)
+    expected = [st.global_batch_size for st in cfg.curriculum.stages for _ in range(st.steps)]
+    assert trace(reference, "samples") == expected
+    assert trace(reference, "global_batch") == expected
+    # micro-batch 4 -> 4 -> 2 (2048-token budget) on 2 ranks: accumulation 1, 1, 1
+    assert trace(reference, "accumulation") == [1] * 18
 
 
 def test_tensorboard_has_contract_tags_and_continuous_steps(small_shards, tmp_path):
     from roformer_dist.metrics import read_scalars
 
     run = tmp_path / "run"
-    cfg = make_cfg(small_shards, run, STAGES_2, "trainer.log_every=1", "trainer.stop_at_step=5")
+    cfg = make_cfg(small_shards, run, "trainer.log_every=1", "trainer.stop_at_step=8")
     train(cfg)
-    train(make_cfg(small_shards, run, STAGES_2, "trainer.log_every=1"))
+    train(make_cfg(small_shards, run, "trainer.log_every=1"))
     scalars = read_scalars(run / "tb")
     for tag in ("train/loss", "train/mlm_acc", "train/lr", "train/seq_len", "train/stage", "train/grad_norm",
                 "train/loss_scale", "perf/tokens_per_s", "perf/samples_per_s", "perf/step_time_s",
-                "perf/max_mem_gb", "eval/loss", "eval/mlm_acc", "eval/loss_128"):
+                "perf/max_mem_gb", "eval/loss", "eval/mlm_acc"):
         assert tag in scalars, f"missing TensorBoard tag {tag}"
     steps = [s for s, _ in scalars["train/loss"]]
-    assert steps == list(range(1, 9)), steps
-    assert [v for _, v in scalars["train/seq_len"]] == [128] * 4 + [256] * 4
+    assert steps == list(range(1, 19)), steps
+    assert [v for _, v in scalars["train/seq_len"]] == SCHEDULE
+    assert [v for _, v in scalars["train/stage"]] == [0] * 6 + [1] * 6 + [2] * 6
+    for length in (128, 256, 512):
+        assert f"eval/loss_{length}" in scalars and f"eval/mlm_acc_{length}" in scalars
     losses = [v for _, v in scalars["train/loss"]]
     assert_traces_equal(losses, trace(run), tol=1e-6)
 
@@ -167,7 +180,7 @@ def _rank_pids(proc):
 def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_path, reference):
     run = tmp_path / "run"
     # slow each step a little so that the signal lands mid-run
-    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"),
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"),
                     env={"ROFORMER_STEP_DELAY_S": "0.3"})
     _wait_for_step(run, 2, proc)
     os.kill(_rank_pids(proc)[1], signal.SIGUSR2)   # one rank only: the ranks must agree
@@ -175,9 +188,9 @@ def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_pa
     assert proc.returncode == EXIT_REQUEUE, out
     latest = (run / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[1])
-    assert 2 <= stopped_at < 8
+    assert 2 <= stopped_at < 18
     assert len(trace(run)) == stopped_at
-    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"))
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"))
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     assert_traces_equal(trace(reference), trace(run), tol=1e-6)
@@ -185,15 +198,15 @@ def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_pa
 
 def test_kill_9_between_checkpoints_resumes_from_last_complete(small_shards, tmp_path, reference):
     run = tmp_path / "run"
-    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"),
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"),
                     env={"ROFORMER_STEP_DELAY_S": "0.3"})
-    _wait_for_step(run, 5, proc)
+    _wait_for_step(run, 9, proc)
     os.kill(_rank_pids(proc)[1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    # checkpoints at 3 (save_every) and 4 (end of stage 1); killed after step 5
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"))
+    # checkpoints at 4, 6 (end of stage 1) and 8; killed after step 9, before the next one at 12
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"))
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     assert "resuming from" in (run / "logs" / "rank0.log").read_text()
@@ -202,18 +215,18 @@ def test_kill_9_between_checkpoints_resumes_from_last_complete(small_shards, tmp
 
 def test_crash_inside_a_save_keeps_previous_latest(small_shards, tmp_path, reference):
     run = tmp_path / "run"
-    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"),
-                    env={"ROFORMER_CRASH_IN_SAVE_AT": "6"})
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"),
+                    env={"ROFORMER_CRASH_IN_SAVE_AT": "12"})
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode != 0
     ckpts = run / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000004"
-    assert (ckpts / "step_00000006").is_dir() and not (ckpts / "step_00000006" / "COMPLETE").exists()
-    proc = _run_cli(_cli_overrides(small_shards, run, STAGES_2, "trainer.save_every=3"))
+    assert (ckpts / "latest").read_text().strip() == "step_00000008"
+    assert (ckpts / "step_00000012").is_dir() and not (ckpts / "step_00000012" / "COMPLETE").exists()
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"))
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     log = (run / "logs" / "rank0.log").read_text()
-    assert "ignoring incomplete checkpoint" in log and "step_00000006" in log
+    assert "ignoring incomplete checkpoint" in log and "step_00000012" in log
     assert_traces_equal(trace(reference), trace(run), tol=1e-6)
 
 

@@ -94,7 +94,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # a requeued job waits cred_expire seconds before it may start again (default 120)
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 MpiDefault=none
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
@@ -104,7 +104,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=5,bf_interval=5
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
@@ -179,13 +179,13 @@ running_slurmds() { # pids of the slurmd daemons started from this state dir (an
 }
 if [ "$CONF_CHANGED" = 1 ] && { alive "$STATE/slurmctld.pid" slurmctld || [ -n "$(running_slurmds)" ]; }; then
   log "slurm.conf changed: restarting slurmctld and slurmd"
-  old="$(running_slurmds) $( alive "$STATE/slurmctld.pid" slurmctld && cat "$STATE/slurmctld.pid")"
+  old=$(echo $(running_slurmds) $(alive "$STATE/slurmctld.pid" slurmctld && cat "$STATE/slurmctld.pid"))
+  all_gone() { for p in $old; do kill -0 "$p" 2>/dev/null && return 1; done; return 0; }
   scontrol shutdown >/dev/null 2>&1 || true
-  # slurmds of nodes that left the config do not hear the shutdown: stop them by pid
-  for _ in $(seq 50); do alive_any=0; for p in $old; do kill -0 "$p" 2>/dev/null && alive_any=1; done
-    [ $alive_any = 0 ] && break; sleep 0.2; done
-  for p in $old; do kill "$p" 2>/dev/null || true; done
-  wait_for "slurm daemons exit" 30 sh -c "for p in $old; do kill -0 \$p 2>/dev/null && exit 1; done; exit 0"
+  for _ in $(seq 50); do all_gone && break; sleep 0.2; done
+  # slurmds of nodes that left the config may not hear the shutdown: stop them by pid
+  all_gone || { log "stopping the remaining daemons by pid"; for p in $old; do kill "$p" 2>/dev/null || true; done; }
+  wait_for "slurm daemons exit" 20 all_gone
 fi
 if ! alive "$STATE/slurmctld.pid" slurmctld; then log "starting slurmctld"; slurmctld; fi
 wait_for slurmctld 30 scontrol ping

@@ -1,0 +1,276 @@
+"""``roformer-submit``: submit a pretraining run to SLURM (or run it here), and look after it.
+
+    roformer-submit --config FILE [key=value ...] [--cluster slurm|local] [--profile NAME] [--nodes N]
+                    [--gpus-per-node G] [--tasks-per-node T] [--cpus-per-task C] [--mem 64G]
+                    [--partition P] [--account A] [--qos Q] [--constraint C] [--time MINUTES]
+                    [--wait] [--dry-run]
+    roformer-submit status RUN_DIR      state, requeue count, progress
+    roformer-submit cancel RUN_DIR      scancel the run's job
+    roformer-submit logs RUN_DIR [-n N] [--rank R]   tail a rank's log (default rank 0)
+
+Submitting validates the config for the job's world size (a bad config exits 2 naming the key and
+queues nothing), creates the run directory, writes the resolved config there, records the job id in
+``<run_dir>/logs/job_id`` (history in ``logs/jobs.jsonl``) and prints ``job_id: <id>``. The submitit
+folder (sbatch script, pickles, per-task stdout/stderr) is ``<run_dir>/logs/``, beside the trainer's
+``rank<r>.log``. ``--cluster local`` (the default when there is no ``sbatch``) runs the same job on this
+machine with submitit's local executor, in the foreground.
+
+Exit status: 0 submitted (or, with ``--wait`` / ``--cluster local``, the job COMPLETED); 1 the job ended in
+another state, or submission failed; 2 bad config or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from launcher import profiles, slurm
+from launcher.profiles import JobFlags
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+SUBCOMMANDS = ("status", "cancel", "logs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="roformer-submit",
+        description="Submit a RoFormer pretraining run to SLURM through submitit (requeued on time limits and "
+                    "preemption, resumed from its checkpoints), or run it on this machine. "
+                    "Also: roformer-submit status|cancel|logs RUN_DIR.",
+        epilog="examples:\n"
+               "  roformer-submit --config configs/experiments/debug.yaml --profile local --wait\n"
+               "  roformer-submit --config configs/experiments/demo.yaml --profile example_gpu --nodes 4 "
+               "--time 1440\n"
+               "  roformer-submit --config configs/experiments/debug.yaml --nodes 2 --tasks-per-node 1 --dry-run\n"
+               "  roformer-submit status runs/debug",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="experiment YAML (configs/experiments/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument("--cluster", choices=("slurm", "local"),
+                   help="slurm, or local = this machine without SLURM (default: slurm when sbatch exists)")
+    p.add_argument("--profile", help="cluster profile configs/cluster/NAME.yaml (or a YAML path): the slurm section")
+    p.add_argument("--nodes", type=int, help="nodes (slurm.nodes)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node; one rank per GPU (slurm.gpus_per_node)")
+    p.add_argument("--tasks-per-node", type=int, help="ranks per node (slurm.tasks_per_node)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per rank (slurm.cpus_per_task)")
+    p.add_argument("--mem", help="memory per node, e.g. 64G (slurm.mem_gb)")
+    p.add_argument("--partition", help="slurm.partition")
+    p.add_argument("--account", help="slurm.account")
+    p.add_argument("--qos", help="slurm.qos")
+    p.add_argument("--constraint", help="slurm.constraint")
+    p.add_argument("--time", type=int, metavar="MINUTES", help="time limit per attempt (slurm.time_min)")
+    p.add_argument("--wait", action="store_true", help="follow the job through requeues; exit 0 iff it COMPLETED")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
+    return p
+
+
+def _flags(args: argparse.Namespace) -> JobFlags:
+    return JobFlags(profile=args.profile, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                    tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task,
+                    mem_gb=profiles.parse_mem_gb(args.mem) if args.mem else None, partition=args.partition,
+                    account=args.account, qos=args.qos, constraint=args.constraint, time_min=args.time)
+
+
+def _say(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def submit(args: argparse.Namespace) -> int:
+    try:
+        cfg = profiles.resolve(args.config, args.overrides, _flags(args))
+        profiles.check_data(cfg)
+    except ValueError as e:
+        print(f"roformer-submit: config error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
+    run_dir = Path(cfg.run_dir)
+    logs = run_dir / "logs"
+    s = cfg.slurm
+    if args.dry_run:
+        if cluster == "slurm":
+            print(profiles.sbatch_script(cfg, logs), end="")
+        else:
+            print(f"# --cluster local: {cfg.dist.world_size} task(s) on this machine (submitit LocalExecutor), "
+                  f"time limit {s.time_min} min, logs in {logs}")
+        return EXIT_OK
+    if cluster == "slurm" and not shutil.which("sbatch"):
+        print("roformer-submit: no sbatch on PATH (no SLURM here); use --cluster local", file=sys.stderr)
+        return EXIT_FAILED
+
+    from roformer_dist.config import save_config
+
+    logs.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    job = _submit(cfg, cluster, logs)
+    _record(run_dir, job.job_id, cluster)
+    print(f"job_id: {job.job_id}", flush=True)
+    shape = f"{s.nodes} node(s) x {s.tasks_per_node} task(s)" if cluster == "slurm" else \
+        f"{cfg.dist.world_size} task(s) on this machine"
+    _say(f"{cluster}: {shape}, world size {cfg.dist.world_size}, run_dir {run_dir}")
+    if cluster == "local":
+        return _wait_local(job)
+    if args.wait:
+        return _wait_slurm(job.job_id)
+    return EXIT_OK
+
+
+def _submit(cfg, cluster: str, logs: Path):
+    import submitit
+
+    from launcher.job import TrainJob
+
+    s = cfg.slurm
+    if cluster == "slurm":
+        ex = submitit.SlurmExecutor(folder=logs, max_num_timeout=s.max_num_timeout)
+        ex.update_parameters(**profiles.slurm_parameters(cfg))
+    else:
+        os.environ.update(s.env)  # the local controller and its tasks inherit this environment
+        ex = submitit.LocalExecutor(folder=logs, max_num_timeout=s.max_num_timeout)
+        ex.update_parameters(timeout_min=s.time_min, signal_delay_s=s.signal_delay_s,
+                             tasks_per_node=cfg.dist.world_size, gpus_per_node=s.gpus_per_node * s.nodes)
+    job = ex.submit(TrainJob(cfg))
+    if cluster == "slurm":
+        # job ids restart after the accounting DB is purged: drop results of an older job with this id
+        for old in logs.glob(f"{job.job_id}_*_result.pkl"):
+            old.unlink(missing_ok=True)
+    return job
+
+
+def _record(run_dir: Path, job_id: str, cluster: str) -> None:
+    logs = run_dir / "logs"
+    (logs / "job_id").write_text(f"{job_id}\n")
+    with open(logs / "jobs.jsonl", "a") as f:
+        f.write(json.dumps({"job_id": job_id, "cluster": cluster, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "argv": sys.argv[1:]}) + "\n")
+
+
+def _wait_local(job) -> int:
+    try:
+        job.results()
+    except Exception as e:  # noqa: BLE001 - submitit raises its own job errors; report and fail
+        _say(f"final state: FAILED\n{e}")
+        return EXIT_FAILED
+    _say("final state: COMPLETED")
+    return EXIT_OK
+
+
+def _wait_slurm(job_id: str) -> int:
+    final = slurm.wait(job_id, report=lambda st: _say(f"job {job_id}: {st}"))
+    _say(f"final state: {final} (requeues: {slurm.requeue_count(job_id)})")
+    return EXIT_OK if final == "COMPLETED" else EXIT_FAILED
+
+
+# --------------------------------------------------------------------------- status | cancel | logs
+
+
+def _last_job(run_dir: Path) -> dict:
+    path = run_dir / "logs" / "jobs.jsonl"
+    if not path.exists():
+        raise ValueError(f"{run_dir}: no job was submitted for this run directory ({path} missing)")
+    return json.loads(path.read_text().splitlines()[-1])
+
+
+def _progress(run_dir: Path) -> str:
+    import yaml
+
+    step = 0
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        lines = metrics.read_text().splitlines()
+        step = json.loads(lines[-1])["step"] if lines else 0
+    try:
+        stages = yaml.safe_load((run_dir / "config.yaml").read_text())["curriculum"]["stages"]
+        total = str(sum(int(st["steps"]) for st in stages))
+    except (OSError, KeyError, TypeError, ValueError):
+        total = "?"
+    latest = run_dir / "checkpoints" / "latest"
+    tag = latest.read_text().strip() if latest.exists() else "none"
+    return f"step {step}/{total}, latest checkpoint: {tag}"
+
+
+def _local_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def status(run_dir: Path) -> int:
+    job = _last_job(run_dir)
+    jid = job["job_id"]
+    print(f"run_dir: {run_dir}")
+    print(f"job_id: {jid} ({job['cluster']})")
+    if job["cluster"] == "slurm":
+        recs = slurm.attempts(jid)
+        print(f"state: {slurm.state(jid)}")
+        print(f"requeues: {max(0, len(recs) - 1)}")
+        for i, r in enumerate(recs):
+            print(f"  attempt {i + 1}: {r['state']:<10} start {r['start']} end {r['end']} nodes {r['nodes']}")
+    else:
+        print(f"state: {'RUNNING' if _local_alive(jid) else 'FINISHED'}")
+    print(f"progress: {_progress(run_dir)}")
+    return EXIT_OK
+
+
+def cancel(run_dir: Path) -> int:
+    job = _last_job(run_dir)
+    jid = job["job_id"]
+    if job["cluster"] == "slurm":
+        slurm.cancel(jid)
+    elif _local_alive(jid):
+        os.kill(int(jid), signal.SIGINT)  # what submitit's LocalJob.cancel sends to its controller
+    print(f"cancelled job {jid}")
+    return EXIT_OK
+
+
+def logs(run_dir: Path, rank: int, lines: int) -> int:
+    job = _last_job(run_dir)
+    d = run_dir / "logs"
+    shown = 0
+    for path in (d / f"rank{rank}.log", d / f"{job['job_id']}_{rank}_log.err", d / f"{job['job_id']}_{rank}_log.out"):
+        if path.exists() and path.stat().st_size:
+            print(f"==> {path} <==")
+            print("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+            shown += 1
+    if not shown:
+        print(f"no log of rank {rank} yet in {d}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def run_subcommand(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog=f"roformer-submit {argv[0]}")
+    p.add_argument("run_dir", type=Path)
+    if argv[0] == "logs":
+        p.add_argument("--rank", type=int, default=0, help="whose log (default 0)")
+        p.add_argument("-n", "--lines", type=int, default=50, help="lines from the end (default 50)")
+    args = p.parse_args(argv[1:])
+    run_dir = args.run_dir.resolve()
+    try:
+        if argv[0] == "status":
+            return status(run_dir)
+        if argv[0] == "cancel":
+            return cancel(run_dir)
+        return logs(run_dir, args.rank, args.lines)
+    except ValueError as e:
+        print(f"roformer-submit {argv[0]}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return run_subcommand(argv)
+    parser = build_parser()
+    return submit(parser.parse_intermixed_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""roformer-submit against the real localhost SLURM cluster (``slurm/local_cluster/start.sh``; `make test`
+starts it when run as root). Nothing is mocked: sbatch, srun, the time-limit signal, preemption by the
+`high` partition, `scontrol requeue`, sacct, and the real trainer on 2 gloo ranks.
+
+The runs use the debug config with one step delay (``ROFORMER_STEP_DELAY_S``) so that signals land
+mid-run; every interrupted job must end with the loss trace of one uninterrupted local run (fp32, 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from test_launcher import BIN, assert_trace_equal, job_env, job_id_of, reference_run, submit_cmd
+
+SIGUSR2 = 12
+
+
+def cluster_problem() -> str | None:
+    """Why the SLURM tests cannot run here, or None."""
+    if shutil.which("sinfo") is None:
+        return "SLURM is not installed (no sinfo); start the local cluster: slurm/local_cluster/start.sh (as root)"
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"sinfo failed: {e}"
+    if p.returncode != 0:
+        return f"the SLURM controller does not answer ({p.stderr.strip()[:200]}); run slurm/local_cluster/start.sh"
+    if not re.search(r"idle|mixed|allocated", p.stdout):
+        return f"no SLURM node is up (sinfo: {p.stdout.split()})"
+    if subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, timeout=30).returncode != 0:
+        return "SLURM accounting (sacct / slurmdbd) is not available; slurm/local_cluster/start.sh sets it up"
+    return None
+
+
+PROBLEM = cluster_problem()
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))]
+
+
+# --------------------------------------------------------------------------- helpers (also used by test_multinode)
+
+
+def wait_until(cond, timeout: float, what: str, poll: float = 0.5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def sacct_attempts(job_id: str) -> list[dict]:
+    """One record per attempt of the job, oldest first (``sacct -D``)."""
+    out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State,ElapsedRaw,NodeList"],
+                         capture_output=True, text=True, timeout=30).stdout
+    recs = [dict(zip(("id", "state", "elapsed", "nodes"), x.split("|"))) for x in out.splitlines() if x.strip()]
+    for r in recs:
+        r["state"] = r["state"].split()[0]
+    return [r for r in recs if r["id"] == job_id]
+
+
+def squeue_state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+def last_step(run_dir: Path) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    step = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except ValueError:  # a line being written
+                pass
+    return step
+
+
+def saved_step(run_dir: Path) -> int:
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    return int(latest.read_text().strip().split("_")[-1]) if latest.exists() else 0
+
+
+def wait_stepping(job_id: str, run_dir: Path, past: int, timeout: float = 300) -> None:
+    """Until this attempt of the job runs and has trained beyond step ``past``."""
+    wait_until(lambda: squeue_state(job_id) == "RUNNING" and last_step(run_dir) > past, timeout,
+               f"job {job_id} to train past step {past}")
+
+
+def wait_attempts(job_id: str, n: int, timeout: float = 180) -> None:
+    wait_until(lambda: len(sacct_attempts(job_id)) >= n, timeout, f"job {job_id} to be requeued ({n} attempts)")
+
+
+def start_waiting_submit(cmd: list[str], env: dict, out: Path) -> tuple[subprocess.Popen, str]:
+    """Run ``roformer-submit ... --wait`` in the background; returns the process and the job id it printed."""
+    f = open(out, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    f.close()
+
+    def job_id():
+        if proc.poll() not in (None, 0):
+            raise AssertionError(f"roformer-submit failed:\n{out.read_text()}")
+        m = re.search(r"^job_id: (\d+)$", out.read_text(), re.M)
+        return m.group(1) if m else None
+
+    return proc, wait_until(job_id, 120, "the job_id line")
+
+
+def submit_status(run_dir: Path) -> str:
+    p = subprocess.run([str(BIN / "roformer-submit"), "status", str(run_dir)], capture_output=True, text=True,
+                       env=job_env(), timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def preempt(job_id: str) -> str:
+    """Submit a job to the `high` partition that needs the whole node of ``job_id``: SLURM preempts it
+    (PreemptMode=REQUEUE, preempt_send_user_signal: USR2 now, kill and requeue after GraceTime)."""
+    node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    assert node, f"job {job_id} runs on no node"
+    out = subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", node, "-N", "1", "--exclusive",
+                          "-o", "/dev/null", "--wrap", "sleep 1"], capture_output=True, text=True, check=True,
+                         timeout=30).stdout
+    return out.strip().split(";")[0]
+
+
+@pytest.fixture(scope="module")
+def reference(small_shards, tmp_path_factory):
+    return reference_run(tmp_path_factory, small_shards)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_bad_config_submits_nothing_to_slurm(small_shards, tmp_path):
+    name = f"bad-{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / name
+    p = subprocess.run(submit_cmd(small_shards, run_dir, "--profile", "local", "deepspeed.zero_stage=7"),
+                       env=job_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "deepspeed.zero_stage" in p.stderr, p.stdout + p.stderr
+    assert "job_id" not in p.stdout and not run_dir.exists()
+    sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "--name", f"roformer-{name}", "-S", "now-1hour"],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert sacct.strip() == "", "a bad config must not reach SLURM"
+
+
+def test_usr2_preemption_and_three_requeues_end_with_the_uninterrupted_trace(small_shards, reference, tmp_path):
+    """A 1-node, 2-task debug job, followed by ``--wait``. Attempt 1 gets ``scancel --signal=USR2 --full``
+    (what SLURM does before a time limit), attempt 2 is preempted by a job in the `high` partition,
+    attempt 3 gets USR2 again; each time the ranks save, the job is requeued (same id) and resumes. The
+    4th attempt completes with the loss trace of the uninterrupted local run; `--wait` returns COMPLETED
+    and `status` reports the 3 requeues."""
+    run_dir = tmp_path / "run"
+    proc, job = start_waiting_submit(submit_cmd(small_shards, run_dir, "--profile", "local", "--wait"),
+                                     job_env(ROFORMER_STEP_DELAY_S="0.5"), tmp_path / "submit.out")
+    preemptor = None
+    try:
+        saved = 0
+        for n, how in enumerate(("usr2", "preempt", "usr2"), start=1):
+            wait_stepping(job, run_dir, past=saved)
+            if how == "usr2":
+                subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True, timeout=30)
+            else:
+                preemptor = preempt(job)
+            wait_attempts(job, n + 1)
+            assert saved_step(run_dir) > saved, f"interruption {n} ({how}) saved no new checkpoint"
+            saved = saved_step(run_dir)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", job], timeout=30)
+    out = (tmp_path / "submit.out").read_text()
+    assert rc == 0, out
+    assert "final state: COMPLETED (requeues: 3)" in out, out
+
+    attempts = sacct_attempts(job)
+    assert [a["state"] for a in attempts][-1] == "COMPLETED" and len(attempts) == 4, attempts
+    assert all(a["state"] in ("REQUEUED", "PREEMPTED") for a in attempts[:3]), attempts
+    assert sacct_attempts(preemptor)[-1]["state"] == "COMPLETED", "the high-priority job must have run"
+    status = submit_status(run_dir)
+    assert "requeues: 3" in status and "state: COMPLETED" in status and "progress: step 18/18" in status, status
+
+    log0 = (run_dir / "logs" / "rank0.log").read_text()
+    assert log0.count("stop requested") == 3 and log0.count("resuming from") == 3, log0[-3000:]
+    assert_trace_equal(run_dir, reference)
+
+
+def test_time_limit_signal_requeues_and_the_job_completes(small_shards, reference, tmp_path):
+    """A 2-minute limit, a run longer than that, USR2 30 s before the limit (SLURM may send it up to ~30 s
+    earlier still): the job saves, is requeued before the limit (no TIMEOUT), and completes exactly."""
+    run_dir = tmp_path / "run"
+    p = subprocess.run(submit_cmd(small_shards, run_dir, "--profile", "local", "--time", "2",
+                                  "slurm.signal_delay_s=30", "--wait"),
+                       env=job_env(ROFORMER_STEP_DELAY_S="4"), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    job = job_id_of(p.stdout)
+    attempts = sacct_attempts(job)
+    states = [a["state"] for a in attempts]
+    assert len(states) >= 2 and states[-1] == "COMPLETED", attempts
+    assert set(states[:-1]) == {"REQUEUED"}, f"requeued by the signal, never killed by the limit: {attempts}"
+    assert all(int(a["elapsed"]) < 120 for a in attempts), attempts
+    log0 = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"stop requested (signal {SIGUSR2})" in log0, log0[-3000:]
+    assert_trace_equal(run_dir, reference)
+    logs = subprocess.run([str(BIN / "roformer-submit"), "logs", str(run_dir), "-n", "20"], capture_output=True,
+                          text=True, env=job_env(), timeout=60)
+    assert logs.returncode == 0 and "rank0.log <==" in logs.stdout and "done: 18 steps" in logs.stdout, logs.stdout
+
+
+def test_cancel_ends_the_job_and_wait_returns_its_final_state(small_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, job = start_waiting_submit(submit_cmd(small_shards, run_dir, "--profile", "local", "--wait"),
+                                     job_env(ROFORMER_STEP_DELAY_S="2"), tmp_path / "submit.out")
+    try:
+        wait_until(lambda: squeue_state(job) == "RUNNING", 120, "the job to run")
+        status = submit_status(run_dir)
+        assert f"job_id: {job} (slurm)" in status and "state: RUNNING" in status and "requeues: 0" in status
+        p = subprocess.run([str(BIN / "roformer-submit"), "cancel", str(run_dir)], capture_output=True, text=True,
+                           env=job_env(), timeout=60)
+        assert p.returncode == 0 and f"cancelled job {job}" in p.stdout, p.stderr
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", job], timeout=30)
+    out = (tmp_path / "submit.out").read_text()
+    assert rc == 1 and "final state: CANCELLED" in out, out
+    wait_until(lambda: squeue_state(job) in ("", "CANCELLED"), 60, "the job to leave the queue")
+    assert sacct_attempts(job)[-1]["state"] == "CANCELLED"
+    assert "state: CANCELLED" in submit_status(run_dir)
