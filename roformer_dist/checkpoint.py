@@ -183,6 +183,10 @@ def load_consolidated_weights(ckpt_dir: str | os.PathLike):
         raise ValueError(f"{ckpt_dir}: checkpoint is incomplete (no {COMPLETE} marker)")
     state = load_trainer_state(ckpt_dir, 0)
     cfg = from_dict(state["config"])
+    if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
+        from roformer_dist.parallel.consolidate import consolidate_state_dict
+
+        return consolidate_state_dict(ckpt_dir, cfg.model)
     if cfg.deepspeed.zero_stage == 0:
         files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
         if not files:

@@ -91,70 +91,28 @@ def maybe_use_apex(model: torch.nn.Module) -> int:
     return swapped
 
 
-def build_engine(cfg: Config, model: torch.nn.Module, stage: StageConfig, world_size: int,
-                 load_universal: bool = False):
-    """Wrap ``model`` in a DeepSpeed engine for ``stage``; returns the engine."""
+def build_engine(cfg: Config, module: torch.nn.Module, stage: StageConfig, world_size: int,
+                 load_universal: bool = False, mpu=None, extra_config: dict | None = None):
+    """Wrap ``module`` (our model, its tensor-parallel form, or a pipeline module) in DeepSpeed for
+    ``stage``; ``mpu`` gives DeepSpeed the model-parallel groups. Returns the engine."""
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if cfg.optim.name == "lamb" and not torch.cuda.is_available():
         raise ValueError("optim.name: lamb uses DeepSpeed's fused LAMB, which needs CUDA; use adamw on CPU")
-    if maybe_use_apex(model):
+    if maybe_use_apex(module):
         log.info("using apex FusedLayerNorm")
-    model.gradient_checkpointing = cfg.deepspeed.activation_checkpointing
+    if hasattr(module, "gradient_checkpointing"):
+        module.gradient_checkpointing = cfg.deepspeed.activation_checkpointing
     ds_config = deepspeed_config(cfg, stage, world_size, load_universal)
-    groups = param_groups(model, cfg.optim.weight_decay)
+    for key, value in (extra_config or {}).items():
+        ds_config[key] = {**ds_config.get(key, {}), **value}
+    groups = param_groups(module, cfg.optim.weight_decay)
     optimizer = None
     if not _use_deepspeed_optimizer(cfg):
         optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                       eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                            model_parameters=groups if optimizer is None else None,
-                                           config=ds_config)
+                                           config=ds_config, mpu=mpu)
     return engine
-
-
-def set_stage(engine, cfg: Config, stage: StageConfig, world_size: int) -> None:
-    """Switch micro-batch and global batch for a new stage without re-initialising DeepSpeed."""
-    mbs = micro_batch_size(cfg, stage, world_size)
-    engine.set_train_micro_batch_size(mbs)
-    engine.set_train_batch_size(stage.global_batch_size)
-
-
-def set_lr(engine, lr: float) -> None:
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-
-
-def model_state_bytes(engine) -> dict:
-    """Bytes this rank holds for parameters, gradients and optimizer state (measured from tensors)."""
-    seen: set[int] = set()
-
-    def nbytes(tensors) -> int:
-        total = 0
-        for t in tensors:
-            if t is None or not torch.is_tensor(t) or t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-        return total
-
-    params = []
-    for p in engine.module.parameters():
-        params.append(getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p.data)
-    out = {"params": nbytes(params)}
-    opt = engine.optimizer
-    inner = getattr(opt, "optimizer", opt)
-    state_tensors = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
-    master = []
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "bit16_groups_flat"):
-        master.extend(getattr(opt, name, []) or [])
-    grads = [p.grad for p in engine.module.parameters()]
-    for name in ("averaged_gradients",):
-        val = getattr(opt, name, None)
-        if isinstance(val, dict):
-            grads.extend(t for ts in val.values() for t in (ts or []))
-    out["optimizer"] = nbytes(state_tensors) + nbytes(master)
-    out["grads"] = nbytes(grads)
-    out["total"] = out["params"] + out["optimizer"] + out["grads"]
-    return out

@@ -146,14 +146,12 @@ class Trainer:
         self.state = TrainState()
         self.stop = StopFlag()
         self.nan_steps = faults.nan_steps()
-        self.dp_size = env.world_size  # tensor/pipeline degrees are 1 here (validated in run_rank)
-        self.dp_rank = env.rank
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from data_pipeline.loader import ShardLoader
-        from roformer_dist.engine import build_engine
         from roformer_dist.model import RoFormerForMaskedLM
+        from roformer_dist.parallel.runner import build_parallel_engine
 
         cfg, env = self.cfg, self.env
         found = ckpt.find_resume(self.ckpt_root) if cfg.checkpoint.resume else None
@@ -166,6 +164,16 @@ class Trainer:
             log.info("resolved config:\n%s", dump_yaml(cfg))
 
         self.elastic = bool(found) and found.world_size != env.world_size
+        if found:
+            old = resumed["config"]["parallel"]
+            model_parallel = cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1
+            if (old["tensor"], old["pipeline"]) != (cfg.parallel.tensor, cfg.parallel.pipeline) or (
+                    self.elastic and model_parallel):
+                raise ValueError(
+                    f"parallel: the checkpoint {found.dir} was written with tensor {old['tensor']} x pipeline "
+                    f"{old['pipeline']} on {found.world_size} ranks; resuming with tensor {cfg.parallel.tensor} x "
+                    f"pipeline {cfg.parallel.pipeline} on {env.world_size} ranks is not supported (only the "
+                    "data-parallel degree may change, and only without model parallelism)")
         if self.elastic and cfg.deepspeed.zero_stage > 0:
             if env.rank == 0:
                 ckpt.to_universal(found.dir, cfg.deepspeed.zero_stage)
@@ -173,18 +181,22 @@ class Trainer:
 
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         model = RoFormerForMaskedLM(cfg.model)
-        self.preflight(model)
+        self.flops_per_token = model.flops_per_token
+        if cfg.parallel.tensor == cfg.parallel.pipeline == 1:
+            self.preflight(model)
         first = stage_at(self.stages, found.step if found and found.step < self.total else 0)
         self.stage_index = first.index
-        self.engine = build_engine(cfg, model, first.stage, env.world_size,
-                                   load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
+        self.engine, self.runner = build_parallel_engine(
+            cfg, model, first.stage, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
+        self.dp_rank, self.dp_size = self.runner.dp_rank, self.runner.dp_size
         mbs = micro_batch_size(cfg, first.stage, env.world_size)
         self.loader = ShardLoader(cfg.data.shards, seq_len=first.stage.seq_len, micro_batch_size=mbs,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
                                   seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
                                   whole_word_mask=cfg.data.whole_word_mask, skip_bad_shards=cfg.data.skip_bad_shards,
                                   pin_memory=torch.cuda.is_available())
-        torch.manual_seed(cfg.trainer.seed + 1 + env.rank)  # dropout streams differ per rank
+        # dropout: one stream per replica and pipeline stage, shared by the tensor ranks of a stage
+        torch.manual_seed(cfg.trainer.seed + 1 + self.runner.seed_offset)
         if found:
             self.resume(found)
         self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, cfg.logging.tensorboard)
@@ -238,71 +250,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def switch_stage(self, index: int) -> None:
-        from roformer_dist.engine import set_stage
-
         st = self.stages[index]
         mbs = micro_batch_size(self.cfg, st, self.env.world_size)
         self.loader.set_stage(st.seq_len, mbs)
-        set_stage(self.engine, self.cfg, st, self.env.world_size)
+        self.runner.set_stage(st, self.env.world_size)
         self.stage_index = index
         log.info("stage %d/%d %r: seq_len %d, global batch %d, micro-batch %d, accumulation %d",
                  index + 1, len(self.stages), st.name, st.seq_len, st.global_batch_size, mbs,
                  self.engine.gradient_accumulation_steps())
 
-    def train_step(self, it) -> dict:
-        engine, step_no = self.engine, self.state.step + 1
-        gas = engine.gradient_accumulation_steps()
-        # [loss sum, micro-batches, correct, predicted, tokens, samples, non-finite, stop requested]
-        stats = torch.zeros(8, dtype=torch.float64)
-        engine.train()
-        for i in range(gas):
-            batch = next(it)
-            out = engine(input_ids=batch["input_ids"].to(engine.device),
-                         attention_mask=batch["attention_mask"].to(engine.device),
-                         token_type_ids=batch["token_type_ids"].to(engine.device),
-                         labels=batch["labels"].to(engine.device))
-            loss = out.loss
-            if step_no in self.nan_steps:
-                loss = loss * float("nan")
-            finite = bool(torch.isfinite(loss.detach()).item())
-            stats[0] += loss.item() if finite else 0.0
-            stats[1] += 1
-            stats[2] += float(out.accuracy) * int(out.num_predicted)
-            stats[3] += int(out.num_predicted)
-            stats[4] += int(batch["attention_mask"].sum())
-            stats[5] += batch["input_ids"].shape[0]
-            stats[6] += 0 if finite else 1
-            engine.backward(loss)
-            if i < gas - 1:
-                engine.step()
-        stats[7] = 1.0 if self.stop.requested else 0.0
-        if dist.get_world_size() > 1:
-            dist.all_reduce(stats)
-        nonfinite = stats[6].item() > 0
-        if nonfinite and self.cfg.deepspeed.zero_stage == 0:
-            # ZeRO 1-3 detect the non-finite gradients themselves and skip; stage 0 does not.
-            for p in engine.module.parameters():
-                p.grad = None
-        engine.step()
-        return {"loss": stats[0].item() / max(1.0, stats[1].item()) if not nonfinite else float("nan"),
-                "mlm_acc": stats[2].item() / max(1.0, stats[3].item()), "tokens": int(stats[4].item()),
-                "samples": int(stats[5].item()), "nonfinite": nonfinite, "stop": stats[7].item() > 0}
-
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Loss and MLM accuracy at each eval length of the current stage.
 
-        Every rank reads the same eval stream (dp_rank 0 of 1) and takes every dp-th batch, so the
-        result does not depend on the world size and every rank runs the same number of forwards
-        (ZeRO-3 gathers parameters collectively)."""
+        Every rank reads the same eval stream (dp_rank 0 of 1); replica r takes batches r, r + dp, ...,
+        so the result does not depend on the world size and every rank runs the same number of
+        forwards (ZeRO-3 gathers parameters collectively; pipeline stages pass activations)."""
         from data_pipeline.loader import ShardLoader
 
         if not self.cfg.data.eval_shards:
             return {}
         st = self.stages[self.stage_index]
         lengths = st.eval_lengths or (st.seq_len,)
-        engine, n = self.engine, self.cfg.data.eval_batches
-        engine.eval()
+        n = self.cfg.data.eval_batches
         out = {}
         for length in lengths:
             mbs = max(1, self.cfg.curriculum.tokens_per_micro_batch // length)
@@ -314,21 +284,14 @@ class Trainer:
             it = iter(loader)
             for i in range(n * self.dp_size):
                 batch = next(it)
-                if i % self.dp_size != self.dp_rank:
-                    continue
-                o = engine(input_ids=batch["input_ids"].to(engine.device),
-                           attention_mask=batch["attention_mask"].to(engine.device),
-                           token_type_ids=batch["token_type_ids"].to(engine.device),
-                           labels=batch["labels"].to(engine.device))
-                k = int(o.num_predicted)
-                sums += torch.tensor([float(o.loss) * k, float(o.accuracy) * k, k], dtype=torch.float64)
+                if i % self.dp_size == self.dp_rank:
+                    sums += self.runner.eval_step(batch)
             if dist.get_world_size() > 1:
                 dist.all_reduce(sums)
             out[f"eval/loss_{length}"] = sums[0].item() / max(1.0, sums[2].item())
             out[f"eval/mlm_acc_{length}"] = sums[1].item() / max(1.0, sums[2].item())
         own = st.seq_len if st.seq_len in lengths else lengths[0]
         out["eval/loss"], out["eval/mlm_acc"] = out[f"eval/loss_{own}"], out[f"eval/mlm_acc_{own}"]
-        engine.train()
         return out
 
     def save(self) -> None:
@@ -347,20 +310,19 @@ class Trainer:
             return EXIT_DONE
         at = stage_at(self.stages, self.state.step)
         self.switch_stage(at.index)
-        it = iter(self.loader)
+        it = iter(self.loader) if self.runner.reads_data else None
         last_good: Optional[int] = None
         t_last, steps_since = time.monotonic(), 0
         while self.state.step < min(stop_at, self.total):
             at = stage_at(self.stages, self.state.step)
             if at.index != self.stage_index:
                 self.switch_stage(at.index)
-                it = iter(self.loader)
+                it = iter(self.loader) if self.runner.reads_data else None
             lr = lr_at(cfg.optim, self.stages, self.state.step)
-            from roformer_dist.engine import set_lr
-
-            set_lr(self.engine, lr)
+            self.runner.set_lr(lr)
             t0 = time.monotonic()
-            out = self.train_step(it)
+            out = self.runner.train_step(it, stop=self.stop.requested,
+                                         inject_nan=self.state.step + 1 in self.nan_steps)
             dt = time.monotonic() - t0
             faults.step_delay()
             s = self.state
@@ -416,7 +378,7 @@ class Trainer:
                    "perf/step_time_s": dt, "perf/max_mem_gb": max_mem_gb()}
         peak = peak_flops()
         if peak:
-            fpt = self.engine.module.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
+            fpt = self.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
             scalars["perf/mfu"] = toks_per_s * fpt / (peak * self.env.world_size)
         self.metrics.scalars(s.step, scalars)
         if self.env.rank == 0:
@@ -468,8 +430,6 @@ def init_distributed(cfg: Config, env: DistEnv) -> None:
 def run_rank(cfg: Config) -> int:
     """Run this process as one rank of the job described by ``cfg``; see the module docstring."""
     env = DistEnv.from_environ()
-    if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
-        raise ValueError("parallel.tensor / parallel.pipeline: model parallelism is not supported yet; use 1")
     setup_logging(cfg, env.rank)
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # ranks on one machine share its cores; oversubscribed threads make every rank slower

@@ -329,3 +329,47 @@ def test_to_hf_from_zero3_checkpoint_matches_our_logits(small_shards, tmp_path):
     ids = torch.randint(5, mcfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- model parallelism
+
+
+def test_tensor_x_pipeline_trains_like_one_rank_resumes_and_exports(small_shards, tmp_path):
+    """4 ranks as tensor 2 x pipeline 2 (data 1, ZeRO-1) through the trainer: the loss trace of 1 rank,
+    stop/resume, and a consolidated HF export with the 1-rank model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from roformer_dist.checkpoint import load_consolidated_weights
+
+    stages = STAGES_1.replace("steps: 8}", "steps: 4, micro_batch_size: 4}")
+    common = (stages, "deepspeed.zero_stage=1", "data.num_workers=1", "data.eval_shards=")
+    one = make_cfg(small_shards, tmp_path / "one", *common, world_size=1)
+    assert train(one) == [EXIT_DONE]
+    tp_pp = tmp_path / "tp_pp"
+    four = make_cfg(small_shards, tp_pp, *common, "parallel.tensor=2", "parallel.pipeline=2", world_size=4)
+    assert train(replace_stop(four, 2)) == [EXIT_DONE] * 4
+    assert train(four) == [EXIT_DONE] * 4
+    assert_traces_equal(trace(tmp_path / "one"), trace(tp_pp), tol=1e-4)
+
+    _, plain = load_consolidated_weights(tmp_path / "one" / "checkpoints" / "step_00000004")
+    mcfg, merged = load_consolidated_weights(tp_pp / "checkpoints" / "step_00000004")
+    for name, w in plain.items():
+        torch.testing.assert_close(merged[name], w, rtol=0, atol=1e-4, msg=name)
+    out = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.convert_cli", "to-hf", "--checkpoint",
+                        str(tp_pp / "checkpoints" / "step_00000004"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    from roformer_dist.model import RoFormerForMaskedLM
+
+    ours = RoFormerForMaskedLM(mcfg)
+    ours.load_state_dict(plain, strict=False)
+    hf = transformers.RoFormerForMaskedLM.from_pretrained(out).eval()
+    ids = torch.randint(5, mcfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, ours.eval()(ids).logits, rtol=0, atol=1e-3)
+
+
+def replace_stop(cfg, step):
+    from roformer_dist.config import replace
+
+    return replace(cfg, **{"trainer.stop_at_step": step})
