@@ -601,6 +601,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         if m.intermediate_size % p.tensor:
             raise ValueError(f"parallel.tensor: {p.tensor} does not divide model.intermediate_size "
                              f"{m.intermediate_size}")
+        if d.zero_stage == 3:
+            # ZeRO-3 would partition each tensor shard again across the data ranks; its checkpoint
+            # consolidation (zero_to_fp32) knows only one model-parallel rank.
+            raise ValueError("deepspeed.zero_stage: 3 is not supported with parallel.tensor > 1; use 1 or 2")
+        if isinstance(m.vocab_size, int) and m.vocab_size < 2 * p.tensor:
+            raise ValueError(f"parallel.tensor: {p.tensor} too large for model.vocab_size {m.vocab_size}")
 
     if not cfg.curriculum.stages:
         raise ValueError("curriculum.stages: expected at least one stage")

@@ -128,17 +128,7 @@ class RoFormerSelfAttention(nn.Module):
         backend = resolve_backend(self.rotary_backend, x.device) if cos is not None else None
         half_layout = backend == "apex"
         qkv, out_weight = self._projections(x, half_layout)
-        q, k, v = qkv.unbind(2)  # (B, S, H, D) views of one buffer
-        if cos is not None:
-            if half_layout:
-                q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-                if self.rotary_value:
-                    v = rotate_half(v, cos, sin)
-            else:
-                q, k = apply_rotary(q, k, cos, sin, backend)
-                if self.rotary_value:
-                    v = rotate(v, cos, sin, backend)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        q, k, v = rotate_qkv(qkv, cos, sin, backend, self.rotary_value)  # (B, H, S, D)
         p = self.dropout_p if self.training else 0.0
         if p > 0.0 and x.device.type == "cpu":
             # PyTorch's CPU SDPA has no fused kernel with dropout; its math fallback is ~2x slower
@@ -148,6 +138,24 @@ class RoFormerSelfAttention(nn.Module):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
         ctx = ctx.transpose(1, 2).reshape(B, S, hidden)
         return F.linear(ctx, out_weight, self.out.bias)
+
+
+def rotate_qkv(qkv: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+               backend: Optional[str], rotary_value: bool):
+    """(B, S, 3, H, D) projections -> rotated q, k (and v with rotary_value) as (B, H, S, D) each.
+
+    The ``apex`` backend works in the rotate-half layout (its projection rows are permuted)."""
+    q, k, v = qkv.unbind(2)  # (B, S, H, D) views of one buffer
+    if cos is not None:
+        if backend == "apex":
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+            if rotary_value:
+                v = rotate_half(v, cos, sin)
+        else:
+            q, k = apply_rotary(q, k, cos, sin, backend)
+            if rotary_value:
+                v = rotate(v, cos, sin, backend)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _eager_attention(q, k, v, attn_mask, dropout_p):

@@ -312,7 +312,6 @@ class Trainer:
         self.switch_stage(at.index)
         it = iter(self.loader) if self.runner.reads_data else None
         last_good: Optional[int] = None
-        t_last, steps_since = time.monotonic(), 0
         while self.state.step < min(stop_at, self.total):
             at = stage_at(self.stages, self.state.step)
             if at.index != self.stage_index:
@@ -338,7 +337,6 @@ class Trainer:
                 s.consecutive_nonfinite = 0
                 last_good = s.step
             self.record(out, lr, dt, at)
-            steps_since += 1
             if s.consecutive_nonfinite >= t.max_nonfinite_steps:
                 log.error("stopping: %d consecutive non-finite losses (trainer.max_nonfinite_steps); the "
                           "parameters are those of step %s, the last good update", s.consecutive_nonfinite,

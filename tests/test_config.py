@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -101,6 +100,7 @@ def test_curriculum_presets_paper_stages():
     ("curriculum=nope", "curriculum"),
     ("slurm.signal_delay_s=7200 slurm.time_min=60", "slurm.signal_delay_s"),
     ("deepspeed.offload_optimizer=cpu deepspeed.zero_stage=0", "deepspeed.offload_optimizer"),
+    ("parallel.tensor=2 dist.world_size=2 deepspeed.zero_stage=3", "deepspeed.zero_stage"),
 ])
 def test_rejections_name_the_key(override, key):
     with pytest.raises(ValueError) as e:

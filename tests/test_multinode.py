@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from roformer_dist.model import (IGNORE_INDEX, MaskedLMOutput, RoFormerForMaskedLM, RoFormerLayer,
-                                 RoFormerSelfAttention, _eager_attention)
-from roformer_dist.rotary import apply_rotary, resolve_backend, rotate, rotate_half
+                                 RoFormerSelfAttention, _eager_attention, rotate_qkv)
+from roformer_dist.rotary import resolve_backend
 
 # ----------------------------------------------------------------------------- collectives
 
@@ -269,17 +269,7 @@ class TensorParallelSelfAttention(RoFormerSelfAttention):
         backend = resolve_backend(self.rotary_backend, x.device) if cos is not None else None
         half_layout = backend == "apex"
         qkv, out_weight = self._projections(x, half_layout)  # (B, S, 3, H_local, D)
-        q, k, v = qkv.unbind(2)
-        if cos is not None:
-            if half_layout:
-                q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-                if self.rotary_value:
-                    v = rotate_half(v, cos, sin)
-            else:
-                q, k = apply_rotary(q, k, cos, sin, backend)
-                if self.rotary_value:
-                    v = rotate(v, cos, sin, backend)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H_local, S, D)
+        q, k, v = rotate_qkv(qkv, cos, sin, backend, self.rotary_value)  # (B, H_local, S, D)
         p = self.dropout_p if self.training else 0.0
         if p > 0.0:
             with _per_rank_rng(self.tp_rank, x.device):

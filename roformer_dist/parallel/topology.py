@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from roformer_dist.config import Config
+from roformer_dist.config import Config, validate
 
 
 class Coord(NamedTuple):
@@ -74,29 +74,9 @@ class Layout:
 
 
 def check_layout(cfg: Config, world_size: int) -> Layout:
-    """The checks of ``config.validate`` plus those only this package knows; returns the layout."""
-    layout = Layout.from_config(cfg, world_size)
-    m, zero = cfg.model, cfg.deepspeed.zero_stage
-    if layout.pipeline > 1 and zero > 1:
-        raise ValueError(f"deepspeed.zero_stage: {zero} with parallel.pipeline {layout.pipeline}; DeepSpeed's "
-                         "pipeline engine supports ZeRO 0 and 1 only")
-    if layout.pipeline > m.num_hidden_layers:
-        raise ValueError(f"parallel.pipeline: {layout.pipeline} stages but model.num_hidden_layers is "
-                         f"{m.num_hidden_layers}")
-    if layout.tensor > 1:
-        if m.num_attention_heads % layout.tensor:
-            raise ValueError(f"parallel.tensor: {layout.tensor} does not divide model.num_attention_heads "
-                             f"{m.num_attention_heads}")
-        if m.intermediate_size % layout.tensor:
-            raise ValueError(f"parallel.tensor: {layout.tensor} does not divide model.intermediate_size "
-                             f"{m.intermediate_size}")
-        if zero == 3:
-            # ZeRO-3 would partition each tensor shard again across the data ranks; its checkpoint
-            # consolidation (zero_to_fp32) knows only one model-parallel rank.
-            raise ValueError("deepspeed.zero_stage: 3 is not supported with parallel.tensor > 1; use 1 or 2")
-        if isinstance(m.vocab_size, int) and m.vocab_size < 2 * layout.tensor:
-            raise ValueError(f"parallel.tensor: {layout.tensor} too large for model.vocab_size {m.vocab_size}")
-    return layout
+    """``config.validate`` at this world size (it names the key of a bad layout); returns the layout."""
+    validate(cfg, world_size)
+    return Layout.from_config(cfg, world_size)
 
 
 class ParallelDims:
