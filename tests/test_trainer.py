@@ -335,20 +335,23 @@ def test_to_hf_from_zero3_checkpoint_matches_our_logits(small_shards, tmp_path):
 
 
 def test_tensor_x_pipeline_trains_like_one_rank_resumes_and_exports(small_shards, tmp_path):
-    """4 ranks as tensor 2 x pipeline 2 (data 1, ZeRO-1) through the trainer: the loss trace of 1 rank,
-    stop/resume, and a consolidated HF export with the 1-rank model's logits."""
+    """4 ranks as tensor 2 x pipeline 2 (data 1, ZeRO-1) through the trainer and a two-stage curriculum:
+    the loss trace of 1 rank, stop/resume, and a consolidated HF export with the 1-rank model's logits."""
     transformers = pytest.importorskip("transformers")
     from roformer_dist.checkpoint import load_consolidated_weights
 
-    stages = STAGES_1.replace("steps: 8}", "steps: 4, micro_batch_size: 4}")
+    stages = ("curriculum.stages=[{name: a, seq_len: 128, global_batch_size: 8, steps: 2, micro_batch_size: 4}, "
+              "{name: b, seq_len: 256, global_batch_size: 8, steps: 2, micro_batch_size: 2}]")
     common = (stages, "deepspeed.zero_stage=1", "data.num_workers=1", "data.eval_shards=")
     one = make_cfg(small_shards, tmp_path / "one", *common, world_size=1)
     assert train(one) == [EXIT_DONE]
     tp_pp = tmp_path / "tp_pp"
     four = make_cfg(small_shards, tp_pp, *common, "parallel.tensor=2", "parallel.pipeline=2", world_size=4)
-    assert train(replace_stop(four, 2)) == [EXIT_DONE] * 4
+    assert train(replace_stop(four, 3)) == [EXIT_DONE] * 4   # stop inside stage b
     assert train(four) == [EXIT_DONE] * 4
     assert_traces_equal(trace(tmp_path / "one"), trace(tp_pp), tol=1e-4)
+    assert trace(tp_pp, "seq_len") == [128, 128, 256, 256]
+    assert trace(tp_pp, "accumulation") == [2, 2, 4, 4]
 
     _, plain = load_consolidated_weights(tmp_path / "one" / "checkpoints" / "step_00000004")
     mcfg, merged = load_consolidated_weights(tp_pp / "checkpoints" / "step_00000004")
