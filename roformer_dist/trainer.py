@@ -16,7 +16,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from roformer_dist import checkpoint as ckpt
 from roformer_dist import faults
-from roformer_dist.config import Config, dump_yaml, micro_batch_size, replace, save_config, validate
+from roformer_dist.config import Config, dump_yaml, micro_batch_size, replace, save_config, to_dict, validate
 from roformer_dist.curriculum import lr_at, stage_at, stage_boundaries, total_steps
 from roformer_dist.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.stop import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, StopFlag
@@ -45,7 +45,6 @@ class TrainState:
     """Sequences consumed, all ranks."""
     nonfinite_total: int = 0
     consecutive_nonfinite: int = 0
-    extra: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "samples_seen": self.samples_seen,
@@ -296,7 +295,7 @@ class Trainer:
 
     def save(self) -> None:
         sd = {"trainer": self.state.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state(),
-              "world_size": self.env.world_size, "rank": self.env.rank, "config": _config_dict(self.cfg),
+              "world_size": self.env.world_size, "rank": self.env.rank, "config": to_dict(self.cfg),
               "tokenizer_sha256": self.manifest["tokenizer"]["sha256"], "stage_index": self.stage_index}
         ckpt.save(self.engine, self.ckpt_root, self.state.step, sd, self.env.rank, self.env.world_size,
                   self.cfg.checkpoint.keep_last, dist.barrier)
@@ -402,12 +401,6 @@ def _loss_scale(engine) -> Optional[float]:
     opt = engine.optimizer
     scale = getattr(opt, "loss_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
     return float(scale) if scale is not None else 1.0
-
-
-def _config_dict(cfg: Config) -> dict:
-    from roformer_dist.config import to_dict
-
-    return to_dict(cfg)
 
 
 def init_distributed(cfg: Config, env: DistEnv) -> None:
