@@ -197,7 +197,7 @@ class Trainer:
         # dropout: one stream per replica and pipeline stage, shared by the tensor ranks of a stage
         torch.manual_seed(cfg.trainer.seed + 1 + self.runner.seed_offset)
         if found:
-            self.resume(found)
+            self.resume(found, resumed)
         self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, cfg.logging.tensorboard)
         if env.rank == 0 and not found:
             self.metrics.text("config", "```\n" + dump_yaml(cfg) + "\n```")
@@ -228,21 +228,23 @@ class Trainer:
         model.cpu()
         torch.cuda.empty_cache()
 
-    def resume(self, found: ckpt.Found) -> None:
+    def resume(self, found: ckpt.Found, resumed: dict) -> None:
         env = self.env
         log.info("resuming from %s (step %d, written by %d rank(s))", found.dir, found.step, found.world_size)
+        if self.elastic:
+            log.warning("world size changed %d -> %d: the loader re-deals the unread shards", found.world_size,
+                        env.world_size)
         if self.elastic and self.cfg.deepspeed.zero_stage > 0:
-            log.warning("world size changed %d -> %d: loading the universal checkpoint %s/%s",
-                        found.world_size, env.world_size, found.dir, ckpt.UNIVERSAL)
+            log.warning("loading the universal checkpoint %s/%s", found.dir, ckpt.UNIVERSAL)
             self.engine.load_checkpoint(str(found.dir), tag=ckpt.UNIVERSAL)
         else:
             self.engine.load_checkpoint(str(self.ckpt_root), tag=found.tag)
         if self.elastic:
             old = [ckpt.load_trainer_state(found.dir, r)["loader"] for r in range(found.world_size)]
             self.loader.load_state_dict(old)  # every old rank's slots: the elastic rule
-            own = ckpt.load_trainer_state(found.dir, 0)
+            own = resumed  # rank 0's step and counters; RNG streams start afresh at a new size
         else:
-            own = ckpt.load_trainer_state(found.dir, env.rank)
+            own = resumed if env.rank == 0 else ckpt.load_trainer_state(found.dir, env.rank)
             self.loader.load_state_dict(own["loader"])
             set_rng_state(own["rng"])
         self.state.load_state_dict(own["trainer"])
