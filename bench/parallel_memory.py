@@ -34,7 +34,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from distributed import run_distributed  # noqa: E402  (tests/distributed.py: N gloo ranks)
+from multiproc import run_distributed  # noqa: E402  (tests/multiproc.py: N gloo ranks)
 
 
 def parse_args(argv=None):

@@ -47,7 +47,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from distributed import run_distributed  # noqa: E402  (tests/distributed.py: N gloo ranks, failures propagate)
+from multiproc import run_distributed  # noqa: E402  (tests/multiproc.py: N gloo ranks, failures propagate)
 
 CATEGORIES = ("params", "grads", "optimizer")
 

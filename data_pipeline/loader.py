@@ -323,6 +323,17 @@ def _identity(x):
     return x
 
 
+def _worker_ignores_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - DataLoader's signature
+    """DataLoader workers ignore stop signals: the training process decides when to stop.
+
+    SIGTERM / SIGINT sent to the whole process group (``timeout``, Ctrl-C, SLURM, Kubernetes) would
+    otherwise kill the workers and crash the main process before it can save."""
+    import signal
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_IGN)
+
+
 class ShardLoader:
     """Deterministic, resumable MLM batches from a shard set for one data-parallel rank.
 
@@ -393,6 +404,7 @@ class ShardLoader:
         gen = self._generation
         ds = _RankDataset(self, dict(self._slots), self._next_local)
         dl = DataLoader(ds, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
+                        worker_init_fn=_worker_ignores_stop_signals if self.num_workers else None,
                         pin_memory=self.pin_memory and torch.cuda.is_available(),
                         prefetch_factor=self.prefetch_factor if self.num_workers else None,
                         multiprocessing_context=self.multiprocessing_context if self.num_workers else None)

@@ -9,8 +9,8 @@ In YAML a section may be given as a preset name (``model: debug`` loads
 fields. A mapping may name a preset too (``model: {preset: debug, hidden_size: 96}``):
 the preset is applied first, then the other keys.
 
-Every user error raises ``ValueError`` whose message names the key and what was
-expected. ``validate`` checks the combinations (stages vs positions, batch vs
+Every user error raises :class:`~roformer_dist.errors.ConfigError` (a ``ValueError``) whose
+message names the key and what was expected. ``validate`` checks the combinations (stages vs positions, batch vs
 world size, heads vs hidden size, ...) before any process is spawned.
 """
 
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
+
+from roformer_dist.errors import ConfigError
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 """Where presets live. Overridable with ROFORMER_CONFIGS for installed copies."""
@@ -67,6 +69,8 @@ class ModelConfig:
     """rotary (RoFormer) | absolute (the BERT baseline, learned absolute positions)."""
     rotary_backend: str = "auto"
     """auto | reference | compiled | triton | apex | flash_attn."""
+    attention: str = "softmax"
+    """softmax (scaled dot-product attention)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,6 @@ class DataConfig:
     """Mask whole words when the shards carry word-start marks (.wwm)."""
     skip_bad_shards: bool = False
     """Skip (and count, and log) a corrupt shard instead of stopping."""
-    shuffle_buffer_docs: int = 0
-    """Unused by the deterministic loader (documents are shuffled per shard); kept 0."""
     eval_batches: int = 8
     """Batches per eval length."""
 
@@ -291,7 +293,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError as e:
                 errors.append(str(e))
         names = " or ".join(_type_name(a) for a in args)
-        raise ValueError(f"{key}: expected {names}, got {value!r}")
+        raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if origin is tuple:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             value = [value] if value not in (None, "") else []
@@ -299,34 +301,34 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return tuple(_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return {str(k): str(v) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise ValueError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, str, float)):
-            raise ValueError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
         try:
             f = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{key}: expected an integer, got {value!r}") from None
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
         if not f.is_integer():
-            raise ValueError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return int(f)
     if tp is float:
         if isinstance(value, bool):
-            raise ValueError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{key}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if tp is str:
         if isinstance(value, (dict, list)):
-            raise ValueError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
         return "" if value is None else str(value)
     return value
 
@@ -335,13 +337,13 @@ def _load_yaml(path: Path, key: str) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{key}: file not found: {path}") from None
+        raise ConfigError(f"{key}: file not found: {path}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"{key}: {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"{key}: {path} is not valid YAML: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{key}: {path} must hold a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{key}: {path} must hold a mapping, got {type(data).__name__}")
     return data
 
 
@@ -360,7 +362,7 @@ def _expand_preset(section: str, value: Any) -> Any:
         path = _preset_path(section, value)
         if not path.exists():
             available = sorted(p.stem for p in (CONFIGS_DIR / PRESET_DIRS[section]).glob("*.yaml"))
-            raise ValueError(f"{section}: no preset {value!r} (looked for {path}); available: {available}")
+            raise ConfigError(f"{section}: no preset {value!r} (looked for {path}); available: {available}")
         return _load_yaml(path, section)
     if isinstance(value, dict) and "preset" in value:
         rest = {k: v for k, v in value.items() if k != "preset"}
@@ -384,13 +386,13 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ValueError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ValueError(
+        raise ConfigError(
             f"unknown config key {where}{unknown[0]}"
             f" (known keys{' of ' + prefix if prefix else ''}: {', '.join(sorted(names))})"
         )
@@ -411,7 +413,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         if not isinstance(nxt, dict):
             nxt = {} if nxt is None else _expand_preset(part, nxt) if node is tree else nxt
             if not isinstance(nxt, dict):
-                raise ValueError(f"{dotted}: {part} is not a section")
+                raise ConfigError(f"{dotted}: {part} is not a section")
             node[part] = nxt
         node = nxt
     node[parts[-1]] = value
@@ -423,10 +425,10 @@ def _check_override_key(dotted: str) -> None:
     path = []
     for part in dotted.split("."):
         if not _is_dataclass_type(cls):
-            raise ValueError(f"unknown config key {dotted}: {'.'.join(path)} has no sub-keys")
+            raise ConfigError(f"unknown config key {dotted}: {'.'.join(path)} has no sub-keys")
         hints = typing.get_type_hints(cls)
         if part not in hints:
-            raise ValueError(f"unknown config key {'.'.join(path + [part])} (in override {dotted})")
+            raise ConfigError(f"unknown config key {'.'.join(path + [part])} (in override {dotted})")
         path.append(part)
         cls = hints[part]
 
@@ -436,7 +438,7 @@ def parse_overrides(items: list[str]) -> dict:
     tree: dict = {}
     for item in items:
         if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key.sub=value")
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
         key, raw = item.split("=", 1)
         key = key.strip()
         _check_override_key(key)
@@ -461,7 +463,16 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: list[str] =
     return cfg
 
 
+REMOVED_KEYS = {"data": ("shuffle_buffer_docs",)}
+"""Keys that configs saved by earlier versions (in run_dir/config.yaml and checkpoints) may carry."""
+
+
 def from_dict(data: dict) -> Config:
+    """A saved config (``to_dict`` output, e.g. from a checkpoint) -> validated ``Config``."""
+    data = dict(data)
+    for section, keys in REMOVED_KEYS.items():
+        if isinstance(data.get(section), dict):
+            data[section] = {k: v for k, v in data[section].items() if k not in keys}
     cfg = _build(Config, data)
     validate(cfg)
     return cfg
@@ -510,12 +521,12 @@ def replace(cfg: Any, **changes: Any) -> Any:
 
 def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
     if value not in choices:
-        raise ValueError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
 
 
 def _positive(value: float, key: str, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{key}: expected a {'non-negative' if allow_zero else 'positive'} value, got {value!r}")
+        raise ConfigError(f"{key}: expected a {'non-negative' if allow_zero else 'positive'} value, got {value!r}")
 
 
 def data_parallel_size(cfg: Config, world_size: Optional[int] = None) -> int:
@@ -539,7 +550,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     m = cfg.model
     if isinstance(m.vocab_size, str):
         if m.vocab_size != "auto":
-            raise ValueError(f"model.vocab_size: expected a positive integer or 'auto', got {m.vocab_size!r}")
+            raise ConfigError(f"model.vocab_size: expected a positive integer or 'auto', got {m.vocab_size!r}")
     else:
         _positive(m.vocab_size, "model.vocab_size")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -548,20 +559,21 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if m.embedding_size is not None:
         _positive(m.embedding_size, "model.embedding_size")
     if m.hidden_size % m.num_attention_heads:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_attention_heads: {m.num_attention_heads} does not divide model.hidden_size {m.hidden_size}")
     if (m.hidden_size // m.num_attention_heads) % 2:
-        raise ValueError("model.num_attention_heads: head size hidden_size/heads must be even for rotary pairs")
+        raise ConfigError("model.num_attention_heads: head size hidden_size/heads must be even for rotary pairs")
     _choice(m.hidden_act, ("gelu", "gelu_new", "relu"), "model.hidden_act")
     _choice(m.position_embedding, ("rotary", "absolute"), "model.position_embedding")
+    _choice(m.attention, ("softmax",), "model.attention")
     _choice(m.rotary_backend, ("auto", "reference", "compiled", "triton", "apex", "flash_attn"),
             "model.rotary_backend")
     for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
         if not 0.0 <= getattr(m, key) < 1.0:
-            raise ValueError(f"model.{key}: expected a probability in [0, 1), got {getattr(m, key)}")
+            raise ConfigError(f"model.{key}: expected a probability in [0, 1), got {getattr(m, key)}")
 
     if not 0.0 < cfg.data.mlm_probability < 1.0:
-        raise ValueError(f"data.mlm_probability: expected a value in (0, 1), got {cfg.data.mlm_probability}")
+        raise ConfigError(f"data.mlm_probability: expected a value in (0, 1), got {cfg.data.mlm_probability}")
     _positive(cfg.data.num_workers, "data.num_workers", allow_zero=True)
 
     o = cfg.optim
@@ -570,15 +582,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _positive(o.lr, "optim.lr")
     _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio: expected a value in [0, 1], got {o.min_lr_ratio}")
+        raise ConfigError(f"optim.min_lr_ratio: expected a value in [0, 1], got {o.min_lr_ratio}")
 
     d = cfg.deepspeed
     if d.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"deepspeed.zero_stage: expected 0, 1, 2 or 3, got {d.zero_stage}")
+        raise ConfigError(f"deepspeed.zero_stage: expected 0, 1, 2 or 3, got {d.zero_stage}")
     _choice(d.precision, ("fp32", "bf16", "fp16"), "deepspeed.precision")
     _choice(d.offload_optimizer, ("none", "cpu"), "deepspeed.offload_optimizer")
     if d.offload_optimizer == "cpu" and d.zero_stage == 0:
-        raise ValueError("deepspeed.offload_optimizer: cpu offload needs deepspeed.zero_stage >= 1")
+        raise ConfigError("deepspeed.offload_optimizer: cpu offload needs deepspeed.zero_stage >= 1")
 
     p = cfg.parallel
     _positive(p.tensor, "parallel.tensor")
@@ -587,29 +599,29 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _positive(ws, "dist.world_size")
     _choice(cfg.dist.backend, ("auto", "gloo", "nccl"), "dist.backend")
     if ws % (p.tensor * p.pipeline):
-        raise ValueError(
+        raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
     if p.pipeline > 1 and d.zero_stage > 1:
-        raise ValueError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
+        raise ConfigError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
     if p.pipeline > m.num_hidden_layers:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.pipeline: {p.pipeline} stages but model.num_hidden_layers is {m.num_hidden_layers}")
     if p.tensor > 1:
         if m.num_attention_heads % p.tensor:
-            raise ValueError(f"parallel.tensor: {p.tensor} does not divide model.num_attention_heads "
+            raise ConfigError(f"parallel.tensor: {p.tensor} does not divide model.num_attention_heads "
                              f"{m.num_attention_heads}")
         if m.intermediate_size % p.tensor:
-            raise ValueError(f"parallel.tensor: {p.tensor} does not divide model.intermediate_size "
+            raise ConfigError(f"parallel.tensor: {p.tensor} does not divide model.intermediate_size "
                              f"{m.intermediate_size}")
         if d.zero_stage == 3:
             # ZeRO-3 would partition each tensor shard again across the data ranks; its checkpoint
             # consolidation (zero_to_fp32) knows only one model-parallel rank.
-            raise ValueError("deepspeed.zero_stage: 3 is not supported with parallel.tensor > 1; use 1 or 2")
+            raise ConfigError("deepspeed.zero_stage: 3 is not supported with parallel.tensor > 1; use 1 or 2")
         if isinstance(m.vocab_size, int) and m.vocab_size < 2 * p.tensor:
-            raise ValueError(f"parallel.tensor: {p.tensor} too large for model.vocab_size {m.vocab_size}")
+            raise ConfigError(f"parallel.tensor: {p.tensor} too large for model.vocab_size {m.vocab_size}")
 
     if not cfg.curriculum.stages:
-        raise ValueError("curriculum.stages: expected at least one stage")
+        raise ConfigError("curriculum.stages: expected at least one stage")
     _positive(cfg.curriculum.tokens_per_micro_batch, "curriculum.tokens_per_micro_batch")
     dp = data_parallel_size(cfg, ws)
     for i, st in enumerate(cfg.curriculum.stages):
@@ -617,18 +629,18 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         _positive(st.steps, f"{key}.steps")
         _positive(st.global_batch_size, f"{key}.global_batch_size")
         if st.seq_len <= 0 or st.seq_len % 8:
-            raise ValueError(f"{key}.seq_len: expected a positive multiple of 8, got {st.seq_len}")
+            raise ConfigError(f"{key}.seq_len: expected a positive multiple of 8, got {st.seq_len}")
         if st.seq_len > m.max_position_embeddings:
-            raise ValueError(f"{key}.seq_len: {st.seq_len} is longer than model.max_position_embeddings "
+            raise ConfigError(f"{key}.seq_len: {st.seq_len} is longer than model.max_position_embeddings "
                              f"{m.max_position_embeddings}")
         for ln in st.eval_lengths:
             if ln <= 0 or ln % 8 or ln > m.max_position_embeddings:
-                raise ValueError(f"{key}.eval_lengths: {ln} must be a positive multiple of 8 <= "
+                raise ConfigError(f"{key}.eval_lengths: {ln} must be a positive multiple of 8 <= "
                                  f"model.max_position_embeddings {m.max_position_embeddings}")
         mbs = micro_batch_size(cfg, st, ws)
         _positive(mbs, f"{key}.micro_batch_size")
         if st.global_batch_size % (mbs * dp):
-            raise ValueError(
+            raise ConfigError(
                 f"{key}.global_batch_size: {st.global_batch_size} is not a multiple of micro_batch_size {mbs} x "
                 f"data-parallel size {dp} (dist.world_size {ws} / (parallel.tensor x parallel.pipeline))")
         if st.lr is not None:
@@ -645,9 +657,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
         _positive(getattr(s, key), f"slurm.{key}")
     if s.signal_delay_s >= s.time_min * 60:
-        raise ValueError(f"slurm.signal_delay_s: {s.signal_delay_s} s is not shorter than slurm.time_min "
+        raise ConfigError(f"slurm.signal_delay_s: {s.signal_delay_s} s is not shorter than slurm.time_min "
                          f"{s.time_min} min")
 
-
-def total_steps(cfg: Config) -> int:
-    return sum(st.steps for st in cfg.curriculum.stages)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
+from multiproc import run_distributed
 
 VOCAB = 101  # odd: the tensor ranks hold 51 and 50 vocabulary rows
 SEQ, GLOBAL_BATCH, MICRO = 16, 8, 2

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
+from multiproc import run_distributed
 from roformer_dist.config import load_config
 from roformer_dist.stop import EXIT_DONE, EXIT_REQUEUE
 
