@@ -118,12 +118,7 @@ def memory_worker(a) -> None:
 
 def peak_memory(a, variant: str, seq: int, step) -> int:
     if a.device.startswith("cuda"):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        return C.cuda_peak_delta(step)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--memory-worker", variant, str(seq)]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
@@ -160,7 +155,7 @@ def layers_part(a) -> dict:
                          f"{times[v][i] / times['linear'][i]:.2f}x", f"{mems[v][i] / mems['linear'][i]:.2f}x"])
     C.print_table(["variant", "S", "fwd+bwd ms", "time growth/doubling", "peak MiB", "memory growth/doubling",
                    "time vs linear", "memory vs linear"], rows)
-    overall = {v: per_doubling([seqs[0], seqs[-1]], times[v])[1] for v in VARIANTS}
+    overall = {v: per_doubling([seqs[0], seqs[-1]], [times[v][0], times[v][-1]])[1] for v in VARIANTS}
     print(f"time growth per doubling of S, {seqs[0]} -> {seqs[-1]}: "
           + ", ".join(f"{v} {g}" for v, g in overall.items()))
     return {"seqs": seqs, "times": times, "mems": mems}
@@ -227,13 +222,16 @@ def main(argv=None) -> None:
     if layers:
         seq = layers["seqs"][-1]
         mem, tm = layers["mems"], layers["times"]
-        growth = per_doubling([layers["seqs"][0], seq], tm["linear"])[1]
+        growth = per_doubling([layers["seqs"][0], seq], [tm["linear"][0], tm["linear"][-1]])[1]
+        last_doubling = per_doubling(layers["seqs"][-2:], tm["linear"][-2:])[1] if len(layers["seqs"]) > 1 else "-"
         C.emit("linear_attention", mem["linear"][-1], mem["softmax"][-1], "MiB", mem["softmax"][-1] / mem["linear"][-1],
                seq=seq, device=a.device, dtype=a.dtype,
                mem_ratio_vs_sdpa=round(mem["softmax_sdpa"][-1] / mem["linear"][-1], 3),
                time_ratio=round(tm["softmax"][-1] / tm["linear"][-1], 3),
                time_ratio_vs_sdpa=round(tm["softmax_sdpa"][-1] / tm["linear"][-1], 3),
-               linear_time_growth_per_doubling=float(growth.rstrip("x")), **extra)
+               linear_time_growth_per_doubling=float(growth.rstrip("x")),
+               linear_time_growth_last_doubling=None if last_doubling == "-" else float(last_doubling.rstrip("x")),
+               **extra)
     else:
         C.emit("linear_attention_mlm", 0.0, 0.0, "-", 1.0, **extra)
 

@@ -134,15 +134,6 @@ def cpu_memory(a, which: str) -> int:
     return json.loads(out.strip().splitlines()[-1])["peak_delta"]
 
 
-def cuda_memory(step) -> int:
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
 def peak_tflops(a) -> float | None:
     if a.peak_tflops:
         return a.peak_tflops
@@ -176,7 +167,7 @@ def main(argv=None) -> None:
     if not a.no_memory:
         for n in names:
             if a.device.startswith("cuda"):
-                mem[n] = cuda_memory(steps[n])
+                mem[n] = C.cuda_peak_delta(steps[n])
             else:
                 mem[n] = cpu_memory(a, n)
 

@@ -3,19 +3,18 @@ O(S^2) evaluation of eq. 19, the model built with it, and an exact resume of a r
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import test_model
 from roformer_dist import attention as A
 from roformer_dist import rotary as R
 from roformer_dist.config import ModelConfig
 from roformer_dist.model import RoFormerForMaskedLM
-
-VOCAB = 101
+from test_model import VOCAB, batch, make
 
 
 def rotation_matrices(S: int, D: int) -> torch.Tensor:
@@ -119,27 +118,7 @@ def test_linear_attention_rejects_float_masks():
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=48, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0, rotary_backend="reference", attention="linear")
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def make(cfg: ModelConfig, seed: int = 0) -> RoFormerForMaskedLM:
-    torch.manual_seed(seed)
-    model = RoFormerForMaskedLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def batch(B=3, S=20, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (B, S), generator=g)
-    labels = torch.where(torch.rand(B, S, generator=g) < 0.25, ids, -100)
-    return ids, labels
+    return test_model.tiny(**{"attention": "linear", **kw})
 
 
 def test_linear_model_trains_and_padding_does_not_leak():
@@ -169,26 +148,6 @@ def test_linear_without_rope_uses_absolute_positions():
         torch.testing.assert_close(model(ids).logits[:, perm], model(ids[:, perm]).logits, atol=1e-5, rtol=1e-5)
         rope = make(tiny()).eval()
         assert not torch.allclose(rope(ids).logits[:, perm], rope(ids[:, perm]).logits, atol=1e-3)
-
-
-@pytest.mark.parametrize("rotary_value", [False, True], ids=["qk", "qkv"])
-def test_linear_apex_weight_permutation_matches_reference(monkeypatch, rotary_value):
-    """The rotate-half layout (permuted QKV rows) gives the same linear attention: the feature map is
-    elementwise, so it commutes with the permutation."""
-    cfg = tiny(rotary_value=rotary_value)
-    ids, labels = batch()
-    ref = make(cfg)
-    apex = make(dataclasses.replace(cfg, rotary_backend="apex"))
-    apex.load_state_dict(ref.state_dict())
-    monkeypatch.setattr(R, "rotate_half_kernel", R.rotate_half_reference)
-    real_resolve = R.resolve_backend
-    monkeypatch.setattr(R, "resolve_backend", lambda b, d: "apex" if b == "apex" else real_resolve(b, d))
-    out_ref, out_apex = ref(ids, labels=labels), apex(ids, labels=labels)
-    torch.testing.assert_close(out_apex.loss, out_ref.loss, atol=1e-6, rtol=1e-6)
-    out_ref.loss.backward()
-    out_apex.loss.backward()
-    for (n, p), q in zip(ref.named_parameters(), apex.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=n)
 
 
 def test_linear_flops_do_not_grow_with_length():

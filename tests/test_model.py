@@ -210,11 +210,13 @@ def test_rotary_cache_extends_beyond_max_positions():
     assert out.shape == (1, 40, VOCAB) and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
 @pytest.mark.parametrize("rotary_value", [False, True], ids=["qk", "qkv"])
-def test_apex_weight_permutation_path_matches_reference(monkeypatch, rotary_value):
+def test_apex_weight_permutation_path_matches_reference(monkeypatch, rotary_value, attention):
     """The model's apex path (permuted QKV rows + rotate-half kernel) with the reference rotate-half
-    formula standing in for apex's kernel gives the reference model's outputs and gradients."""
-    cfg = tiny(rotary_value=rotary_value)
+    formula standing in for apex's kernel gives the reference model's outputs and gradients. With
+    linear attention too: its feature map is elementwise, so it commutes with the permutation."""
+    cfg = tiny(rotary_value=rotary_value, attention=attention)
     ids, labels = batch()
     ref = make(cfg)
     apex = make(dataclasses.replace(cfg, rotary_backend="apex"))
