@@ -15,14 +15,15 @@ Shapes:
     cos, sin  (S, D/2) float32, from :class:`RotaryCache`.
 All backends compute in float32 and cast the result back to the input dtype.
 
-Backends (``apply_rotary(..., backend=...)``):
+Backends (``rotate_pair`` is the one dispatch; ``apply_rotary`` / ``rotate`` call it for two / one tensor):
     reference   eager: one complex multiplication per tensor, and an autograd.Function whose backward
                 is the inverse rotation (nothing but cos/sin is saved for backward).
     compiled    the same rotation as one ``torch.compile``d kernel for q and k; backward reuses it with -sin.
-    triton      one kernel launch for q and k together, forward and backward (GPU; on CPU only
-                under ``TRITON_INTERPRET=1``).
-    apex        NVIDIA apex's fused RoPE. It only does rotate-half; see :func:`qk_half_permutation`
-                for how the model uses it without any runtime permutation.
+    triton      one kernel launch for q and k together, forward and backward (``rotary_triton.py``;
+                GPU; on CPU only under ``TRITON_INTERPRET=1``, which the tests use).
+    apex        NVIDIA apex's fused RoPE. It only does rotate-half; the model permutes its projection
+                weights (:func:`half_layout_weights`, kernel name :data:`HALF_LAYOUT`) so that no
+                activation is permuted at run time; ``apply_rotary(backend="apex")`` permutes activations.
     flash_attn  ``flash_attn.layers.rotary.apply_rotary_emb(..., interleaved=True)``.
     auto        CUDA: triton > flash_attn > reference (apex only when asked for). CPU: reference. On CPU the
                 compiled backend is ~1.6x faster per call (bench/rotary.py) but costs a ~10 s compile

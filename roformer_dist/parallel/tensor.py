@@ -23,6 +23,9 @@ all-reduce backward) in front of each column-parallel GEMM, ``reduce_from_tp`` (
 identity backward) after each row-parallel one. Sharded parameters carry ``tensor_model_parallel =
 True`` so that DeepSpeed's gradient-norm counts them on every tensor rank and replicated ones once.
 
+Attention (softmax or linear) is computed per head, so it runs unchanged on this rank's heads: only
+the projections around it carry collectives.
+
 Dropout: activations outside attention are replicated, so the tensor ranks of one replica must draw
 the same dropout masks: seed them alike (``ParallelDims.replica_seed_offset``). Attention-probability
 dropout acts on each rank's own heads; it draws from a generator forked per tensor rank (see
