@@ -172,6 +172,7 @@ def test_attention_dropout_is_not_drawn_by_linear_attention():
 # --------------------------------------------------------------------------- training: curriculum, ZeRO-3, resume
 
 
+@pytest.mark.slow  # ~25 s on 2 quiet cores, ~55 s under load
 def test_linear_model_stops_and_resumes_exactly(small_shards, tmp_path):
     """2 gloo ranks, ZeRO-3, a two-stage curriculum (128 -> 256): stopped inside the second stage and
     resumed in fresh processes, the loss trace equals the uninterrupted run's; the checkpoint
