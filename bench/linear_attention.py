@@ -11,7 +11,8 @@ heads). Three variants:
                    CPU and GPU), O(S) memory but still O(S^2) time
     linear         linear attention with rotary feature maps: O(S) time and memory
 
-Time: medians of interleaved repeats in one process. Peak memory: each (variant, S) in its own
+Time: medians of interleaved repeats in one process (CPU: one thread by default, the steadiest
+figure on a shared machine). Peak memory: each (variant, S) in its own
 subprocess with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the OS); after one warm-up
 step the peak-RSS mark is reset and the figure is the peak during one step minus the RSS before it.
 On CUDA: ``torch.cuda.max_memory_allocated``. Growth per doubling of S: (t2 / t1) ^ (1 / log2(S2 / S1)).
@@ -21,8 +22,8 @@ built with ``roformer-data prepare`` into data/demo when missing, as ``make demo
 model, one stage at 512 tokens, the same seed, data and steps; eval loss and accuracy on the held-out
 shards. Variants: softmax + RoPE, linear + RoPE, linear without RoPE (position_embedding=absolute).
 
-    python bench/linear_attention.py                        # both parts, CPU (~20 min on 2 cores)
-    python bench/linear_attention.py --skip-mlm             # part 1 only (~5 min)
+    python bench/linear_attention.py                        # both parts, CPU (~40 min on 2 busy cores)
+    python bench/linear_attention.py --skip-mlm             # part 1 only (~10 min)
     python bench/linear_attention.py --device cuda --batch 8 --skip-mlm
 
 Ends with one JSON line: ratio = softmax / linear peak memory at the longest S.
@@ -64,7 +65,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (1: on a shared machine a second thread makes every op wait for the "
+                        "slower one, which blurs the growth per doubling)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
