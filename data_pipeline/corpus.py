@@ -26,8 +26,12 @@ Normalisation (:func:`normalize`), applied to every document, in this order:
    whitespace is stripped.
 
 Lines that are not valid UTF-8 are skipped and counted (``strict=True``: a
-``ValueError`` naming the file and line instead); documents that are empty after
-normalisation are skipped and counted. :class:`CorpusStats` holds the counts.
+:class:`~data_pipeline.errors.DataError` naming the file and line instead); documents that are
+empty after normalisation are skipped and counted. :class:`CorpusStats` holds the counts and
+the warnings: a file that looks binary (NUL bytes, or more than 10% of its lines not UTF-8) and
+a corpus of which more than 1% of the lines were skipped. A file that cannot be read (a
+truncated or damaged ``.gz``, an I/O error) is a DataError naming it; :func:`check_inputs`
+opens every input before any expensive work.
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ import json
 import os
 import re
 import unicodedata
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-__all__ = ["Document", "CorpusStats", "normalize", "normalize_words", "expand_inputs", "read_documents",
-           "iter_records", "to_document", "detect_format", "FORMATS"]
+from .errors import DataError, UsageError
+
+__all__ = ["Document", "CorpusStats", "normalize", "normalize_words", "expand_inputs", "check_inputs",
+           "read_documents", "iter_records", "to_document", "detect_format", "FORMATS"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
+BINARY_LINE_FRACTION = 0.10
+"""A file with more than this share of lines that are not UTF-8 (or with NUL bytes) looks binary."""
+SKIPPED_WARN_FRACTION = 0.01
+"""Warn when more than this share of all lines was skipped as invalid."""
 
 _WS = re.compile(r"\s+")
 _PD_DATE = re.compile(r"^\d{8}-\d{2}-\d{3}-\d{3}(/m)?$")
@@ -87,11 +98,40 @@ class CorpusStats:
     invalid_utf8_lines: int = 0
     empty_docs: int = 0
     invalid_json_lines: int = 0
+    lines: int = 0
+    """Raw lines read (all files)."""
+    file_warnings: list = field(default_factory=list)
+    """One message per file that looks binary."""
+
+    _COUNTS = ("files", "docs", "chars", "bytes", "invalid_utf8_lines", "empty_docs", "invalid_json_lines", "lines")
+
+    def add_counts(self, other: "CorpusStats") -> None:
+        """Add another's counts and warnings (per-chunk or per-task stats into a total)."""
+        for k in self._COUNTS:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.file_warnings += other.file_warnings
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self._COUNTS}, "file_warnings": list(self.file_warnings)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CorpusStats":
+        return cls(**{k: d[k] for k in cls._COUNTS}, file_warnings=list(d.get("file_warnings", ())))
 
     def summary(self) -> str:
         return (f"{self.files} files, {self.docs} documents, {self.chars} characters "
                 f"({self.bytes / 1e6:.1f} MB UTF-8); skipped: {self.invalid_utf8_lines} invalid UTF-8 lines, "
                 f"{self.empty_docs} empty documents, {self.invalid_json_lines} invalid JSON lines")
+
+    def warnings(self) -> list[str]:
+        """Binary-looking files, and the share of skipped lines when it is over SKIPPED_WARN_FRACTION."""
+        out = list(self.file_warnings)
+        skipped = self.invalid_utf8_lines + self.invalid_json_lines
+        if self.lines and skipped > SKIPPED_WARN_FRACTION * self.lines:
+            out.append(f"{skipped} of {self.lines} lines ({100 * skipped / self.lines:.1f}%) were skipped "
+                       f"({self.invalid_utf8_lines} not UTF-8, {self.invalid_json_lines} not JSON): is the input "
+                       "really text of this format? (--strict stops at the first one)")
+        return out
 
 
 def normalize(text: str) -> str:
@@ -125,13 +165,34 @@ def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> li
         elif any(ch in s for ch in "*?["):
             matched = sorted(Path(m) for m in glob.glob(s, recursive=True) if Path(m).is_file())
             if not matched:
-                raise FileNotFoundError(f"input {s!r}: the glob pattern matches no file")
+                raise DataError(f"input {s!r}: the glob pattern matches no file")
             files.extend(matched)
         else:
-            raise FileNotFoundError(f"input {s!r}: no such file or directory")
+            raise DataError(f"input {s!r}: no such file or directory")
     if not files:
-        raise FileNotFoundError(f"input {[str(i) for i in inputs]!r}: no files found")
+        raise DataError(f"input {[str(i) for i in inputs]!r}: no files found")
     return files
+
+
+def check_inputs(inputs) -> list[Path]:
+    """The input files, each opened and its first block read (decompressed for ``.gz``), so that a
+    missing, unreadable or non-gzip input fails before any expensive work; DataError naming it."""
+    files = expand_inputs(inputs)
+    for path in files:
+        try:
+            with _open_binary(path) as f:
+                f.read(512)
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"input {path}: cannot be read ({_reason(e)})") from None
+    return files
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, EOFError) or "end-of-stream" in str(e):
+        return "the compressed file ends early: truncated .gz?"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
 
 
 def _open_binary(path: Path):
@@ -155,27 +216,46 @@ def detect_format(path: Path) -> str:
     """txt | jsonl | pd, from the extension and (for text files) the first non-empty line."""
     if _base_suffix(path) in (".jsonl", ".json"):
         return "jsonl"
-    with _open_binary(path) as f:
-        for raw in f:
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                continue
-            if line:
-                return "pd" if _is_pd_line(line) else "txt"
+    try:
+        with _open_binary(path) as f:
+            for raw in f:
+                try:
+                    line = raw.decode("utf-8").strip()
+                except UnicodeDecodeError:
+                    continue
+                if line:
+                    return "pd" if _is_pd_line(line) else "txt"
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"input {path}: cannot be read ({_reason(e)})") from None
     return "txt"
 
 
 def _lines(path: Path, stats: CorpusStats, strict: bool) -> Iterator[tuple[int, str]]:
-    with _open_binary(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                if strict:
-                    raise ValueError(f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start}); "
-                                     f"expected UTF-8 text (without --strict such lines are skipped)") from None
-                stats.invalid_utf8_lines += 1
+    lineno = invalid = nul = 0
+    try:
+        with _open_binary(path) as f:
+            for lineno, raw in enumerate(f, start=1):
+                if b"\0" in raw:
+                    nul += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    if strict:
+                        raise DataError(f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start}); expected "
+                                        f"UTF-8 text (without --strict such lines are skipped)") from None
+                    invalid += 1
+                    continue
+                yield lineno, line
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"input {path}: cannot be read after line {lineno} ({_reason(e)})") from None
+    finally:
+        stats.lines += lineno
+        stats.invalid_utf8_lines += invalid
+        if lineno and (nul or invalid > BINARY_LINE_FRACTION * lineno):
+            why = [f"{invalid} of {lineno} lines are not UTF-8"] if invalid else []
+            why += [f"{nul} lines hold NUL bytes"] if nul else []
+            stats.file_warnings.append(f"input {path} looks binary, not text ({', '.join(why)}); only its valid "
+                                       "lines were used")
 
 
 def _pd_words(line: str) -> list[str]:
@@ -209,9 +289,9 @@ def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_f
     """Raw records ``(kind, text)`` of one file, kind ``text`` or ``pd``; not yet normalised."""
     stats = stats if stats is not None else CorpusStats()
     if fmt not in FORMATS:
-        raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise UsageError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if doc_boundary not in ("line", "blank"):
-        raise ValueError(f"doc_boundary: expected 'line' or 'blank', got {doc_boundary!r}")
+        raise UsageError(f"doc_boundary: expected 'line' or 'blank', got {doc_boundary!r}")
     if fmt == "auto":
         fmt = detect_format(path)
     stats.files += 1
@@ -224,16 +304,16 @@ def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_f
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 if strict:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
                 stats.invalid_json_lines += 1
                 continue
             if not isinstance(obj, dict) or jsonl_field not in obj:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field "
+                raise DataError(f"{path}:{lineno}: expected a JSON object with a string field "
                                  f"{jsonl_field!r} (set --jsonl-field), got "
                                  f"{'keys ' + str(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__}")
             value = obj[jsonl_field]
             if not isinstance(value, str):
-                raise ValueError(f"{path}:{lineno}: field {jsonl_field!r} must be a string, got "
+                raise DataError(f"{path}:{lineno}: field {jsonl_field!r} must be a string, got "
                                  f"{type(value).__name__}")
             yield ("text", value)
     elif fmt == "pd":

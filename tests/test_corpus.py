@@ -4,6 +4,7 @@ import json
 import pytest
 
 from data_pipeline.corpus import CorpusStats, normalize, read_documents
+from data_pipeline.errors import DataError
 
 
 def test_normalize_nfkc_fullwidth_controls_whitespace():
@@ -61,7 +62,7 @@ def test_jsonl_gz_blank_boundary_dir_and_glob(tmp_path):
 
 
 def test_missing_input_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.txt"):
+    with pytest.raises(DataError, match="nope.txt"):
         list(read_documents(tmp_path / "nope.txt"))
-    with pytest.raises(FileNotFoundError, match="matches no file"):
+    with pytest.raises(DataError, match="matches no file"):
         list(read_documents(str(tmp_path / "*.zzz")))
