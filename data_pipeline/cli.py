@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_DATA, EXIT_OK, EXIT_USAGE, DataError, UsageError
+from .errors import EXIT_DATA, EXIT_FAILED, EXIT_OK, EXIT_USAGE, DataError, TaskError, UsageError
 
 log = logging.getLogger("roformer-data")
 
@@ -53,8 +53,9 @@ def _tokenizer_args(p: argparse.ArgumentParser, vocab_required: bool) -> None:
 
 def _shard_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shards")
-    g.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)),
-                   help="tokenising processes (per task with --tasks)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="tokenising processes (default: one per CPU; with --tasks: per task, the CPUs of a SLURM "
+                        "task, or this machine's CPUs shared by the local tasks)")
     g.add_argument("--shard-size-mb", type=float, default=64.0, help="target MB of token ids per shard")
     g.add_argument("--max-docs-per-shard", type=int, default=None, help="also cap documents per shard")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,7 +82,6 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-docs", type=int, default=200_000,
                    help="documents the tokenizer is trained on before the tasks start (taken evenly from the "
                         "start of every input file)")
-    g.add_argument("--staging", help="where the tasks write (default: beside --out; must be shared by the nodes)")
 
 
 def _texts(args):
@@ -124,7 +124,7 @@ def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True) -> dict:
     from .shards import write_shards
 
     stats = CorpusStats()
-    m = write_shards(args.input, tokenizer, into, workers=args.workers, shard_size_mb=args.shard_size_mb,
+    m = write_shards(args.input, tokenizer, into, workers=args.workers or os.cpu_count() or 1, shard_size_mb=args.shard_size_mb,
                      max_docs_per_shard=args.max_docs_per_shard, fmt=args.format, doc_boundary=args.doc_boundary,
                      jsonl_field=args.jsonl_field, strict=args.strict, jieba=args.jieba,
                      progress=not args.no_progress, stats=stats, warn_corpus=warn_corpus,
@@ -191,32 +191,39 @@ def cmd_prepare(args) -> int:
 
 
 def _cluster(args, tokenizer) -> int:
-    """--tasks: train the tokenizer on a sample (prepare), run the tasks, merge (data_pipeline.cluster)."""
+    """--tasks N: the tokenizer trained once on a sample (prepare), the tasks, the merge (:mod:`.cluster`)."""
+    import time
+
     from . import cluster
+    from .corpus import check_inputs
+    from .shards import stage_output
 
     if args.tasks < 1:
         raise UsageError(f"--tasks: expected a positive number, got {args.tasks}")
     mode = args.cluster or ("slurm" if _has_sbatch() else "local")
     spec = cluster.Spec.from_args(args)
-    with cluster.stage(args.out, args.force, args.staging) as stage:
+    t0 = time.time()
+    with stage_output(args.out, args.force) as stage:   # beside --out: every node must see it
+        check_inputs(args.input)
         if tokenizer is None:
             stats, texts = cluster.sample_texts(spec, args.sample_docs)
-            tokenizer = _train(args, stage.path / "tokenizer", texts, stats)
+            _train(args, stage.path / "tokenizer", texts, stats)
         else:
-            tokenizer = cluster.copy_tokenizer(tokenizer, stage.path)
-        plan = cluster.plan(spec, args.tasks)
-        print(f"cluster: {len(plan)} task(s) over {sum(len(t.units) for t in plan)} input piece(s), {mode}")
-        if mode == "local":
-            from launcher.prepare import run_local  # lazily: the pipeline's core does not import launcher
+            cluster.copy_tokenizer(tokenizer, stage.path)
+        tasks = cluster.plan(spec, args.tasks)
+        if len(tasks) < args.tasks:
+            log.warning("--tasks %d: the input makes only %d task(s) (compressed files and blank-line separated "
+                        "documents are not cut)", args.tasks, len(tasks))
+        for t in tasks:
+            print(f"task {t.index + 1}/{len(tasks)}: {t.describe()}")
+        from launcher.prepare import run_tasks  # lazily: the pipeline's core does not import launcher
 
-            results = run_local(spec, plan, stage.path, args)
-        else:
-            from launcher.prepare import run_slurm
-
-            results = run_slurm(spec, plan, stage.path, args)
-        m = cluster.merge(stage.path, results)
+        run_tasks(mode, spec, tasks, stage.path, args)
+        m = cluster.merge(stage.path, tasks)
         stage.commit()
-    print(cluster.summary(m, results, args.out))
+    for w in m["_stats"].warnings():
+        log.warning("%s", w)
+    print(cluster.summary(m, time.time() - t0, args.out))
     return EXIT_OK
 
 
@@ -270,7 +277,7 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
-EPILOG = ("exit status: 0 done, 2 usage (bad flags; --out holds a shard set and --force is not given, or cannot be "
+EPILOG = ("exit status: 0 done, 1 a cluster task failed (killed, out of memory, ...), 2 usage (bad flags; --out holds a shard set and --force is not given, or cannot be "
           "written), 4 data error (unreadable or empty corpus, damaged or inconsistent shard set, unreachable URL)")
 
 
@@ -335,6 +342,9 @@ def main(argv=None) -> int:
     except (UsageError, ValueError, ImportError) as e:
         print(f"roformer-data {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except TaskError as e:
+        print(f"roformer-data {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"roformer-data {args.cmd}: interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -49,7 +49,8 @@ from typing import Iterable, Iterator, Optional
 
 from .errors import DataError, UsageError
 
-__all__ = ["Document", "CorpusStats", "normalize", "normalize_words", "expand_inputs", "check_inputs",
+__all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
+           "splittable",
            "read_documents", "iter_records", "to_document", "detect_format", "FORMATS"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
@@ -79,6 +80,19 @@ _CONTROL = _control_class()
 _US = "\ue000"  # private-use char (NFKC leaves it alone): joins words while normalising them in one call
 _PD_TAG = re.compile(r"/[A-Za-z]+(?:\][A-Za-z]*)?(?=\s|$)")   # word/tag, word/tag]nt
 _PD_OPEN = re.compile(r"(?:(?<=\s)|^)\[(?=\S)")                 # [word/tag  (compound start)
+
+
+@dataclass(frozen=True)
+class InputRange:
+    """Part of an uncompressed, line-based input file: the lines that *start* at a byte in
+    ``[start, end)`` (so consecutive ranges of a file split it at line boundaries, each line once).
+    How cluster preparation spreads one large file over several tasks; accepted wherever inputs are."""
+    path: Path
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{self.path}[bytes {self.start}-{self.end})"
 
 
 @dataclass
@@ -151,11 +165,14 @@ def normalize_words(words: Iterable[str]) -> list[str]:
 
 
 def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Path]:
-    """Files named by paths, directories (recursively, sorted) and glob patterns."""
-    if isinstance(inputs, (str, os.PathLike)):
+    """Files named by paths, directories (recursively, sorted) and glob patterns (InputRange s as they are)."""
+    if isinstance(inputs, (str, os.PathLike, InputRange)):
         inputs = [inputs]
     files: list[Path] = []
     for item in inputs:
+        if isinstance(item, InputRange):
+            files.append(item)
+            continue
         s = str(item)
         p = Path(s)
         if p.is_dir():
@@ -179,6 +196,7 @@ def check_inputs(inputs) -> list[Path]:
     missing, unreadable or non-gzip input fails before any expensive work; DataError naming it."""
     files = expand_inputs(inputs)
     for path in files:
+        path = path.path if isinstance(path, InputRange) else path
         try:
             with _open_binary(path) as f:
                 f.read(512)
@@ -230,22 +248,34 @@ def detect_format(path: Path) -> str:
     return "txt"
 
 
-def _lines(path: Path, stats: CorpusStats, strict: bool) -> Iterator[tuple[int, str]]:
+def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0,
+           end: Optional[int] = None) -> Iterator[tuple[str, str]]:
+    """(where, line) of the valid UTF-8 lines of a file, or of the lines starting in [start, end);
+    ``where`` names the line for messages (``path:N``, or ``path: the line at byte B`` in a range)."""
     lineno = invalid = nul = 0
     try:
         with _open_binary(path) as f:
+            pos = 0
+            if start:
+                f.seek(start - 1)
+                pos = start - 1 + len(f.readline())       # the first line that starts at or after `start`
             for lineno, raw in enumerate(f, start=1):
+                if end is not None and pos >= end:
+                    lineno -= 1
+                    break
+                line_start, pos = pos, pos + len(raw)
                 if b"\0" in raw:
                     nul += 1
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     if strict:
-                        raise DataError(f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start}); expected "
-                                        f"UTF-8 text (without --strict such lines are skipped)") from None
+                        where = f"{path}:{lineno}" if not start else f"{path}: the line at byte {line_start}"
+                        raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start}); expected UTF-8 "
+                                        f"text (without --strict such lines are skipped)") from None
                     invalid += 1
                     continue
-                yield lineno, line
+                yield (f"{path}:{lineno}" if not start else f"{path}: the line at byte {line_start}"), line
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"input {path}: cannot be read after line {lineno} ({_reason(e)})") from None
     finally:
@@ -254,8 +284,9 @@ def _lines(path: Path, stats: CorpusStats, strict: bool) -> Iterator[tuple[int, 
         if lineno and (nul or invalid > BINARY_LINE_FRACTION * lineno):
             why = [f"{invalid} of {lineno} lines are not UTF-8"] if invalid else []
             why += [f"{nul} lines hold NUL bytes"] if nul else []
-            stats.file_warnings.append(f"input {path} looks binary, not text ({', '.join(why)}); only its valid "
-                                       "lines were used")
+            part = f" (bytes {start}-{end})" if start or end is not None else ""
+            stats.file_warnings.append(f"input {path}{part} looks binary, not text ({', '.join(why)}); only its "
+                                       "valid lines were used")
 
 
 def _pd_words(line: str) -> list[str]:
@@ -284,19 +315,24 @@ def to_document(record: tuple[str, str], stats: Optional[CorpusStats] = None) ->
     return Document(text, words)
 
 
-def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
               strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
-    """Raw records ``(kind, text)`` of one file, kind ``text`` or ``pd``; not yet normalised."""
+    """Raw records ``(kind, text)`` of one file (or InputRange), kind ``text`` or ``pd``; not yet normalised."""
     stats = stats if stats is not None else CorpusStats()
+    start, end = 0, None
+    if isinstance(path, InputRange):
+        path, start, end = path.path, path.start, path.end
     if fmt not in FORMATS:
         raise UsageError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if doc_boundary not in ("line", "blank"):
         raise UsageError(f"doc_boundary: expected 'line' or 'blank', got {doc_boundary!r}")
     if fmt == "auto":
         fmt = detect_format(path)
-    stats.files += 1
+    if end is not None and not splittable(path, fmt, doc_boundary):
+        raise UsageError(f"input {path}: a byte range of a compressed file or of blank-line separated documents")
+    stats.files += start == 0
     if fmt == "jsonl":
-        for lineno, line in _lines(path, stats, strict):
+        for where, line in _lines(path, stats, strict, start, end):
             if not line.strip():
                 stats.empty_docs += 1
                 continue
@@ -304,26 +340,26 @@ def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_f
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 if strict:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                    raise DataError(f"{where}: invalid JSON ({e.msg})") from None
                 stats.invalid_json_lines += 1
                 continue
             if not isinstance(obj, dict) or jsonl_field not in obj:
-                raise DataError(f"{path}:{lineno}: expected a JSON object with a string field "
+                raise DataError(f"{where}: expected a JSON object with a string field "
                                  f"{jsonl_field!r} (set --jsonl-field), got "
                                  f"{'keys ' + str(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__}")
             value = obj[jsonl_field]
             if not isinstance(value, str):
-                raise DataError(f"{path}:{lineno}: field {jsonl_field!r} must be a string, got "
+                raise DataError(f"{where}: field {jsonl_field!r} must be a string, got "
                                  f"{type(value).__name__}")
             yield ("text", value)
     elif fmt == "pd":
-        for _, line in _lines(path, stats, strict):
+        for _, line in _lines(path, stats, strict, start, end):
             if not line.strip():
                 stats.empty_docs += 1
                 continue
             yield ("pd", line)
     elif doc_boundary == "line":
-        for _, line in _lines(path, stats, strict):
+        for _, line in _lines(path, stats, strict, start, end):
             yield ("text", line)
     else:  # blank-line separated documents
         buf: list[str] = []
@@ -335,6 +371,11 @@ def read_file(path: Path, fmt: str = "auto", doc_boundary: str = "line", jsonl_f
                 buf = []
         if buf:
             yield ("text", " ".join(buf))
+
+
+def splittable(path: Path, fmt: str, doc_boundary: str) -> bool:
+    """Whether a file can be read in byte ranges (InputRange): uncompressed, one document per line."""
+    return not path.name.endswith(".gz") and (fmt in ("jsonl", "pd") or doc_boundary == "line")
 
 
 def iter_records(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",

@@ -13,15 +13,17 @@ setting, a cluster option that does not fit.
 Exit statuses of ``roformer-data`` (the same numbers as :mod:`roformer_dist.errors`)::
 
     0  done (``inspect --verify``: the shard set is sound)
+    1  a cluster task failed for a reason that is neither (killed, out of memory, a bug)
     2  usage: bad flags, an output that exists (use --force) or cannot be written
     4  data error: unreadable / empty corpus, damaged or inconsistent shard set, unreachable URL
 """
 
 from __future__ import annotations
 
-__all__ = ["DataError", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_DATA"]
+__all__ = ["DataError", "UsageError", "TaskError", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_DATA"]
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 EXIT_USAGE = 2  # roformer_dist.errors.EXIT_CONFIG
 EXIT_DATA = 4   # roformer_dist.errors.EXIT_DATA
 
@@ -32,3 +34,8 @@ class DataError(ValueError):
 
 class UsageError(ValueError):
     """Bad arguments (not bad data): the message names the flag or path and what to do."""
+
+
+class TaskError(RuntimeError):
+    """A task of a cluster preparation failed (not with one of the errors above); the message holds
+    the end of its log."""

@@ -205,14 +205,17 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
                  doc_boundary: str = "line", jsonl_field: str = "text", strict: bool = False,
                  jieba: bool = False, progress: bool = True, chunk_docs: int = 256,
                  stats: Optional[CorpusStats] = None, tokenizer_in_set: Optional[str] = "tokenizer.model",
-                 progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True) -> dict:
+                 progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True,
+                 allow_empty: bool = False) -> dict:
     """Tokenise a corpus into shards + manifest inside the existing directory ``out_dir``.
 
     The building block of :func:`build_shards` (which stages the directory) and of the cluster
     tasks. ``tokenizer_in_set``: the name the model is copied to inside ``out_dir`` (recorded in the
     manifest), or None to record ``tokenizer``'s own path. ``on_progress(docs, tokens, text_bytes)``
     is called after each chunk. ``warn_corpus``: log the corpus warnings (binary-looking files, many
-    skipped lines). Returns the manifest (plus ``_build_seconds``).
+    skipped lines). ``allow_empty``: no documents is not an error (a cluster task whose input was
+    all empty): the returned manifest then lists no shard and is not written.
+    Returns the manifest (plus ``_build_seconds``).
     """
     from tqdm import tqdm
 
@@ -260,14 +263,15 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
             pool.terminate()
             pool.join()
     writer.close_shard()
-    if not writer.entries:
+    if not writer.entries and not allow_empty:
         raise DataError(f"no documents to write: {stats.summary()} (inputs: "
                         f"{', '.join(map(str, inputs)) if isinstance(inputs, (list, tuple)) else inputs})")
     elapsed = time.perf_counter() - t0
     manifest = _manifest(writer.entries, tok.vocab_size, tok.dtype.name, tok_entry, True,
                          {"jieba": jieba, "text_bytes": text_bytes,
                           "word_marks": "jieba" if jieba else "gold-or-pieces"})
-    write_manifest(out_dir, manifest)
+    if writer.entries:
+        write_manifest(out_dir, manifest)
     if warn_corpus:
         for w in stats.warnings():
             log.warning("%s", w)
