@@ -47,11 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+import numpy as np
+
 from .errors import DataError, UsageError
 
 __all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
            "splittable",
-           "read_documents", "iter_records", "to_document", "detect_format", "FORMATS"]
+           "read_documents", "iter_records", "to_document", "to_documents", "normalize_batch",
+           "normalize_words_batch", "detect_format", "FORMATS"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
 BINARY_LINE_FRACTION = 0.10
@@ -162,6 +165,68 @@ def normalize_words(words: Iterable[str]) -> list[str]:
     if _WS.search(joined):
         return [w for w in (_WS.sub(" ", w).strip() for w in joined.split(_US)) if w]
     return [w for w in joined.split(_US) if w]
+
+
+# --------------------------------------------------------------------------- batch normalisation (the hot path)
+#
+# The same results as normalize / normalize_words, several times faster on typical Chinese text:
+# full-width ASCII (U+FF01-U+FF5E) and U+3000 are mapped to their NFKC forms for a whole batch in
+# one numpy pass (the mapping is character for character, and NFKC of the mapped text equals NFKC
+# of the original: those characters' compatibility decomposition is exactly that ASCII character);
+# NFKC itself then runs only on texts that its quick check does not already accept; and a text that
+# is printable (no control, format or odd whitespace characters) without double spaces needs only
+# ``strip``. Anything else takes the general path.
+
+
+def _halfwidth(texts: list[str]) -> list[str]:
+    joined = "".join(texts)
+    if joined.isascii():
+        return texts
+    try:
+        cps = np.frombuffer(joined.encode("utf-32-le"), np.uint32)
+    except UnicodeEncodeError:          # lone surrogates (JSON escapes): the general path copes
+        return texts
+    full = (cps >= 0xFF01) & (cps <= 0xFF5E)
+    space = cps == 0x3000
+    if not (full.any() or space.any()):
+        return texts
+    cps = cps.copy()
+    cps[full] -= 0xFEE0
+    cps[space] = 0x20
+    joined = cps.tobytes().decode("utf-32-le")
+    out, pos = [], 0
+    for t in texts:
+        out.append(joined[pos:pos + len(t)])
+        pos += len(t)
+    return out
+
+
+def _nfkc(text: str) -> str:
+    return text if unicodedata.is_normalized("NFKC", text) else unicodedata.normalize("NFKC", text)
+
+
+def normalize_batch(texts: list[str]) -> list[str]:
+    """``[normalize(t) for t in texts]``, faster (see above)."""
+    out = []
+    for t in _halfwidth(texts):
+        t = _nfkc(t)
+        s = t.strip()
+        out.append(s if s.isprintable() and "  " not in s else normalize(t))
+    return out
+
+
+def normalize_words_batch(docs: list[list[str]]) -> list[list[str]]:
+    """``[normalize_words(words) for words in docs]``, faster (see above)."""
+    joined = [_US.join(words) for words in docs]
+    out = []
+    for words, raw, t in zip(docs, joined, _halfwidth(joined)):
+        t = _nfkc(t)
+        if raw.count(_US) == len(words) - 1 and " " not in t and t.replace(_US, "").isprintable():
+            parts = t.split(_US)
+            out.append([w for w in parts if w] if "" in parts else parts)
+        else:
+            out.append(normalize_words(words))
+    return out
 
 
 def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Path]:
@@ -313,6 +378,28 @@ def to_document(record: tuple[str, str], stats: Optional[CorpusStats] = None) ->
     stats.chars += len(text)
     stats.bytes += len(text.encode("utf-8"))
     return Document(text, words)
+
+
+def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Optional[Document]]:
+    """:func:`to_document` of each of a batch of raw records (None, counted, for an empty one), normalised
+    in one go (:func:`normalize_batch`, :func:`normalize_words_batch`)."""
+    stats = stats if stats is not None else CorpusStats()
+    texts: list[Optional[str]] = [None] * len(records)
+    words: list[Optional[list[str]]] = [None] * len(records)
+    plain = [i for i, (kind, _) in enumerate(records) if kind != "pd"]
+    tagged = [i for i, (kind, _) in enumerate(records) if kind == "pd"]
+    for i, t in zip(plain, normalize_batch([records[i][1] for i in plain])):
+        texts[i] = t
+    for i, w in zip(tagged, normalize_words_batch([_pd_words(records[i][1]) for i in tagged])):
+        words[i], texts[i] = w, "".join(w)
+    docs = [Document(t, w) if t else None for t, w in zip(texts, words)]
+    kept = [d for d in docs if d is not None]
+    stats.empty_docs += len(records) - len(kept)
+    stats.docs += len(kept)
+    joined = "".join(d.text for d in kept)
+    stats.chars += len(joined)
+    stats.bytes += len(joined.encode("utf-8", "surrogatepass"))
+    return docs
 
 
 def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",

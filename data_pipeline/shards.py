@@ -26,12 +26,12 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from .atomic import StagedDir, atomic_write_text
-from .corpus import CorpusStats, check_inputs, iter_records, to_document
+from .corpus import CorpusStats, check_inputs, iter_records, to_documents
 from .errors import DataError, UsageError
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
                        tokenizer_path)
 from .source import UrlError
-from .tario import CorruptShardError, ShardData, ShardWriter, iter_tar_members, parse_shard
+from .tario import CorruptShardError, ShardData, ShardWriter, documents_blob, iter_tar_members, parse_shard
 from .tokenizer import SPECIAL_IDS, Tokenizer, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CorruptShardError", "ShardData", "read_manifest", "tokenizer_path",
@@ -175,29 +175,39 @@ def _init_worker(model: str, jieba: bool) -> None:
     _WORKER_TOK = Tokenizer(model, jieba=jieba)
 
 
-def _encode_chunk(records: list) -> tuple[list, CorpusStats, int]:
+def _encode_chunk(job: tuple[int, list]) -> tuple:
+    """Records -> the tar members of their documents (runs in the worker processes).
+
+    ``job``: (index of the first record, records). A document's key is its record's index, so keys
+    follow the corpus order whatever the chunking (empty records leave gaps)."""
+    first, records = job
     tok = _WORKER_TOK
     stats = CorpusStats()
-    docs = [d for d in (to_document(r, stats) for r in records) if d is not None]
-    out, text_bytes = [], 0
-    for d, ids in zip(docs, tok.encode_batch([d.text for d in docs])):
-        text_bytes += len(d.text.encode("utf-8"))
-        if len(ids) == 0:
-            stats.empty_docs += 1
-            continue
-        out.append((ids.astype(tok.dtype).tobytes(), tok.word_marks(d.text, ids, d.words).tobytes(), len(ids)))
-    return out, stats, text_bytes
+    docs = to_documents(records, stats)
+    keys = np.array([first + i for i, d in enumerate(docs) if d is not None], np.int64)
+    docs = [d for d in docs if d is not None]
+    texts = [d.text for d in docs]
+    ids, lengths = tok.encode_flat(texts)
+    if (lengths == 0).any():                       # a text that encodes to nothing
+        keep = np.flatnonzero(lengths)
+        stats.empty_docs += len(lengths) - len(keep)
+        docs, texts, keys, lengths = [docs[i] for i in keep], [texts[i] for i in keep], keys[keep], lengths[keep]
+    marks = tok.word_marks_flat(ids, lengths, texts, [d.words for d in docs])
+    blob, doc_bytes = documents_blob(keys, ids.astype(tok.dtype), lengths, marks)
+    return blob, doc_bytes, lengths * tok.dtype.itemsize, lengths, stats
 
 
-def _chunks(it: Iterable, n: int) -> Iterator[list]:
-    buf = []
-    for x in it:
+def _chunks(it: Iterable, n: int) -> Iterator[tuple[int, list]]:
+    buf, first = [], 0
+    for i, x in enumerate(it):
+        if not buf:
+            first = i
         buf.append(x)
         if len(buf) >= n:
-            yield buf
+            yield first, buf
             buf = []
     if buf:
-        yield buf
+        yield first, buf
 
 
 def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int = 1,
@@ -238,20 +248,20 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     pool = None
     try:
         if workers <= 1:
-            _init_worker(str(model_path), jieba)
+            global _WORKER_TOK
+            _WORKER_TOK = tok                # model_path holds a byte-identical copy of `tokenizer`
             results = map(_encode_chunk, _chunks(records, chunk_docs))
         else:
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
             pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_path), jieba))
             results = pool.imap(_encode_chunk, _chunks(records, chunk_docs), chunksize=1)
-        for out, st, nbytes in results:
-            for ids_b, wwm_b, n in out:
-                writer.add(np.frombuffer(ids_b, tok.dtype), np.frombuffer(wwm_b, np.uint8))
-                tokens += n
-            docs += len(out)
+        for blob, doc_bytes, id_bytes, lengths, st in results:
+            writer.add_blob(blob, doc_bytes, id_bytes, lengths)
+            tokens += int(lengths.sum())
+            docs += len(lengths)
             stats.add_counts(st)
-            text_bytes += nbytes
-            bar.update(len(out))
+            text_bytes += st.bytes
+            bar.update(len(lengths))
             el = max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix_str(f"{tokens / el / 1e3:.0f}k tok/s, {text_bytes / el / 1e6:.2f} MB/s, "
                                 f"shard {len(writer.entries)}", refresh=False)

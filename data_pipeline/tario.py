@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter"]
+__all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter", "documents_blob"]
 
 
 class CorruptShardError(DataError):
@@ -252,6 +252,45 @@ def _tar_header(name: str, size: int) -> bytes:
     return bytes(hdr)
 
 
+_TEMPLATE = np.frombuffer(bytes(_HDR_TEMPLATE), np.uint8)
+_POW10 = 10 ** np.arange(9, -1, -1, dtype=np.int64)
+_POW8_11 = 8 ** np.arange(10, -1, -1, dtype=np.int64)
+_POW8_6 = 8 ** np.arange(5, -1, -1, dtype=np.int64)
+_EXT = np.frombuffer(b".ids.wwm", np.uint8).reshape(2, 4)
+
+
+def documents_blob(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray, marks: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """The tar members of many documents at once (what :meth:`ShardWriter.add` writes for each, byte for
+    byte): ``keys`` int64 [D] (< 10**10, increasing), ``ids`` [total] in the shard dtype, ``lengths``
+    int64 [D], ``marks`` uint8 [total]. Returns (the bytes, bytes per document int64 [D])."""
+    n_docs = len(lengths)
+    item = ids.dtype.itemsize
+    sizes = np.empty(2 * n_docs, np.int64)                       # members: doc 0 .ids, doc 0 .wwm, doc 1 .ids, ...
+    sizes[0::2], sizes[1::2] = lengths * item, lengths
+    if (sizes >= 8 ** 11).any() or (keys >= 10 ** 10).any():
+        raise ValueError("documents_blob: a member over 8 GB or a key over 10 digits")
+    span = 512 + (sizes + 511) // 512 * 512                       # header + padded data
+    head = np.zeros(2 * n_docs, np.int64)
+    np.cumsum(span[:-1], out=head[1:])
+    hdr = np.repeat(_TEMPLATE[None, :], 2 * n_docs, axis=0)
+    hdr[:, 0:10] = (np.repeat(keys, 2)[:, None] // _POW10 % 10 + 48).astype(np.uint8)
+    hdr[:, 10:14] = np.tile(_EXT, (n_docs, 1))
+    hdr[:, 124:135] = (sizes[:, None] // _POW8_11 % 8 + 48).astype(np.uint8)
+    hdr[:, 135] = 0
+    checksum = hdr.sum(axis=1, dtype=np.int64)                     # the checksum field counts as 8 spaces
+    hdr[:, 148:154] = (checksum[:, None] // _POW8_6 % 8 + 48).astype(np.uint8)
+    hdr[:, 154], hdr[:, 155] = 0, 32
+    total = int(span.sum())
+    out = np.zeros(total, np.uint8)
+    out.reshape(-1, 512)[head // 512] = hdr
+    for kind, data in ((0, ids.view(np.uint8)), (1, marks.view(np.uint8))):
+        size = sizes[kind::2]
+        src = np.zeros(n_docs, np.int64)
+        np.cumsum(size[:-1], out=src[1:])
+        out[np.repeat(head[kind::2] + 512 - src, size) + np.arange(len(data), dtype=np.int64)] = data
+    return out.tobytes(), span[0::2] + span[1::2]
+
+
 class ShardWriter:
     """Writes documents into shard-NNNNNN.tar files of about ``shard_size_bytes`` of token ids."""
 
@@ -297,6 +336,30 @@ class ShardWriter:
         self._bytes += len(data)
         if self._bytes >= self.shard_size_bytes or (self.max_docs and self._cur["num_docs"] >= self.max_docs):
             self.close_shard()
+
+    def add_blob(self, blob: bytes, doc_bytes: np.ndarray, id_bytes: np.ndarray, tokens: np.ndarray) -> None:
+        """Write documents whose tar members are already made (:func:`documents_blob`), cutting shards where
+        :meth:`add` would: after the document that brings the shard to ``shard_size_bytes`` of ids or to
+        ``max_docs_per_shard`` documents. ``doc_bytes``/``id_bytes``/``tokens``: int64 per document."""
+        view = memoryview(blob)
+        first, pos, n = 0, 0, len(doc_bytes)
+        while first < n:
+            if self._f is None:
+                self._open()
+            reach = np.cumsum(id_bytes[first:]) + self._bytes
+            take = int(np.searchsorted(reach, self.shard_size_bytes, side="left")) + 1   # closes after that one
+            if self.max_docs:
+                take = min(take, self.max_docs - self._cur["num_docs"])
+            take = min(take, n - first)
+            size = int(doc_bytes[first:first + take].sum())
+            self._write(view[pos:pos + size])
+            self._cur["num_docs"] += take
+            self._cur["num_tokens"] += int(tokens[first:first + take].sum())
+            self._bytes += int(id_bytes[first:first + take].sum())
+            self.num_docs_total += take
+            first, pos = first + take, pos + size
+            if self._bytes >= self.shard_size_bytes or (self.max_docs and self._cur["num_docs"] >= self.max_docs):
+                self.close_shard()
 
     def close_shard(self) -> None:
         if self._f is None:

@@ -231,9 +231,17 @@ class Tokenizer:
                 raise DataError(f"tokenizer {self.path}: {tok} must have id {SPECIAL_IDS[key]}, has id {got} "
                                  f"(train it with data_pipeline.tokenizer.train_tokenizer)")
         self.dtype = np.dtype("uint16") if self.vocab_size <= 1 << 16 else np.dtype("uint32")
-        self._build_tables()
+        self._tables = False
+
+    def __getattr__(self, name: str):
+        # the per-piece tables of word_marks, built on first use (a loop over the whole vocabulary)
+        if name in ("char_len", "_starts_alnum", "_ends_alnum", "_prefixed", "_cont_byte") and not self._tables:
+            self._build_tables()
+            return getattr(self, name)
+        raise AttributeError(name)
 
     def _build_tables(self) -> None:
+        self._tables = True
         n = self.vocab_size
         pieces = [self.sp.IdToPiece(i) for i in range(n)]
         self.char_len = np.zeros(n, np.int64)       # characters each piece starts in the text (a byte-
@@ -274,6 +282,57 @@ class Tokenizer:
         if self.jieba:
             return [self.encode(t) for t in texts]
         return [np.asarray(ids, np.int64) for ids in self.sp.Encode(list(texts))]
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of normalised texts, concatenated (int64 [total]), and each text's count (int64 [n])."""
+        if self.jieba:
+            arrays = [self.encode(t) for t in texts]
+            lengths = np.fromiter(map(len, arrays), np.int64, len(arrays))
+            return (np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), lengths
+        ids = self.sp.Encode(list(texts), num_threads=1)   # one thread: the builder runs one process per core
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
+
+    def word_marks_flat(self, ids: np.ndarray, lengths: np.ndarray, texts: Sequence[str],
+                        words: Optional[Sequence[Optional[Sequence[str]]]] = None) -> np.ndarray:
+        """:meth:`word_marks` of many documents at once: ``ids``/``lengths`` as :meth:`encode_flat` returns
+        them (every length > 0), ``words[i]`` the gold words of document i or None. uint8 [total]."""
+        n = len(ids)
+        if n == 0:
+            return np.zeros(0, np.uint8)
+        firsts = np.zeros(len(lengths), np.int64)                    # index of each document's first token
+        np.cumsum(lengths[:-1], out=firsts[1:])
+        cont = np.zeros(n, bool)
+        nxt, prv = ids[1:], ids[:-1]
+        cont[1:] = (~self._prefixed[nxt] & self._ends_alnum[prv] & self._starts_alnum[nxt]) | self._cont_byte[nxt]
+        cont[firsts] = False
+        marks = (~cont).astype(np.uint8)
+        if words is None and self.jieba:
+            words = [[w for w in jieba_cut(t) if w] for t in texts]
+        if words is None or all(w is None for w in words):
+            return marks
+        has = np.fromiter((w is not None for w in words), bool, len(words))
+        doc_of = np.repeat(np.arange(len(lengths)), lengths)
+        clen = self.char_len[ids]
+        before = np.cumsum(clen) - clen                               # chars before each token (all documents)
+        tok_start = before - before[firsts][doc_of]                   # ... within its document
+        with_words = [w for w in words if w is not None]
+        num_words = np.fromiter(map(len, with_words), np.int64, len(with_words))
+        wlen = np.fromiter(map(len, itertools.chain.from_iterable(with_words)), np.int64, int(num_words.sum()))
+        text_len = np.zeros(len(lengths), np.int64)                   # chars of each document (its words' sum)
+        wdoc = np.repeat(np.flatnonzero(has), num_words)
+        np.add.at(text_len, wdoc, wlen)
+        base = np.zeros(len(lengths) + 1, np.int64)                   # a slot of text_len + 1 per document
+        np.cumsum(text_len + 1, out=base[1:])
+        wbefore = np.cumsum(wlen) - wlen
+        wfirst = np.zeros(len(with_words), np.int64)
+        np.cumsum(num_words[:-1], out=wfirst[1:])
+        wstart = wbefore - np.repeat(wbefore[wfirst] if len(wfirst) else wfirst, num_words)
+        is_start = np.zeros(int(base[-1]), bool)
+        is_start[base[wdoc] + wstart] = True
+        gold = is_start[base[doc_of] + np.minimum(tok_start, text_len[doc_of])]
+        gold[firsts] = True
+        return np.where(has[doc_of], gold, marks.astype(bool)).astype(np.uint8)
 
     def decode(self, ids) -> str:
         return self.sp.Decode([int(i) for i in np.asarray(ids).ravel()])

@@ -182,3 +182,41 @@ def test_fast_tar_index_equals_the_general_parser(small_shards):
     assert [s for n, s, _ in members if n.endswith(".ids")] == fast[0].tolist()
     assert [z for n, _, z in members if n.endswith(".wwm")] == fast[3].tolist()
     assert _index_members_fast(buf[:len(buf) // 2]) is None   # truncated: the general path reports it
+
+
+def test_documents_blob_is_byte_for_byte_what_the_writer_adds(tmp_path):
+    from data_pipeline.tario import ShardWriter, documents_blob
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 700, 40)
+    ids = rng.integers(5, 60000, int(lengths.sum())).astype(np.uint16)
+    marks = (rng.random(len(ids)) < 0.5).astype(np.uint8)
+    keys = np.cumsum(rng.integers(1, 5, 40))
+    one = ShardWriter(tmp_path / "a", np.uint16, 10 ** 9)
+    (tmp_path / "a").mkdir()
+    pos = 0
+    for k, n in zip(keys.tolist(), lengths.tolist()):
+        one.num_docs_total = k
+        one.add(ids[pos:pos + n], marks[pos:pos + n])
+        pos += n
+    one.close_shard()
+    blob, sizes = documents_blob(keys, ids, lengths, marks)
+    data = (tmp_path / "a" / "shard-000000.tar").read_bytes()
+    assert data[:len(blob)] == blob and sizes.sum() == len(blob)
+    with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tf:              # the standard reader agrees
+        assert [m.name for m in tf.getmembers()][:2] == [f"{keys[0]:010d}.ids", f"{keys[0]:010d}.wwm"]
+    # cut into the same shards as add() one by one (keys 0, 1, ...: add()'s own numbering)
+    blob, sizes = documents_blob(np.arange(40), ids, lengths, marks)
+    many = ShardWriter(tmp_path / "b", np.uint16, 3000, max_docs_per_shard=7)
+    (tmp_path / "b").mkdir()
+    many.add_blob(blob[:sizes[:13].sum()], sizes[:13], lengths[:13] * 2, lengths[:13])   # two chunks
+    many.add_blob(blob[sizes[:13].sum():], sizes[13:], lengths[13:] * 2, lengths[13:])
+    many.close_shard()
+    each = ShardWriter(tmp_path / "c", np.uint16, 3000, max_docs_per_shard=7)
+    (tmp_path / "c").mkdir()
+    pos = 0
+    for n in lengths.tolist():
+        each.add(ids[pos:pos + n], marks[pos:pos + n])
+        pos += n
+    each.close_shard()
+    assert many.entries == each.entries and len(each.entries) > 5

@@ -63,3 +63,21 @@ def test_not_a_model(tmp_path):
         Tokenizer(bad)
     with pytest.raises(DataError, match="missing.model: no such file"):
         Tokenizer(tmp_path / "missing.model")
+
+
+def test_batch_encoding_and_word_marks_equal_the_per_document_ones(small_shards, reviews):
+    from data_pipeline.corpus import read_documents
+
+    tk = Tokenizer(small_shards.tokenizer)
+    docs = list(read_documents(small_shards.source, limit=300)) + list(read_documents(reviews[0], limit=300))
+    docs.append(type(docs[0])("𠀀龘 Hello World123 [SEP]", None))          # byte fallback, ASCII runs
+    texts = [d.text for d in docs]
+    ids, lengths = tk.encode_flat(texts)
+    marks = tk.word_marks_flat(ids, lengths, texts, [d.words for d in docs])
+    assert any(d.words for d in docs) and any(d.words is None for d in docs)
+    pos = 0
+    for d, n in zip(docs, lengths.tolist()):
+        assert ids[pos:pos + n].tolist() == tk.encode(d.text).tolist()
+        assert marks[pos:pos + n].tolist() == tk.word_marks(d.text, ids[pos:pos + n], d.words).tolist()
+        pos += n
+    assert pos == len(ids)
