@@ -12,7 +12,8 @@ ours     = ``write_shards`` (what ``roformer-data shards`` runs): read, normalis
 MB/s per worker = MB of normalised text / seconds / workers. Seconds are CPU seconds of all the
 processes involved (``time.process_time`` + ``RUSAGE_CHILDREN``: robust on a shared machine)
 and, printed beside, wall seconds; medians of --repeats, baseline and builds interleaved.
-ratio = ours per worker / baseline. The tokenizer: SentencePiece unigram, 8000 pieces, trained
+ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read,
+normalise, encode, word marks, tar members, sha256), where the time beyond the baseline goes. The tokenizer: SentencePiece unigram, 8000 pieces, trained
 on the first 6000 documents. Ends with one JSON line (the first corpus): {"bench": "shards",
 "ours": MB/s per worker (1 worker, CPU), "baseline": MB/s (CPU), "unit": "MB/s", "ratio": ...,
 "workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
@@ -72,6 +73,45 @@ def corpora(tmp: Path, given: list[Path], scale: int) -> list[tuple[str, Path]]:
     return [("plain text (People's Daily, tags removed)", plain), ("People's Daily tagged (gold words)", tagged)]
 
 
+def stages(src: Path, model: Path) -> dict:
+    """CPU seconds of each stage of the 1-worker build, run one after the other in this process."""
+    import hashlib
+
+    import numpy as np
+
+    from data_pipeline.corpus import CorpusStats, iter_records, to_documents
+    from data_pipeline.shards import _chunks
+    from data_pipeline.tario import documents_blob
+
+    tok = Tokenizer(model)
+    out, t = {}, time.process_time()
+
+    def lap(name):
+        nonlocal t
+        now = time.process_time()
+        out[name] = round(now - t, 3)
+        t = now
+
+    chunks = [r for _, r in _chunks(iter_records(src, stats=CorpusStats()), 256)]
+    lap("read lines")
+    docs = [[d for d in to_documents(r) if d is not None] for r in chunks]
+    lap("normalise")
+    enc = [tok.encode_flat([d.text for d in c]) for c in docs]
+    lap("encode (+ flatten)")
+    tok.char_len  # noqa: B018 - the tables, built once, not part of the stage
+    t = time.process_time()
+    marks = [tok.word_marks_flat(i, n, [d.text for d in c], [d.words for d in c]) for (i, n), c in zip(enc, docs)]
+    lap("word marks")
+    blobs = [documents_blob(np.arange(len(n)), i.astype(tok.dtype), n, m)[0] for (i, n), m in zip(enc, marks)]
+    lap("tar members")
+    h = hashlib.sha256()
+    for b in blobs:
+        h.update(b)
+    lap("sha256")
+    out["tar bytes / token bytes"] = round(sum(map(len, blobs)) / sum(len(i) * 3 for i, _ in enc), 1)  # ids + marks
+    return out
+
+
 def measure(name: str, src: Path, tmp: Path, repeats: int) -> dict:
     texts = [d.text for d in read_documents(src)]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
@@ -97,6 +137,7 @@ def measure(name: str, src: Path, tmp: Path, repeats: int) -> dict:
                                "total_wall": round(mb / wall_s, 2), "ratio_cpu": round(mb / cpu_s / base_cpu, 3),
                                "ratio_wall": round(mb / wall_s / w / base_wall, 3)}
     out["scaling_1_to_2_wall"] = round(med["w1"][1] / med["w2"][1], 2)
+    out["stages_cpu_s"] = stages(src, model)
     return out
 
 
@@ -119,6 +160,10 @@ def main() -> int:
             print(f"{'':<44}{f'{w} worker':>10}{x['per_worker_cpu']:>17.2f}{x['per_worker_wall']:>8.2f}"
                   f"{x['ratio_cpu']:>11.3f}{x['ratio_wall']:>7.3f}")
         print(f"{'':<44}{'1 -> 2 workers (wall):':>32} {r['scaling_1_to_2_wall']:.2f}x   ({r['mb']} MB, {r['docs']} docs)")
+    for r in results:
+        st = r["stages_cpu_s"]
+        print(f"stages of the 1-worker build, CPU s ({r['corpus'][:40]}): "
+              + ", ".join(f"{k} {v}" for k, v in st.items()))
     first = results[0]
     print(json.dumps({"bench": "shards", "ours": first["workers_1"]["per_worker_cpu"],
                       "baseline": first["baseline"]["cpu"], "unit": "MB/s", "ratio": first["workers_1"]["ratio_cpu"],

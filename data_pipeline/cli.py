@@ -77,7 +77,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qos", help="SLURM QoS")
     g.add_argument("--constraint", help="SLURM constraint")
     g.add_argument("--time", type=int, metavar="MINUTES", help="time limit per task")
-    g.add_argument("--cpus-per-task", type=int, help="CPUs per task (default: --workers)")
+    g.add_argument("--cpus-per-task", type=int,
+                   help="CPUs of a SLURM task, also its tokenising processes (default: the profile's)")
     g.add_argument("--mem", help="memory per task, e.g. 16G")
     g.add_argument("--sample-docs", type=int, default=200_000,
                    help="documents the tokenizer is trained on before the tasks start (taken evenly from the "

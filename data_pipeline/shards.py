@@ -176,7 +176,7 @@ def _init_worker(model: str, jieba: bool) -> None:
 
 
 def _encode_chunk(job: tuple[int, list]) -> tuple:
-    """Records -> the tar members of their documents (runs in the worker processes).
+    """Records -> (keys, token ids, lengths, word marks, stats) of their documents (in the worker processes).
 
     ``job``: (index of the first record, records). A document's key is its record's index, so keys
     follow the corpus order whatever the chunking (empty records leave gaps)."""
@@ -193,8 +193,8 @@ def _encode_chunk(job: tuple[int, list]) -> tuple:
         stats.empty_docs += len(lengths) - len(keep)
         docs, texts, keys, lengths = [docs[i] for i in keep], [texts[i] for i in keep], keys[keep], lengths[keep]
     marks = tok.word_marks_flat(ids, lengths, texts, [d.words for d in docs])
-    blob, doc_bytes = documents_blob(keys, ids.astype(tok.dtype), lengths, marks)
-    return blob, doc_bytes, lengths * tok.dtype.itemsize, lengths, stats
+    # compact (3 bytes a token): the tar members, about 8x larger for short documents, are made by the writer
+    return keys, ids.astype(tok.dtype), lengths, marks, stats
 
 
 def _chunks(it: Iterable, n: int) -> Iterator[tuple[int, list]]:
@@ -255,8 +255,9 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
             pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_path), jieba))
             results = pool.imap(_encode_chunk, _chunks(records, chunk_docs), chunksize=1)
-        for blob, doc_bytes, id_bytes, lengths, st in results:
-            writer.add_blob(blob, doc_bytes, id_bytes, lengths)
+        for keys, ids, lengths, marks, st in results:
+            blob, doc_bytes = documents_blob(keys, ids, lengths, marks)
+            writer.add_blob(blob, doc_bytes, lengths * ids.dtype.itemsize, lengths)
             tokens += int(lengths.sum())
             docs += len(lengths)
             stats.add_counts(st)

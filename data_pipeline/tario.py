@@ -259,10 +259,11 @@ _POW8_6 = 8 ** np.arange(5, -1, -1, dtype=np.int64)
 _EXT = np.frombuffer(b".ids.wwm", np.uint8).reshape(2, 4)
 
 
-def documents_blob(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray, marks: np.ndarray) -> tuple[bytes, np.ndarray]:
+def documents_blob(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray,
+                   marks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The tar members of many documents at once (what :meth:`ShardWriter.add` writes for each, byte for
     byte): ``keys`` int64 [D] (< 10**10, increasing), ``ids`` [total] in the shard dtype, ``lengths``
-    int64 [D], ``marks`` uint8 [total]. Returns (the bytes, bytes per document int64 [D])."""
+    int64 [D], ``marks`` uint8 [total]. Returns (the bytes as uint8 [n], bytes per document int64 [D])."""
     n_docs = len(lengths)
     item = ids.dtype.itemsize
     sizes = np.empty(2 * n_docs, np.int64)                       # members: doc 0 .ids, doc 0 .wwm, doc 1 .ids, ...
@@ -288,7 +289,7 @@ def documents_blob(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray, marks
         src = np.zeros(n_docs, np.int64)
         np.cumsum(size[:-1], out=src[1:])
         out[np.repeat(head[kind::2] + 512 - src, size) + np.arange(len(data), dtype=np.int64)] = data
-    return out.tobytes(), span[0::2] + span[1::2]
+    return out, span[0::2] + span[1::2]
 
 
 class ShardWriter:
@@ -337,11 +338,11 @@ class ShardWriter:
         if self._bytes >= self.shard_size_bytes or (self.max_docs and self._cur["num_docs"] >= self.max_docs):
             self.close_shard()
 
-    def add_blob(self, blob: bytes, doc_bytes: np.ndarray, id_bytes: np.ndarray, tokens: np.ndarray) -> None:
+    def add_blob(self, blob, doc_bytes: np.ndarray, id_bytes: np.ndarray, tokens: np.ndarray) -> None:
         """Write documents whose tar members are already made (:func:`documents_blob`), cutting shards where
         :meth:`add` would: after the document that brings the shard to ``shard_size_bytes`` of ids or to
         ``max_docs_per_shard`` documents. ``doc_bytes``/``id_bytes``/``tokens``: int64 per document."""
-        view = memoryview(blob)
+        view = memoryview(blob).cast("B")
         first, pos, n = 0, 0, len(doc_bytes)
         while first < n:
             if self._f is None:

@@ -202,14 +202,14 @@ def test_documents_blob_is_byte_for_byte_what_the_writer_adds(tmp_path):
     one.close_shard()
     blob, sizes = documents_blob(keys, ids, lengths, marks)
     data = (tmp_path / "a" / "shard-000000.tar").read_bytes()
-    assert data[:len(blob)] == blob and sizes.sum() == len(blob)
+    assert data[:len(blob)] == blob.tobytes() and sizes.sum() == len(blob)
     with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tf:              # the standard reader agrees
         assert [m.name for m in tf.getmembers()][:2] == [f"{keys[0]:010d}.ids", f"{keys[0]:010d}.wwm"]
     # cut into the same shards as add() one by one (keys 0, 1, ...: add()'s own numbering)
     blob, sizes = documents_blob(np.arange(40), ids, lengths, marks)
     many = ShardWriter(tmp_path / "b", np.uint16, 3000, max_docs_per_shard=7)
     (tmp_path / "b").mkdir()
-    many.add_blob(blob[:sizes[:13].sum()], sizes[:13], lengths[:13] * 2, lengths[:13])   # two chunks
+    many.add_blob(blob[:sizes[:13].sum()], sizes[:13], lengths[:13] * 2, lengths[:13])   # in two parts
     many.add_blob(blob[sizes[:13].sum():], sizes[13:], lengths[13:] * 2, lengths[13:])
     many.close_shard()
     each = ShardWriter(tmp_path / "c", np.uint16, 3000, max_docs_per_shard=7)
