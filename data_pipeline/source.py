@@ -72,7 +72,7 @@ def is_url(location: str | os.PathLike) -> bool:
 class UrlError(DataError):
     """A URL that could not be read; ``permanent`` when retrying cannot help (HTTP 404, ...)."""
 
-    def __init__(self, message: str, permanent: bool):
+    def __init__(self, message: str, permanent: bool = False):
         super().__init__(message)
         self.permanent = permanent
 
