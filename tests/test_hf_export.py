@@ -295,7 +295,7 @@ def test_finetune_from_the_training_checkpoint(trained, tmp_path, reviews):
     (tmp_path / "dev.jsonl").write_text("\n".join(rows[1::2]) + "\n", encoding="utf-8")
     res = run(["--model", str(trained / "checkpoints"), "--train", str(tmp_path / "train.jsonl"), "--dev",
                str(tmp_path / "dev.jsonl"), "--out", str(tmp_path / "ft"), "--epochs", "1", "--batch-size", "8",
-               "--max-length", "64", "--no-progress", "--lr", "1e-30"])
+               "--max-length", "64", "--no-progress", "--lr", "1e-30", "--threads", "1"])
     assert res["backend"] == "transformers" and res["train_examples"] == 24 and res["truncated"] > 0
     best = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ft" / "best")
     from roformer_dist.checkpoint import load_consolidated_weights

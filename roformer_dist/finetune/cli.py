@@ -148,9 +148,7 @@ def _run_model(args, train, dev, labels, out: Path) -> dict:
     import torch
 
     from roformer_dist.errors import ConfigError
-    from roformer_dist.finetune.data import encode_labels
-    from roformer_dist.finetune.models import describe, load_classifier, write_json
-    from roformer_dist.finetune.train import default_threads, encode, fit
+    from roformer_dist.finetune.train import default_threads
 
     device_kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_kind == "cuda" and not torch.cuda.is_available():
@@ -158,8 +156,23 @@ def _run_model(args, train, dev, labels, out: Path) -> dict:
     dist, device = _dist_setup(args, device_kind)
     threads = args.threads or (default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
                                if dist.world_size > 1 else None)
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _train_and_report(args, train, dev, labels, out, dist, device)
+    finally:
+        torch.set_num_threads(before)  # run() may be called in-process (the demo): leave torch as it was
+
+
+def _train_and_report(args, train, dev, labels, out: Path, dist, device) -> dict:
+    import torch
+
+    from roformer_dist.errors import ConfigError
+    from roformer_dist.finetune.data import encode_labels
+    from roformer_dist.finetune.models import describe, load_classifier, write_json
+    from roformer_dist.finetune.train import encode, fit
+
     say = print if dist.main else (lambda *_: None)
     _quiet_transformers()
     clf = load_classifier(args.model, labels, from_scratch=args.from_scratch, seed=args.seed,

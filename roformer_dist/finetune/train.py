@@ -8,7 +8,6 @@ alone writes files and prints.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -211,7 +210,3 @@ def save_best(clf, out_dir: Path) -> None:
 
 def default_threads(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
-
-
-def steps_per_epoch(n: int, batch_size: int) -> int:
-    return math.ceil(n / batch_size)
