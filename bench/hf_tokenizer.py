@@ -6,7 +6,8 @@
 Agreement: for every document, ``tokenizer.json`` (roformer_dist/hf_tokenizer.py) on the raw text against
 ``[CLS] + encode(normalize(text)) + [SEP]`` (data_pipeline), on all of People's Daily 1998 (documents as
 the corpus reader yields them) and all product reviews (raw lines: full-width punctuation, spaces,
-traditional characters), for SentencePiece vocabularies of 8000 and 32000 trained on People's Daily.
+traditional characters), for SentencePiece Unigram vocabularies of 8000 and 32000 and a BPE one of 8000
+trained on People's Daily.
 Disagreements are classified: *tie* when the two segmentations have the same score sum within 1e-4
 (SentencePiece accumulates in float32, tokenizers in float64), *other* otherwise.
 With jieba installed, also a jieba-trained tokenizer (its ids come from word-by-word encoding, which
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
         for v in (8000, 32000):
             models[f"pd-{v // 1000}k"] = train_tokenizer(texts["people's daily"], tmp / f"sp{v}", vocab_size=v,
                                                          num_threads=2)
+        models["pd-8k-bpe"] = train_tokenizer(texts["people's daily"], tmp / "bpe", vocab_size=8000,
+                                              model_type="bpe", num_threads=2)
     rows, total, equal = [], 0, 0
     for name, model in models.items():
         hf = build_fast_tokenizer(model)

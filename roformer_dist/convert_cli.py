@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint", required=True,
                    help="<run_dir>/checkpoints/<tag>/ (or checkpoints/, or the run directory: its latest), "
                         "a weights file, or a from-hf output directory")
-    t.add_argument("--out", required=True, help="output directory for save_pretrained files")
+    t.add_argument("--out", required=True,
+                   help="output directory (the HF repository); refused when not empty, unless --force")
     t.add_argument("--config", default=None,
                    help="run config (e.g. <run_dir>/config.yaml) whose model section replaces the stored one")
     t.add_argument("--tokenizer", default=None,

@@ -10,7 +10,8 @@ document. The same pipeline in ``tokenizers``:
                     (the character classes are enumerated from Python's ``unicodedata``, like corpus.py)
     pre-tokenizer   Split(the text of an unreachable piece, after its first character) + Metaspace("▁",
                     never prepend, no split): see "unreachable pieces" below
-    model           Unigram(pieces, scores, unk_id=1, byte_fallback=True)
+    model           Unigram(pieces, scores, unk_id=1, byte_fallback=True); for a BPE SentencePiece model
+                    BPE(pieces, merges: every split of a piece into two pieces, by the piece's rank)
     post-processor  [CLS] $A [SEP]  /  [CLS] $A [SEP] $B:1 [SEP]:1  (token type ids 0 ... 0 1 ... 1)
     decoder         ▁ -> " ", byte fallback, fuse
 
@@ -93,6 +94,8 @@ class TokenizerReport:
     """Pieces SentencePiece never matches from text (control, unknown, byte, unused)."""
     split_conflicts: list[str] = field(default_factory=list)
     """Normal pieces that contain the two characters around an unreachable piece's split point."""
+    mergeable: list[str] = field(default_factory=list)
+    """Normal and user-defined pieces (what a BPE model's merges may build)."""
 
 
 def read_sp_model(path: str | os.PathLike) -> TokenizerReport:
@@ -117,9 +120,9 @@ def read_sp_model(path: str | os.PathLike) -> TokenizerReport:
             raise DataError(f"tokenizer {path}: {tok} must have id {i} (train it with "
                             "data_pipeline.tokenizer.train_tokenizer)")
     model_type = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
-    if model_type != "UNIGRAM":
+    if model_type not in ("UNIGRAM", "BPE"):
         raise DataError(f"tokenizer {path}: a {model_type} SentencePiece model; the HF export supports the "
-                        "Unigram models roformer-data trains (model_type unigram)")
+                        "unigram and bpe models roformer-data trains (or pass --no-tokenizer)")
     normal = [p.score for p in pieces if p.type == kind.NORMAL]
     lowest = min(normal)
     best = max(max(normal), _FLT_MIN)  # SentencePiece starts its max at FLT_MIN
@@ -137,8 +140,10 @@ def read_sp_model(path: str | os.PathLike) -> TokenizerReport:
     heads = {u[:2] for u in unreachable if len(u) >= 2}
     conflicts = sorted(p for p in reachable if any(h in p for h in heads))
     conflicts += [u for u in unreachable if len(u) < 2]  # a one-character piece cannot be split off
+    if model_type == "BPE":  # pieces only arise from merges of normal pieces: nothing to keep out of reach
+        unreachable, conflicts = [], []
     return TokenizerReport(path, vocab, bool(proto.trainer_spec.pretokenization_delimiter), model_type,
-                           unreachable, conflicts)
+                           unreachable, conflicts, reachable)
 
 
 def _unreachable_pattern(unreachable: Sequence[str]) -> Optional[str]:
@@ -156,13 +161,29 @@ def _unreachable_pattern(unreachable: Sequence[str]) -> Optional[str]:
     return "|".join(alts) or None
 
 
+def bpe_merges(rep: TokenizerReport) -> list[tuple[str, str]]:
+    """Merges of a SentencePiece BPE model: every split of a piece into two pieces, ranked by the merged
+    piece's id (SentencePiece orders BPE pieces by merge priority), then by the parts' ids."""
+    ids = {p: i for i, p in enumerate(rep.mergeable)}
+    merges = []
+    for piece in rep.mergeable:
+        parts = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        merges += sorted(parts, key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+    return merges
+
+
 def build_fast_tokenizer(sp_model: str | os.PathLike | TokenizerReport):
     """A ``tokenizers.Tokenizer`` equal to corpus.normalize + our SentencePiece model + [CLS]/[SEP]."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import Unigram
+    from tokenizers.models import BPE, Unigram
 
     rep = sp_model if isinstance(sp_model, TokenizerReport) else read_sp_model(sp_model)
-    tok = Tokenizer(Unigram(rep.vocab, unk_id=SPECIAL_IDS["unk"], byte_fallback=True))
+    if rep.model_type == "BPE":
+        vocab = {piece: i for i, (piece, _) in enumerate(rep.vocab)}
+        model = BPE(vocab, bpe_merges(rep), unk_token=SPECIAL_TOKENS["unk"], byte_fallback=True, fuse_unk=True)
+    else:
+        model = Unigram(rep.vocab, unk_id=SPECIAL_IDS["unk"], byte_fallback=True)
+    tok = Tokenizer(model)
     tok.normalizer = _normalizer()
     steps = []
     pattern = _unreachable_pattern(rep.unreachable)

@@ -148,6 +148,21 @@ def test_fill_mask_pipeline_and_logits_equal_ours(exported, our_model, peoples_d
     assert (theirs - ours)[keep].abs().max().item() <= 1e-4
 
 
+def test_bpe_tokenizer_too(small_shards, reviews, tmp_path):
+    """roformer-data can train BPE SentencePiece models: tokenizer.json is then a BPE with SentencePiece's
+    merge order, again equal to our pipeline on real reviews and the hostile strings."""
+    from data_pipeline.tokenizer import train_tokenizer
+    from roformer_dist.hf_tokenizer import build_fast_tokenizer
+
+    model = train_tokenizer((d.text for d in read_documents(small_shards.source)), tmp_path / "bpe",
+                            vocab_size=4000, model_type="bpe", num_threads=1)
+    hf = build_fast_tokenizer(model)
+    agr = agreement(hf, reviews[0].read_text(encoding="utf-8").splitlines()[:600], model)
+    assert agr.num_docs == 600 and agr.rate >= 0.995, agr.examples
+    hostile = agreement(hf, HOSTILE, model)
+    assert hostile.rate == 1.0, hostile.examples
+
+
 # --------------------------------------------------------------------------- refusing, atomic, errors
 
 

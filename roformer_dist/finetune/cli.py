@@ -29,8 +29,10 @@ __all__ = ["build_parser", "run", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="roformer-finetune", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 2)[2],
+    p = argparse.ArgumentParser(prog="roformer-finetune",
+                                description="Fine-tune and evaluate a sequence classifier (single sentences "
+                                            "or sentence pairs) on a pretrained RoFormer.",
+                                epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF export directory, training checkpoint (step_XXXXXXXX/, checkpoints/ or "
                                    "run directory) or weights file; not needed with --baseline")
