@@ -79,15 +79,13 @@ def dev_predictions(model, tokenizer, data: Path, max_length: int = 48):
             [r["label"] for r in rows]
 
 
-def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path):
-    """The real command in a fresh process: results.json (the contract), the last line, TensorBoard, and a
-    best model that AutoModelForSequenceClassification + AutoTokenizer reload with the same accuracy."""
+def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path, capsys):
+    """The command: results.json (the contract), the last line, TensorBoard, and a best model that
+    AutoModelForSequenceClassification + AutoTokenizer reload with the same accuracy."""
     out = tmp_path / "ft"
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.finetune", *args(tiny_export, sentiment, out)],
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = r.stdout.strip().splitlines()
+    assert main(args(tiny_export, sentiment, out)) == 0
+    stdout = capsys.readouterr().out
+    lines = stdout.strip().splitlines()
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-1]
     res = json.loads((out / "results.json").read_text())
@@ -100,7 +98,7 @@ def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path):
     assert float(m.group(1)) == round(res["best_dev_accuracy"], 4) and int(m.group(3)) == 1
     assert 0 < ep["train_loss"] < 5 and ep["seconds"] > 0
     # reviews longer than 48 tokens are truncated and counted, naming the file
-    assert res["truncated"] > 0 and re.search(r"train\.jsonl: \d+ of 40 examples are longer", r.stdout)
+    assert res["truncated"] > 0 and re.search(r"train\.jsonl: \d+ of 40 examples are longer", stdout)
 
     from roformer_dist.metrics import read_scalars
 
@@ -113,6 +111,16 @@ def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path):
     pred, gold = dev_predictions(model, tok, sentiment)
     assert np.mean(np.equal(pred, gold)) == pytest.approx(res["best_dev_accuracy"])
     assert model.config.id2label == {0: "0", 1: "1"}
+
+
+def test_console_entry_point():
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.finetune", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    assert r.returncode == 0 and "--baseline" in r.stdout and "results.json" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.finetune", "--baseline", "ngram", "--train", "x.jsonl",
+                        "--dev", "y.jsonl", "--out", "o"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    assert r.returncode == EXIT_DATA and "x.jsonl: no such file" in r.stderr
 
 
 def test_pretrained_start_and_from_scratch(tiny_export, sentiment, tmp_path):

@@ -286,16 +286,21 @@ def test_jieba_style_tokenizer_is_exported_with_a_warning(trained, small_shards,
     assert transformers.AutoTokenizer.from_pretrained(out)("中国")["input_ids"][0] == 2
 
 
-def test_roformer_convert_cli_process(exported, trained, tmp_path):
-    """The real console entry point (a fresh process), exporting the run directory's latest checkpoint."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.convert_cli", "to-hf", "--checkpoint", str(trained),
-                        "--out", str(tmp_path / "hf"), "--check-docs", "200"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "tokenizer check: " in r.stdout and "/200 documents" in r.stdout
-    assert _tree(tmp_path / "hf")["tokenizer.json"] == _tree(exported)["tokenizer.json"]
-    assert load_hf_tokenizer(tmp_path / "hf")("中国")["input_ids"][0] == 2
+def test_run_directory_export_is_reproducible(exported, trained, small_shards, tmp_path, capsys):
+    """to-hf on the run directory takes its latest checkpoint and writes the same repository; tokenizer.json
+    does not depend on the process (hash seed)."""
+    assert convert_main(["to-hf", "--checkpoint", str(trained), "--out", str(tmp_path / "hf"),
+                         "--check-docs", "200"]) == 0
+    assert "tokenizer check: 200/200 documents" in capsys.readouterr().out
+    a, b = _tree(tmp_path / "hf"), _tree(exported)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert a[name] == b[name], name
+    code = ("import sys; from roformer_dist.hf_tokenizer import build_fast_tokenizer; "
+            "sys.stdout.write(build_fast_tokenizer(sys.argv[1]).to_str())")
+    outs = {subprocess.run([sys.executable, "-c", code, str(small_shards.tokenizer)], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed), check=True).stdout
+            for seed in ("1", "2")}
+    assert outs == {a["tokenizer.json"].decode()}
 
 
 def test_finetune_from_the_training_checkpoint(trained, tmp_path, reviews):
