@@ -189,8 +189,20 @@ def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> 
     return None, False
 
 
+def _apply_umask(d: Path) -> None:
+    """transformers writes model.safetensors through a private (0600) temporary file: give the files of an
+    export the permissions any other file of the user gets (a shared cluster's group can read them)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in d.iterdir():
+        if p.is_file():
+            os.chmod(p, 0o666 & ~mask)
+    os.chmod(d, 0o777 & ~mask)
+
+
 def replace_dir_atomically(tmp: Path, out: Path) -> None:
     """Move the complete directory ``tmp`` to ``out`` (an existing ``out`` is removed after the switch)."""
+    _apply_umask(tmp)
     old = None
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

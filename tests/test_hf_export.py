@@ -78,6 +78,9 @@ def real_texts(peoples_daily, reviews, n_pd=500, n_reviews=1000) -> tuple[list[s
 def test_export_is_a_complete_hf_repository(exported, small_shards):
     assert {p.name for p in exported.iterdir()} == EXPORT_FILES
     assert not [p for p in exported.parent.iterdir() if p.name.startswith(".hf")], "temporary left behind"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.stat().st_mode & 0o777 for p in exported.iterdir()} == {0o666 & ~mask}  # readable like any file
     tok = transformers.AutoTokenizer.from_pretrained(exported)
     assert tok.is_fast
     assert (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id) == \
