@@ -4,6 +4,9 @@ Every writer goes through :func:`atomic_write`: the content goes to a hidden tem
 same directory, which is flushed and ``fsync``-ed, then renamed over the target with ``os.replace``
 (atomic on POSIX filesystems), and the directory is ``fsync``-ed so the rename survives a crash. On
 any error the temporary file is removed and the target is left as it was.
+
+Whole directories (a shard set) go through :class:`StagedDir`: built beside their final place and
+swapped in when complete.
 """
 
 from __future__ import annotations
