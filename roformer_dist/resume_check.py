@@ -4,7 +4,7 @@ in the run directory changes.
 Compared (:func:`differences`): the model settings that change the parameters or what they compute
 (all of ``model.*`` except :data:`FREE_MODEL_KEYS`), the parameter names and shapes they imply, the
 model-parallel layout (tensor x pipeline; the world size may change only without it), the ZeRO stage
-and precision (their optimizer files differ), the tokenizer (sha256 of the shard set's model), and the
+(0, 1-2 and 3 save different files), the tokenizer (sha256 of the shard set's model), and the
 number of shards the loader position refers to. The curriculum, optimizer, logging and
 checkpoint settings may change on resume.
 """
@@ -22,6 +22,8 @@ FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention
 """Model settings a resumed run may change: the kernel used, dropout, the initialiser (already used)."""
 
 _MAX_SHAPES = 8
+_ZERO_FORMAT = {0: "module optimizer", 1: "partitioned optimizer", 2: "partitioned optimizer", 3: "partitioned all"}
+"""How each ZeRO stage saves its state: stages of one format load each other's checkpoints."""
 
 
 def _model_config(saved: dict) -> Optional[ModelConfig]:
@@ -89,10 +91,10 @@ def differences(saved_config: dict, saved_world_size: int, cfg: Config, world_si
     elif saved_world_size != world_size and (tp > 1 or pp > 1):
         out.append(f"world size: {saved_world_size} in the checkpoint, {world_size} now: with tensor or pipeline "
                    "parallelism the world size cannot change")
-    for key in ("zero_stage", "precision"):
-        was, new = _get(saved_config, "deepspeed", key), getattr(cfg.deepspeed, key)
-        if was is not None and was != new:
-            out.append(f"deepspeed.{key}: {was!r} in the checkpoint, {new!r} now (its optimizer files differ)")
+    was, new = _get(saved_config, "deepspeed", "zero_stage"), cfg.deepspeed.zero_stage
+    if was is not None and _ZERO_FORMAT.get(int(was)) != _ZERO_FORMAT.get(new):
+        out.append(f"deepspeed.zero_stage: {was} in the checkpoint, {new} now (their optimizer files differ; "
+                   "ZeRO 1 and 2 may replace each other)")
     if saved_tokenizer and tokenizer and saved_tokenizer != tokenizer:
         out.append(f"tokenizer: sha256 {saved_tokenizer[:12]}... in the checkpoint, {tokenizer[:12]}... in "
                    f"{cfg.data.shards}/manifest.json (shards of another tokenizer would scramble the vocabulary)")

@@ -143,8 +143,14 @@ def exit_now(code: int) -> NoReturn:
     killed, logs and output flushed, and the interpreter's teardown is skipped (a full garbage
     collection of torch and DeepSpeed's objects: seconds on a busy machine, during which the launcher
     and a SLURM requeue wait)."""
+    from multiprocessing import util
+
     for child in multiprocessing.active_children():
         kill_tree(child.pid)
+    # multiprocessing's own exit clean-up (named semaphores unregistered from the resource tracker, which
+    # would otherwise warn of leaks); the rest of the teardown is what we skip
+    with contextlib.suppress(Exception):
+        util._run_finalizers(0)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -135,6 +135,20 @@ def spawn_local(cfg: Config, stop: StopFlag) -> int:
     return bad[0] if bad else 0
 
 
+def _check_resume(cfg: Config, manifest: dict) -> None:
+    """The checkpoint the ranks will resume from, checked here first: a damaged one is marked and
+    skipped, one written for another model or layout is refused (CheckpointError) before any rank
+    starts. The ranks check again (the same functions; under torchrun or SLURM only they do)."""
+    if not cfg.checkpoint.resume:
+        return
+    from roformer_dist import checkpoint as ckpt
+    from roformer_dist.resume_check import check_compatible
+
+    found = ckpt.choose_resume(Path(cfg.run_dir) / "checkpoints", 0, 1)
+    if found is not None:
+        check_compatible(found, ckpt.load_trainer_state(found.dir, 0), cfg, cfg.dist.world_size, manifest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="roformer-train",
@@ -187,7 +201,7 @@ def _main(argv: list[str] | None) -> int:
             return 0
         from roformer_dist.trainer import resolve_data, run_rank
 
-        resolve_data(cfg, None)  # manifest vs model config, before any process starts
+        resolved, manifest = resolve_data(cfg, None)  # manifest vs model config, before any process starts
         if as_rank:
             return run_rank(cfg, stop=stop)
         from roformer_dist.checkpoint import check_writable
@@ -196,6 +210,7 @@ def _main(argv: list[str] | None) -> int:
         with RunLock(cfg.run_dir) as lock:
             stop.on_abort(lock.release)
             check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
+            _check_resume(resolved, manifest)
             return spawn_local(cfg, stop)
     except Exception as e:
         code = exit_status(e)

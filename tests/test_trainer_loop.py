@@ -290,6 +290,13 @@ def test_differences_list_model_keys_shapes_and_layout_in_one_go():
     assert "hidden_dropout_prob" not in text  # dropout may change on resume
 
 
+def test_differences_in_the_zero_stage_follow_the_file_formats():
+    saved = cfg_with("deepspeed.zero_stage=2")
+    assert differences(to_dict(saved), 2, replace(saved, **{"deepspeed.zero_stage": 1}), 2) == []
+    (line,) = differences(to_dict(saved), 2, replace(saved, **{"deepspeed.zero_stage": 3}), 2)
+    assert line.startswith("deepspeed.zero_stage: 2 in the checkpoint, 3 now")
+
+
 def test_differences_allow_another_world_size_and_curriculum():
     saved = cfg_with()
     now = replace(saved, **{"trainer.save_every": 7, "optim.lr": 1e-4})

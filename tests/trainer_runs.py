@@ -99,10 +99,13 @@ def steps_done(run_dir) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def wait_for_step(run_dir, step, proc, timeout=240):
+def wait_for_step(run_dir, step, proc, timeout=240, newer_than: float = 0.0):
+    """Wait until metrics.jsonl records ``step`` (written after ``newer_than``, a time.time(): lines a
+    killed run left behind do not count until the resumed run has rewritten the file)."""
     deadline = time.monotonic() + timeout
+    path = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if steps_done(run_dir) >= step:
+        if steps_done(run_dir) >= step and (not newer_than or path.stat().st_mtime > newer_than):
             return
         if proc.poll() is not None:
             raise AssertionError(f"training exited early ({proc.returncode}):\n{proc.stdout.read()}")
@@ -149,7 +152,7 @@ def live_group_members(pgid) -> list[str]:
     return out
 
 
-def wait_group_gone(pgid, timeout=20.0) -> list[str]:
+def wait_for_group_gone(pgid, timeout=20.0) -> list[str]:
     """Wait until nothing of process group ``pgid`` runs; returns what still runs at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
