@@ -103,17 +103,3 @@ def exit_status(error: BaseException) -> int | None:
     if isinstance(error, StorageError):
         return EXIT_STORAGE
     return None
-
-
-def storage_errnos() -> frozenset[int]:
-    """OS errors that are the filesystem's, not ours: reported as StorageError."""
-    names = ("ENOSPC", "EROFS", "EACCES", "EPERM", "EDQUOT", "EIO", "EFBIG", "ENOTDIR", "EISDIR")
-    return frozenset(getattr(_errno, n) for n in names if hasattr(_errno, n))
-
-
-STORAGE_ERRNOS = storage_errnos()
-
-
-def is_storage_error(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
-

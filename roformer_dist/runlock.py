@@ -201,7 +201,7 @@ class RunLock:
             return
         # exclusive creation (no file lock to rely on): link() fails if the record exists, also on NFS
         tmp = self.record_path.with_name(f".{HOLDER_FILE}.{me.host}.{me.pid}")
-        tmp.write_text(text, encoding="utf-8")
+        atomic_write_text(tmp, text)
         try:
             os.link(tmp, self.record_path)
         except FileExistsError:

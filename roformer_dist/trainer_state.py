@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,8 +122,3 @@ class TrainerState:
     @property
     def step(self) -> int:
         return self.trainer.step
-
-    def parallel_layout(self) -> tuple[int, int]:
-        """(tensor, pipeline) of the run that wrote it."""
-        p: Optional[dict] = self.config.get("parallel")
-        return (int(p.get("tensor", 1)), int(p.get("pipeline", 1))) if isinstance(p, dict) else (1, 1)
