@@ -16,7 +16,8 @@ folder (sbatch script, pickles, per-task stdout/stderr) is ``<run_dir>/logs/``, 
 machine with submitit's local executor, in the foreground.
 
 Exit status: 0 submitted (or, with ``--wait`` / ``--cluster local``, the job COMPLETED); 1 the job ended in
-another state, or submission failed; 2 bad config or usage.
+another state, SLURM says it can never start (``--wait`` then names SLURM's pending reason, e.g.
+``PartitionConfig``, instead of waiting forever), or submission failed; 2 bad config or usage.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def submit(args: argparse.Namespace) -> int:
     if cluster == "local":
         return _wait_local(job)
     if args.wait:
-        return _wait_slurm(job.job_id)
+        return _wait_slurm(job.job_id, run_dir)
     return EXIT_OK
 
 
@@ -160,8 +161,13 @@ def _wait_local(job) -> int:
     return EXIT_OK
 
 
-def _wait_slurm(job_id: str) -> int:
-    final = slurm.wait(job_id, report=lambda st: _say(f"job {job_id}: {st}"))
+def _wait_slurm(job_id: str, run_dir: Path) -> int:
+    try:
+        final = slurm.wait(job_id, report=lambda st: _say(f"job {job_id}: {st}"))
+    except slurm.Unschedulable as e:
+        print(f"roformer-submit: {e}; the job stays queued until you change it or cancel it "
+              f"(roformer-submit cancel {run_dir})", file=sys.stderr)
+        return EXIT_FAILED
     _say(f"final state: {final} (requeues: {slurm.requeue_count(job_id)})")
     return EXIT_OK if final == "COMPLETED" else EXIT_FAILED
 
@@ -209,7 +215,12 @@ def status(run_dir: Path) -> int:
     print(f"job_id: {jid} ({job['cluster']})")
     if job["cluster"] == "slurm":
         recs = slurm.attempts(jid)
-        print(f"state: {slurm.state(jid)}")
+        st = slurm.state(jid)
+        reason = slurm.pending_reason(jid) if st == "PENDING" else ""
+        why = slurm.never_starts(reason) if reason else None
+        print(f"state: {st}" + (f" (reason: {reason})" if reason else ""))
+        if why:
+            print(f"  this job cannot start as submitted: {why}; change the request or cancel it")
         print(f"requeues: {max(0, len(recs) - 1)}")
         for i, r in enumerate(recs):
             print(f"  attempt {i + 1}: {r['state']:<10} start {r['start']} end {r['end']} nodes {r['nodes']}")

@@ -7,6 +7,7 @@ the live state because accounting lags behind the controller by a moment.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from typing import Callable, Optional
@@ -14,6 +15,44 @@ from typing import Callable, Optional
 # States after which a job will not run again (a PREEMPTED job that SLURM requeues is back in squeue).
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+
+
+# Pending reasons after which SLURM will not start the job without someone changing the job or the
+# cluster (squeue's %r; see the "JOB REASON CODES" of squeue(1)).
+NEVER_STARTS = {
+    "PartitionConfig": "the request does not fit the partition's configuration (CPUs, nodes, memory or GPUs)",
+    "PartitionNodeLimit": "more nodes than the partition allows",
+    "PartitionTimeLimit": "a longer time limit than the partition allows",
+    "PartitionDown": "the partition is down",
+    "PartitionInactive": "the partition is inactive",
+    "BadConstraints": "the constraints cannot be satisfied by any node",
+    "ReqNodeNotAvail": "a required node is down, drained or not responding",
+    "InvalidAccount": "the account is invalid",
+    "InvalidQOS": "the QOS is invalid",
+    "DependencyNeverSatisfied": "a dependency can never be satisfied",
+}
+_LIMIT_REASON = re.compile(r"^(QOS|Assoc)\w*Max\w*PerJob\w*$")
+
+
+class Unschedulable(RuntimeError):
+    """SLURM says the job cannot start as submitted; the message gives SLURM's reason."""
+
+
+def never_starts(reason: str) -> Optional[str]:
+    """Why a pending reason means the job will not start (None when it may still start)."""
+    word = reason.split(",")[0].strip()
+    if word in NEVER_STARTS:
+        return NEVER_STARTS[word]
+    if _LIMIT_REASON.match(word):
+        return "the request exceeds a per-job limit of the QOS or association"
+    return None
+
+
+def pending_reason(job_id: str) -> str:
+    """squeue's reason for a job that waits (``Resources``, ``Priority``, ``PartitionConfig``, ...), or ''."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"]).strip()
+    st, _, reason = out.partition("|")
+    return reason.strip() if st.strip() == "PENDING" else ""
 
 
 def _run(cmd: list[str]) -> str:
@@ -58,12 +97,14 @@ def is_final(st: str) -> bool:
 
 
 def wait(job_id: str, poll_s: float = 3.0, report: Optional[Callable[[str], None]] = None,
-         timeout_s: Optional[float] = None) -> str:
+         timeout_s: Optional[float] = None, unschedulable_after_s: float = 10.0) -> str:
     """Follow the job through requeues until it ends; returns the final state.
 
     A final state must be seen twice in a row: between an attempt's end and its requeue, accounting can
-    briefly show the old attempt's end state."""
+    briefly show the old attempt's end state. A job that stays pending for ``unschedulable_after_s``
+    with a reason that means it will never start (:data:`NEVER_STARTS`) raises :class:`Unschedulable`."""
     last, finals, start = None, 0, time.monotonic()
+    stuck_since: Optional[float] = None
     while True:
         st = state(job_id)
         if st != last and report:
@@ -72,6 +113,14 @@ def wait(job_id: str, poll_s: float = 3.0, report: Optional[Callable[[str], None
         finals = finals + 1 if is_final(st) else 0
         if finals >= 2:
             return st
+        reason = pending_reason(job_id) if st == "PENDING" else ""
+        why = never_starts(reason) if reason else None
+        if why is None:
+            stuck_since = None
+        else:
+            stuck_since = stuck_since if stuck_since is not None else time.monotonic()
+            if time.monotonic() - stuck_since >= unschedulable_after_s:
+                raise Unschedulable(f"job {job_id} cannot start: SLURM's pending reason is {reason} ({why})")
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise TimeoutError(f"job {job_id} still {st} after {timeout_s:.0f} s")
         time.sleep(poll_s)

@@ -9,6 +9,7 @@ mid-run; every interrupted job must end with the loss trace of one uninterrupted
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -238,3 +239,41 @@ def test_cancel_ends_the_job_and_wait_returns_its_final_state(small_shards, tmp_
     wait_until(lambda: squeue_state(job) in ("", "CANCELLED"), 60, "the job to leave the queue")
     assert sacct_attempts(job)[-1]["state"] == "CANCELLED"
     assert "state: CANCELLED" in submit_status(run_dir)
+
+
+def test_local_cluster_counts_the_machines_cpus_whatever_omp_num_threads_says():
+    """Cluster environments often export OMP_NUM_THREADS=1; `nproc` honours it, and a node configured with
+    CPUs=1 leaves every 2-task job pending forever (PartitionConfig)."""
+    if os.geteuid() != 0:
+        pytest.skip("start.sh needs root")
+    start = Path(__file__).resolve().parent.parent / "slurm" / "local_cluster" / "start.sh"
+    nodes = sorted(set(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
+                                      timeout=30).stdout.split()))
+    num_nodes = "2" if {"n1", "n2"} <= set(nodes) else "1"
+    p = subprocess.run(["bash", str(start), "--nodes", num_nodes], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_THREAD_LIMIT": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "restarting" not in p.stdout, f"the config changed under OMP_NUM_THREADS=1:\n{p.stdout}"
+    cpus = len(os.sched_getaffinity(0))
+    for node in nodes:
+        info = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
+        assert f"CPUTot={cpus} " in info, info
+
+
+def test_wait_reports_a_job_that_can_never_start_with_slurms_reason(small_shards, tmp_path):
+    """The `short` partition allows 2 minutes; a 5-minute job pends forever (PartitionTimeLimit)."""
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    p = subprocess.run(submit_cmd(small_shards, run_dir, "--profile", "local", "--partition", "short", "--time", "5",
+                                  "--wait"), env=job_env(), capture_output=True, text=True, timeout=300)
+    job = job_id_of(p.stdout)
+    try:
+        assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+        assert f"job {job} cannot start" in p.stderr and "PartitionTimeLimit" in p.stderr, p.stderr
+        assert f"roformer-submit cancel {run_dir}" in p.stderr, p.stderr
+        assert time.monotonic() - t0 < 120, "reported promptly, not after waiting"
+        assert squeue_state(job) == "PENDING"
+        status = submit_status(run_dir)
+        assert "state: PENDING (reason: PartitionTimeLimit)" in status and "cannot start as submitted" in status, status
+    finally:
+        subprocess.run(["scancel", job], timeout=30)

@@ -7,10 +7,11 @@
 # munged + MariaDB + slurmdbd (so that `sacct` works: submitit and `roformer-submit status` need it)
 # + slurmctld + one slurmd per node. Installs the Debian packages when they are missing. Re-running is
 # safe: what runs is kept; a changed slurm.conf (e.g. another --nodes) restarts slurmctld/slurmd.
-# Partitions: `debug` (default, preemptable with a 30 s grace time) and `high` (higher priority tier:
-# a job there preempts `debug` jobs, which are signalled and requeued; used by the preemption tests).
+# Partitions: `debug` (default, preemptable with a 30 s grace time), `high` (higher priority tier:
+# a job there preempts `debug` jobs, which are signalled and requeued; used by the preemption tests) and
+# `short` (MaxTime 2 minutes: a job asking for more can never start; used by the unschedulable-job test).
 # Env: LOCAL_SLURM_DIR (default /tmp/roformer-slurm) holds state, logs and the accounting DB.
-# Stop with slurm/local_cluster/stop.sh. Facts behind the settings: ../../README_launcher.md.
+# Stop with slurm/local_cluster/stop.sh. Facts behind the settings: README.md, "Running on SLURM".
 set -euo pipefail
 
 NUM_NODES=1
@@ -30,7 +31,9 @@ STATE=$BASE/state
 LOG=$STATE/log
 CLUSTER=localcluster
 HOST=$(hostname -s)
-CPUS=$(nproc)
+# The machine's CPUs: nproc alone honours OMP_NUM_THREADS / OMP_THREAD_LIMIT, which many cluster
+# environments export; a node configured with fewer CPUs than a job's tasks never runs it.
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 MEM_MB=$(( $(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) * 9 / 10 ))
 CONF=/etc/slurm/slurm.conf
 DBDCONF=/etc/slurm/slurmdbd.conf
@@ -123,6 +126,7 @@ SlurmctldParameters=preempt_send_user_signal
 $(node_lines)
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
 PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+PartitionName=short Nodes=ALL MaxTime=2 State=UP PriorityTier=1
 EOF
 CONF_CHANGED=0
 if ! cmp -s "$new" "$CONF"; then
