@@ -181,16 +181,20 @@ def _load(path: str, overrides: list[str]) -> Config:
 def main(argv: list[str] | None = None) -> int:
     """The command. Called without ``argv`` (the console script), it ends the process itself once done
     (see ``stop.exit_now``); with ``argv`` it returns the exit status."""
-    code = _main(argv)
+    # First thing: from here on a signal is a stop request, never a KeyboardInterrupt traceback.
+    stop = StopFlag.install()
+    try:
+        code = _main(argv, stop)
+    finally:
+        if argv is not None:
+            stop.restore()  # called as a function: leave the caller's handlers as they were
     if argv is None:
         exit_now(code)
     return code
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, stop: StopFlag) -> int:
     as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    # First thing: from here on a signal is a stop request, never a KeyboardInterrupt traceback.
-    stop = StopFlag.install()
     args = build_parser().parse_args(argv)
     try:
         cfg = _load(args.config, args.overrides)
