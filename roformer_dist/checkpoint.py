@@ -73,7 +73,7 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def load_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
+def read_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
     """The checked payload of ``trainer_state_rank<rank>.pt``; CheckpointError naming the file otherwise."""
     path = state_file(ckpt_dir, rank)
     if not path.exists():
@@ -83,6 +83,12 @@ def load_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is a damaged file
         raise CheckpointError(f"{path}: unreadable ({_short(e)})") from None
     return TrainerState.from_dict(data, where=str(path))
+
+
+def load_trainer_state(ckpt_dir: Path, rank: int) -> dict:
+    """The same payload as a mapping (``TrainerState.to_dict``: trainer, loader, rng, world_size, rank,
+    config, tokenizer_sha256, stage_index, format), for callers that read it by key."""
+    return read_trainer_state(ckpt_dir, rank).to_dict()
 
 
 def is_complete(ckpt_dir: Path) -> bool:
@@ -186,7 +192,7 @@ def _expected_files(found: Found) -> dict[str, Optional[int]]:
     for p in found.dir.glob("*.pt"):
         names.setdefault(p.name, None)
     try:
-        cfg = load_trainer_state(found.dir, 0).config
+        cfg = read_trainer_state(found.dir, 0).config
         zero = int(cfg["deepspeed"]["zero_stage"])
         layout = (int(cfg["parallel"]["tensor"]), int(cfg["parallel"]["pipeline"]))
     except (CheckpointError, KeyError, TypeError, ValueError):
@@ -213,7 +219,7 @@ def check_file(ckpt_dir: Path, name: str, size: Optional[int]) -> Optional[str]:
         return None
     if name.startswith("trainer_state_rank"):
         try:
-            load_trainer_state(ckpt_dir, int(name[len("trainer_state_rank"):-3]))
+            read_trainer_state(ckpt_dir, int(name[len("trainer_state_rank"):-3]))
         except (CheckpointError, ValueError) as e:
             return str(e)
         return None
@@ -501,7 +507,7 @@ def consolidate_state_dict(ckpt_dir: str | os.PathLike, model_cfg=None, layout=N
     if model_cfg is None or layout is None:
         from roformer_dist.config import from_dict
 
-        state = load_trainer_state(ckpt_dir, 0)
+        state = read_trainer_state(ckpt_dir, 0)
         cfg = from_dict(state.config)
         model_cfg = model_cfg or cfg.model
         layout = layout or Layout.from_config(cfg, state.world_size)
@@ -529,7 +535,7 @@ def load_consolidated_weights(ckpt_dir: str | os.PathLike):
         raise CheckpointError(f"{ckpt_dir}: not a roformer-dist checkpoint (no trainer_state_rank0.pt)")
     if not is_complete(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: checkpoint is incomplete (no {COMPLETE} marker)")
-    state = load_trainer_state(ckpt_dir, 0)
+    state = read_trainer_state(ckpt_dir, 0)
     cfg = from_dict(state.config)
     if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
         return consolidate_state_dict(ckpt_dir, cfg.model)

@@ -146,7 +146,7 @@ def _check_resume(cfg: Config, manifest: dict) -> None:
 
     found = ckpt.choose_resume(Path(cfg.run_dir) / "checkpoints", 0, 1)
     if found is not None:
-        check_compatible(found, ckpt.load_trainer_state(found.dir, 0), cfg, cfg.dist.world_size, manifest)
+        check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, cfg.dist.world_size, manifest)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -194,7 +194,7 @@ class Trainer:
         validate(cfg, env.world_size)
         found = ckpt.choose_resume(self.ckpt_root, env.rank, env.world_size, self.comm) \
             if cfg.checkpoint.resume else None
-        resumed = ckpt.load_trainer_state(found.dir, 0) if found else None
+        resumed = ckpt.read_trainer_state(found.dir, 0) if found else None
         if found:
             check_compatible(found, resumed, cfg, env.world_size, self.manifest)
         self.cfg = cfg
@@ -276,11 +276,11 @@ class Trainer:
             self.runner.load_checkpoint(str(self.ckpt_root), found.tag)
         try:
             if self.elastic:
-                old = [ckpt.load_trainer_state(found.dir, r).loader for r in range(found.world_size)]
+                old = [ckpt.read_trainer_state(found.dir, r).loader for r in range(found.world_size)]
                 self.loader.load_state_dict(old)  # every old rank's slots: the elastic rule
                 own = resumed  # rank 0's step and counters; RNG streams start afresh at a new size
             else:
-                own = resumed if env.rank == 0 else ckpt.load_trainer_state(found.dir, env.rank)
+                own = resumed if env.rank == 0 else ckpt.read_trainer_state(found.dir, env.rank)
                 self.loader.load_state_dict(own.loader)
                 set_rng_state(own.rng)
         except (ValueError, KeyError) as e:  # the loader refuses a state saved for other data

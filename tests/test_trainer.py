@@ -214,7 +214,7 @@ def test_nan_loss_is_skipped_and_counted(small_shards, tmp_path):
     _, w3 = load_consolidated_weights(run3 / "checkpoints" / "step_00000003")
     for k in w2:
         torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=0)
-    assert load_trainer_state(run3 / "checkpoints" / "step_00000003", 0).trainer.nonfinite_total == 1
+    assert load_trainer_state(run3 / "checkpoints" / "step_00000003", 0)["trainer"]["nonfinite_total"] == 1
 
 
 def test_too_many_nonfinite_losses_stop_with_checkpoint(small_shards, tmp_path):
