@@ -499,12 +499,12 @@ def dump_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config atomically."""
+    """Write the resolved config atomically (temporary file, fsync, rename)."""
+    from data_pipeline.atomic import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dump_yaml(cfg), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, dump_yaml(cfg))
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline import cli
-from data_pipeline.errors import EXIT_DATA, EXIT_USAGE, DataError, UsageError
+from data_pipeline.errors import EXIT_DATA, EXIT_USAGE, DataError
 from data_pipeline.manifest import check_training_data, read_manifest
 from data_pipeline.shards import CorruptShardError, verify_shard_set
 
@@ -171,6 +171,7 @@ def test_manifest_that_disagrees_with_its_tokenizer(made_set, tmp_path, capsys):
 def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
     """What the trainer runs before it builds a model (roformer_dist.trainer.resolve_data)."""
     from roformer_dist.config import load_config
+    from roformer_dist.errors import ConfigError
     from roformer_dist.trainer import resolve_data
 
     debug = ROOT / "configs" / "experiments" / "debug.yaml"
@@ -192,7 +193,7 @@ def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
     with pytest.raises(DataError, match=r"data.eval_shards: .*field 'vocab_size' is \d+, but the tokenizer"):
         resolve_data(cfg, None)
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", "model.vocab_size=5000"])
-    with pytest.raises(UsageError, match="model.vocab_size: 5000 differs from the shard manifest's vocab_size"):
+    with pytest.raises(ConfigError, match="model.vocab_size: 5000 differs from the shard manifest's vocab_size"):
         resolve_data(cfg, None)
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", "data.eval_shards="])
     with pytest.raises(DataError, match="tokenizer sha256 .* differs from the checkpoint's 000000000000"):
@@ -247,3 +248,20 @@ def test_corrupt_shard_is_a_data_error_for_the_loader_and_inspect(made_set, tmp_
     assert "shard-000001.tar: sha256 mismatch" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"shard-000001\.tar: sha256 mismatch"):
         list(ShardLoader(d, seq_len=64, micro_batch_size=4, num_workers=0, max_epochs=1))
+
+
+def test_roformer_train_exit_statuses_for_data_problems(made_set, small_shards, tmp_path, capsys):
+    """roformer-train refuses before any rank starts: 4 for a manifest that disagrees with its tokenizer,
+    2 for a model.vocab_size that disagrees with the data."""
+    from roformer_dist.train_cli import main as train_main
+
+    debug = str(ROOT / "configs" / "experiments" / "debug.yaml")
+    d = _copy(made_set, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps({**m, "vocab_size": m["vocab_size"] - 100}))
+    common = [f"run_dir={tmp_path / 'run'}", "data.eval_shards="]
+    assert train_main(["--config", debug, f"data.shards={d}", *common]) == 4
+    assert "field 'vocab_size' is" in capsys.readouterr().err
+    assert train_main(["--config", debug, f"data.shards={small_shards.dir}", "model.vocab_size=5000", *common]) == 2
+    assert "model.vocab_size: 5000 differs" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
