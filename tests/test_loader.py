@@ -272,3 +272,32 @@ def test_process_exits_while_a_loader_with_workers_is_mid_epoch(small_shards):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert p.returncode == 0 and "took a batch" in p.stdout, p.stderr
+
+
+def test_resume_from_every_batch_with_a_bad_shard_skipped(tmp_path):
+    """skip_bad_shards with the bad shard last in the slot's order: a state saved after any batch
+    (also once the bad shard was tried and skipped) resumes exactly where it stopped."""
+    from data_pipeline.slots import deal
+
+    rng = np.random.default_rng(3)
+    docs, nxt = [], 5
+    for _ in range(24):
+        n = int(rng.integers(4, 40))
+        docs.append(np.arange(nxt, nxt + n))
+        nxt += n
+    d = tmp_path / "set"
+    write_shard_set(docs, d, vocab_size=60000, max_docs_per_shard=6)
+    last = deal(2, 0, [(6, 0)] * 4, 1)[0][-1].shard                # the shard read last in epoch 0
+    p = d / f"shard-{last:06d}.tar"
+    b = bytearray(p.read_bytes())
+    b[700] ^= 0xFF
+    p.write_bytes(bytes(b))
+    kw = dict(seq_len=24, micro_batch_size=1, num_workers=0, seed=2, max_epochs=1, skip_bad_shards=True)
+    full = list(ShardLoader(d, **kw))
+    assert len(full) > 10
+    for n in range(1, len(full)):
+        ld = ShardLoader(d, **kw)
+        _take(ld, n)
+        resumed = ShardLoader(d, **kw)
+        resumed.load_state_dict(ld.state_dict())
+        assert _same(list(resumed), full[n:]), f"resumed after batch {n}"
