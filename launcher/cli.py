@@ -17,7 +17,8 @@ machine with submitit's local executor, in the foreground.
 
 Exit status: 0 submitted (or, with ``--wait`` / ``--cluster local``, the job COMPLETED); 1 the job ended in
 another state, SLURM says it can never start (``--wait`` then names SLURM's pending reason, e.g.
-``PartitionConfig``, instead of waiting forever), or submission failed; 2 bad config or usage.
+``PartitionConfig``, instead of waiting forever), or submission failed; 2 bad config or usage; 6 the run
+directory is in use (a run holds its lock, or its last SLURM job is still queued or running).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 from launcher import profiles, slurm
 from launcher.profiles import JobFlags
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 6
 SUBCOMMANDS = ("status", "cancel", "logs")
 
 
@@ -104,10 +105,22 @@ def submit(args: argparse.Namespace) -> int:
         print("roformer-submit: no sbatch on PATH (no SLURM here); use --cluster local", file=sys.stderr)
         return EXIT_FAILED
 
+    busy = _busy(run_dir)
+    if busy:
+        print(f"roformer-submit: {busy}", file=sys.stderr)
+        return EXIT_LOCKED
+
     from roformer_dist.config import save_config
+    from roformer_dist.errors import RunLockedError
+    from roformer_dist.runlock import RunLock
 
     logs.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    try:
+        with RunLock(run_dir):  # not while a run holds it: its config.yaml must not change under it
+            save_config(cfg, run_dir / "config.yaml")
+    except RunLockedError as e:
+        print(f"roformer-submit: {e}", file=sys.stderr)
+        return EXIT_LOCKED
     job = _submit(cfg, cluster, logs)
     _record(run_dir, job.job_id, cluster)
     print(f"job_id: {job.job_id}", flush=True)
@@ -119,6 +132,22 @@ def submit(args: argparse.Namespace) -> int:
     if args.wait:
         return _wait_slurm(job.job_id, run_dir)
     return EXIT_OK
+
+
+def _busy(run_dir: Path) -> str:
+    """Why ``run_dir`` cannot take another job now ('' when it can): its last SLURM job is still queued or
+    running (a second one would start beside it and be refused by the run lock)."""
+    try:
+        job = _last_job(run_dir)
+    except ValueError:
+        return ""
+    if job.get("cluster") != "slurm" or not shutil.which("squeue"):
+        return ""
+    st = slurm.state(job["job_id"])
+    if st in ("UNKNOWN", "") or slurm.is_final(st):
+        return ""
+    return (f"{run_dir} already has SLURM job {job['job_id']} ({st}); it resumes from the run's checkpoints by "
+            f"itself. Cancel it first (roformer-submit cancel {run_dir}) or use another run_dir")
 
 
 def _submit(cfg, cluster: str, logs: Path):

@@ -1,6 +1,6 @@
 """The submitit job: one trainer rank per task; requeue after a stop signal.
 
-Stop protocol (ARCHITECTURE "Preemption and requeue"). SLURM signals every task: SIGUSR2 before the time
+Stop protocol (README "Failures and what is guaranteed"). SLURM signals every task: SIGUSR2 before the time
 limit (``--signal=USR2@<slurm.signal_delay_s>``), SIGUSR2/SIGTERM on preemption (the local cluster's
 ``preempt_send_user_signal``), or ``scancel --signal=USR2 --full``. The trainer's own handlers (installed by
 ``run_rank``, replacing submitit's) only set a flag; at the next step boundary the ranks agree, save one
@@ -17,6 +17,11 @@ complete checkpoint together, and ``run_rank`` returns ``EXIT_REQUEUE`` on every
 
 The requeued job (same job id) runs this callable again from the pickle; ``run_rank`` resumes from
 ``<run_dir>/checkpoints/latest``, at any world size.
+
+Run lock: global rank 0 holds ``<run_dir>``'s lock inside ``run_rank`` and releases it before the requeue
+above; the requeued attempt (same SLURM_JOB_ID, next SLURM_RESTART_COUNT) takes it back even if the old
+attempt's file lock lingers. Another job on the same run_dir is refused (``RunLockedError``, naming the
+holder) and fails without requeue.
 
 A signal that arrives before the trainer installed its handlers (imports, process-group set-up) reaches
 submitit's handler instead, which requeues at once; the job then resumes from the previous checkpoint.

@@ -99,9 +99,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     shards: str = ""
-    """Training shard-set directory (manifest.json + shard-*.tar)."""
+    """Training shard set: a directory (manifest.json + shard-*.tar) or a URL prefix (http://, https://,
+    pipe:COMMAND, file:; ``{name}`` in it is replaced by the file name, else ``/<name>`` is appended)."""
     eval_shards: str = ""
-    """Held-out shard-set directory; empty = no eval."""
+    """Held-out shard set (a directory or URL prefix, as data.shards); empty = no eval."""
     num_workers: int = 1
     """DataLoader worker processes per rank (0 = load in the training process)."""
     mlm_probability: float = 0.15
@@ -112,6 +113,11 @@ class DataConfig:
     """Skip (and count, and log) a corrupt shard instead of stopping."""
     eval_batches: int = 8
     """Batches per eval length."""
+    url_retries: int = 5
+    """Reads of a manifest, tokenizer or shard at a URL before giving up (transient failures only:
+    HTTP 5xx/408/429, connection errors, a failing pipe: command); 1 = no retry."""
+    url_retry_wait_s: float = 1.0
+    """Wait before the first retry of a URL; doubled before each further one (at most 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -537,12 +543,12 @@ def dump_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config atomically."""
+    """Write the resolved config atomically (temporary file, fsync, rename)."""
+    from data_pipeline.atomic import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dump_yaml(cfg), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, dump_yaml(cfg))
 
 
 def replace(cfg: Any, **changes: Any) -> Any:
@@ -626,6 +632,8 @@ def _validate_data(d: DataConfig) -> None:
     if not 0.0 < d.mlm_probability < 1.0:
         raise ConfigError(f"data.mlm_probability: expected a value in (0, 1), got {d.mlm_probability}")
     _positive(d.num_workers, "data.num_workers", allow_zero=True)
+    _positive(d.url_retries, "data.url_retries")
+    _positive(d.url_retry_wait_s, "data.url_retry_wait_s", allow_zero=True)
 
 
 def _validate_optim(o: OptimConfig) -> None:

@@ -30,11 +30,6 @@ class StageAt:
     start_step: int
     """First step of the stage."""
 
-    @property
-    def end_step(self) -> int:
-        """One past the last step of the stage."""
-        return self.start_step + self.stage.steps
-
 
 def total_steps(stages: tuple[StageConfig, ...]) -> int:
     return sum(s.steps for s in stages)

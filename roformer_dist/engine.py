@@ -13,6 +13,7 @@ import os
 import torch
 
 from roformer_dist.config import Config, StageConfig, data_parallel_size, micro_batch_size
+from roformer_dist.errors import ConfigError
 
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -99,7 +100,7 @@ def build_engine(cfg: Config, module: torch.nn.Module, stage: StageConfig, world
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if cfg.optim.name == "lamb" and not torch.cuda.is_available():
-        raise ValueError("optim.name: lamb uses DeepSpeed's fused LAMB, which needs CUDA; use adamw on CPU")
+        raise ConfigError("optim.name: lamb uses DeepSpeed's fused LAMB, which needs CUDA; use adamw on CPU")
     if maybe_use_apex(module):
         log.info("using apex FusedLayerNorm")
     if hasattr(module, "gradient_checkpointing"):

@@ -1,29 +1,54 @@
 """Error classes and exit statuses of roformer-dist's commands.
 
 Each class is an error that is ours to explain: the commands print its message (no traceback) and
-exit with its status. Any other exception is a bug and shows its traceback.
+exit with its status. Any other exception is a bug and shows its traceback (exit status 1).
 
     ConfigError      2   a config key, a flag or a combination is invalid (named in the message)
     DataError        4   corpus / shard set / tokenizer missing, damaged or inconsistent
     CheckpointError  5   no usable checkpoint, or one that does not match the model or layout
+    RunLockedError   6   another run holds the run directory (the message names the holder)
+    StorageError    74   the run directory cannot be written (disk full, read-only, permission denied);
+                         the message names the path and the OS error
 
-Other statuses of ``roformer-train``: 0 done, 3 too many consecutive non-finite losses,
-75 stopped by a signal after saving a complete checkpoint (run again to continue).
+Other statuses of ``roformer-train``: 0 done, 1 a bug (traceback), 3 too many consecutive non-finite
+losses (the last good state was saved), 75 stopped by a signal after saving a complete checkpoint
+(run again to continue; SLURM scripts requeue on it), 130 aborted by a second Ctrl-C (no checkpoint
+written; the newest complete one stays ``latest``).
 """
 
 from __future__ import annotations
 
+import errno as _errno
+
 from data_pipeline.errors import DataError
 
-__all__ = ["ConfigError", "DataError", "CheckpointError", "EXIT_DONE", "EXIT_CONFIG", "EXIT_NONFINITE",
-           "EXIT_DATA", "EXIT_CHECKPOINT", "EXIT_REQUEUE", "exit_status"]
+__all__ = ["ConfigError", "DataError", "CheckpointError", "RunLockedError", "StorageError", "EXIT_DONE",
+           "EXIT_BUG", "EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_DATA", "EXIT_CHECKPOINT", "EXIT_LOCKED",
+           "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status"]
 
 EXIT_DONE = 0
+EXIT_BUG = 1  # an unexpected exception: its traceback is shown
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_DATA = 4
 EXIT_CHECKPOINT = 5
+EXIT_LOCKED = 6
+EXIT_STORAGE = 74  # EX_IOERR
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved because of a stop signal; run again to continue
+EXIT_ABORTED = 130  # 128 + SIGINT: a second Ctrl-C
+
+EXIT_STATUS_HELP = """exit status:
+  0    done
+  1    unexpected error (a bug: the traceback is shown)
+  2    bad config (the key is named)
+  3    too many consecutive non-finite losses (the last good state was saved)
+  4    data error: shard set, tokenizer (the file is named)
+  5    checkpoint error: damaged, or written for another model or layout
+  6    run_dir in use by another run (the holder is named)
+  74   run_dir not writable: disk full, read-only, permission denied (the path is named)
+  75   stopped by a signal after saving a complete checkpoint: run again to continue
+  130  aborted by a second Ctrl-C (nothing saved; the newest complete checkpoint stays latest)"""
+"""For ``--help`` epilogs."""
 
 
 class ConfigError(ValueError):
@@ -34,6 +59,37 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing or damaged files, another model or layout)."""
 
 
+class RunLockedError(RuntimeError):
+    """The run directory is held by another run; the message names the holder."""
+
+
+class StorageError(OSError):
+    """Writing to the run directory failed for a reason of the filesystem (ENOSPC, EROFS, EACCES...)."""
+
+    @classmethod
+    def from_os_error(cls, error: OSError, doing: str) -> "StorageError":
+        """``doing``: what was being written, e.g. 'saving checkpoint step_00000012'."""
+        code = _errno.errorcode.get(error.errno, "") if error.errno else ""
+        reason = error.strerror or str(error)
+        where = f" {error.filename}" if error.filename else ""
+        if getattr(error, "filename2", None):
+            where += f" -> {error.filename2}"
+        msg = f"{doing}: cannot write{where}: {reason}" + (f" ({code})" if code else "")
+        out = cls(msg)
+        out.errno = error.errno  # the original cause stays inspectable
+        out.filename = error.filename
+        return out
+
+    def with_note(self, note: str) -> "StorageError":
+        """The same error with ``note`` appended to its message (e.g. what ``latest`` still names)."""
+        out = StorageError(f"{self}; {note}")
+        out.errno, out.filename = self.errno, self.filename
+        return out
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else super().__str__()
+
+
 def exit_status(error: BaseException) -> int | None:
     """The exit status for one of our errors, None for anything else (a bug: show the traceback)."""
     if isinstance(error, ConfigError):
@@ -42,4 +98,8 @@ def exit_status(error: BaseException) -> int | None:
         return EXIT_DATA
     if isinstance(error, CheckpointError):
         return EXIT_CHECKPOINT
+    if isinstance(error, RunLockedError):
+        return EXIT_LOCKED
+    if isinstance(error, StorageError):
+        return EXIT_STORAGE
     return None

@@ -1,4 +1,7 @@
-"""Fault injection for tests, driven by environment variables; nothing happens when they are unset.
+"""Fault injection for tests: a hook object passed to the trainer and the checkpoint layer.
+
+The default, :data:`NO_FAULTS`, does nothing. Subprocess tests ask for faults through environment
+variables, read once where a rank process starts (``run_rank``) by :meth:`Faults.from_environ`:
 
 - ``ROFORMER_INJECT_NAN_AT=3,4``: the loss of these (1-based) steps becomes NaN on every rank.
 - ``ROFORMER_CRASH_IN_SAVE_AT=6``: the last rank dies (``os._exit``) in the middle of saving that step,
@@ -10,22 +13,42 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 
-def _steps(var: str) -> set[int]:
-    return {int(s) for s in os.environ.get(var, "").split(",") if s.strip()}
+def _steps(text: str) -> frozenset[int]:
+    return frozenset(int(s) for s in text.split(",") if s.strip())
 
 
-def nan_steps() -> set[int]:
-    return _steps("ROFORMER_INJECT_NAN_AT")
+@dataclass(frozen=True)
+class Faults:
+    nan_at_steps: frozenset[int] = frozenset()
+    """1-based steps whose loss becomes NaN on every rank."""
+    crash_in_save_at: frozenset[int] = frozenset()
+    """Steps whose save the last rank does not survive."""
+    step_delay_s: float = 0.0
+    """Sleep after every step."""
+
+    @classmethod
+    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> "Faults":
+        env = os.environ if environ is None else environ
+        return cls(nan_at_steps=_steps(env.get("ROFORMER_INJECT_NAN_AT", "")),
+                   crash_in_save_at=_steps(env.get("ROFORMER_CRASH_IN_SAVE_AT", "")),
+                   step_delay_s=float(env.get("ROFORMER_STEP_DELAY_S", "0") or 0))
+
+    def nan_at(self, step: int) -> bool:
+        """Whether the loss of (1-based) ``step`` is to become NaN."""
+        return step in self.nan_at_steps
+
+    def in_save(self, step: int, rank: int, world_size: int) -> None:
+        """Called by every rank between DeepSpeed's files and the trainer state of a save."""
+        if step in self.crash_in_save_at and rank == world_size - 1:
+            os._exit(9)
+
+    def after_step(self) -> None:
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
 
 
-def maybe_crash_in_save(step: int, rank: int, world_size: int) -> None:
-    if step in _steps("ROFORMER_CRASH_IN_SAVE_AT") and rank == world_size - 1:
-        os._exit(9)
-
-
-def step_delay() -> None:
-    delay = float(os.environ.get("ROFORMER_STEP_DELAY_S", "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
+NO_FAULTS = Faults()

@@ -18,7 +18,8 @@ Key mapping (ours <- HF, ``L`` = layer index):
 HF's ``roformer.encoder.embed_positions.weight`` (the fixed sinusoidal table) is not a parameter of
 ours: it is ignored on the way in and written from our rotary tables on the way out.
 
-Only ``position_embedding="rotary"`` models have an HF RoFormer equivalent. ``transformers`` is
+Only ``position_embedding="rotary"`` models with ``attention="softmax"`` have an HF RoFormer equivalent
+(HF's RoFormer has neither learned absolute positions nor linear attention). ``transformers`` is
 needed by :func:`from_hf_pretrained`, :func:`to_hf_pretrained` and the ``hf_config_*`` helpers; the
 state-dict mappings are pure torch.
 """
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from roformer_dist.config import ModelConfig
+from roformer_dist.errors import ConfigError
 from roformer_dist.model import RoFormerForMaskedLM
 from roformer_dist.rotary import rotary_tables
 
@@ -63,9 +65,19 @@ _PROJECT_MAP = (("embeddings.project.weight", "roformer.embeddings_project.weigh
 
 
 def _require_rotary(cfg: ModelConfig) -> None:
+    """ConfigError unless HF's RoFormer can express this model (names the key that stops it)."""
     if cfg.position_embedding != "rotary":
-        raise ValueError("model.position_embedding: only 'rotary' models have an HF RoFormer equivalent, "
-                         f"got {cfg.position_embedding!r}")
+        raise ConfigError("model.position_embedding: only 'rotary' models have an HF RoFormer equivalent "
+                          f"(HF RoFormer has no learned absolute positions), got {cfg.position_embedding!r}")
+    attention = getattr(cfg, "attention", "softmax")
+    if attention != "softmax":
+        raise ConfigError(f"model.attention: {attention!r} has no HF RoFormer equivalent (HF RoFormer computes "
+                          "softmax attention only); only 'softmax' models can be exported")
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """ConfigError naming the key when ``cfg`` has no HF RoFormer equivalent."""
+    _require_rotary(cfg)
 
 
 def _has_projection(cfg: ModelConfig) -> bool:
@@ -192,6 +204,6 @@ def to_hf_pretrained(model: RoFormerForMaskedLM, path: str | os.PathLike) -> Non
     to_hf_model(model).save_pretrained(str(path))
 
 
-__all__ = ["state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
+__all__ = ["check_exportable", "state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
            "from_hf_pretrained", "to_hf_pretrained", "to_hf_model", "model_from_state_dict",
            "sinusoidal_table"]

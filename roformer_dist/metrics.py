@@ -16,6 +16,9 @@ from typing import Optional
 
 import torch
 
+from data_pipeline.atomic import atomic_write_text
+from roformer_dist.errors import StorageError
+
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +41,11 @@ def peak_flops() -> Optional[float]:
 
 
 class MetricsWriter:
-    """No-op on ranks other than 0."""
+    """No-op on ranks other than 0.
+
+    ``metrics.jsonl`` is the record of the run: a failure to write it is a StorageError (exit 74).
+    TensorBoard events are a view: a failure to write them (disk full) is logged once and the events
+    stop, the run goes on until something that matters fails."""
 
     def __init__(self, run_dir: Path, rank: int, resume_step: int, tensorboard: bool = True):
         self.enabled = rank == 0
@@ -57,40 +64,49 @@ class MetricsWriter:
         if not self.jsonl_path.exists():
             return
         keep = []
-        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
+        for line in self.jsonl_path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 if json.loads(line)["step"] <= resume_step:
                     keep.append(line)
-            except (ValueError, KeyError):
+            except (ValueError, KeyError, TypeError):
                 continue  # a line cut by a crash
-        tmp = self.jsonl_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, self.jsonl_path)
+        try:
+            atomic_write_text(self.jsonl_path, "".join(line + "\n" for line in keep))
+        except OSError as e:
+            raise StorageError.from_os_error(e, "rewriting metrics.jsonl for the resumed run") from None
 
     def step_record(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.jsonl_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if not e.filename:
+                e = OSError(e.errno, e.strerror, str(self.jsonl_path))
+            raise StorageError.from_os_error(e, f"recording step {record.get('step')}") from None
 
-    def scalars(self, step: int, values: dict) -> None:
+    def _tb_call(self, fn, *args) -> None:
         if self.tb is None:
             return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the events are a view of metrics.jsonl; never fatal
+            log.warning("TensorBoard events stop here: %s", e)
+            self.tb = None
+
+    def scalars(self, step: int, values: dict) -> None:
         for tag, value in values.items():
-            if value is not None:
-                self.tb.add_scalar(tag, value, step)
+            if value is not None and self.tb is not None:
+                self._tb_call(self.tb.add_scalar, tag, value, step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.tb is not None:
-            self.tb.add_text(tag, text, step)
-
-    def flush(self) -> None:
-        if self.tb is not None:
-            self.tb.flush()
+            self._tb_call(self.tb.add_text, tag, text, step)
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            self._tb_call(self.tb.close)
             self.tb = None
 
 

@@ -44,6 +44,11 @@ ACTIVATIONS = {
 """``model.hidden_act`` -> function (one entry per value of ``HiddenAct``)."""
 
 
+def _activation(name: str):
+    """``ACTIVATIONS[name]``; the name other modules (finetune/models.py) call."""
+    return ACTIVATIONS[name]
+
+
 @dataclass
 class MaskedLMOutput:
     """What :meth:`RoFormerForMaskedLM.forward` returns.

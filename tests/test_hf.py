@@ -18,6 +18,7 @@ from roformer_dist import hf as H  # noqa: E402
 from roformer_dist.config import ModelConfig  # noqa: E402
 from roformer_dist.convert_cli import load_weights, save_weights  # noqa: E402
 from roformer_dist.convert_cli import main as convert_main  # noqa: E402
+from roformer_dist.errors import EXIT_CHECKPOINT, EXIT_CONFIG  # noqa: E402
 from roformer_dist.model import RoFormerForMaskedLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,7 +189,7 @@ def test_convert_cli_from_hf_and_to_hf(tmp_path):
     assert cfg_loaded.embedding_size == 24 and cfg_loaded.vocab_size == VOCAB
     assert "embeddings.project.weight" in sd
 
-    r = run_cli("to-hf", "--checkpoint", str(weights), "--out", str(tmp_path / "hf_out"))
+    r = run_cli("to-hf", "--checkpoint", str(weights), "--out", str(tmp_path / "hf_out"), "--no-tokenizer")
     assert r.returncode == 0, r.stderr
     hf2 = transformers.RoFormerForMaskedLM.from_pretrained(tmp_path / "hf_out").eval()
     for (k1, v1), (k2, v2) in zip(hf.state_dict().items(), hf2.state_dict().items()):
@@ -197,7 +198,8 @@ def test_convert_cli_from_hf_and_to_hf(tmp_path):
     # a directory target gets model.pt + model.yaml, and to-hf accepts that directory (in-process)
     assert convert_main(["from-hf", "--hf-dir", str(tmp_path / "hf_in"), "--out", str(tmp_path / "outdir")]) == 0
     assert (tmp_path / "outdir" / "model.pt").is_file() and (tmp_path / "outdir" / "model.yaml").is_file()
-    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "outdir"), "--out", str(tmp_path / "hf_out2")]) == 0
+    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "outdir"), "--out", str(tmp_path / "hf_out2"),
+                         "--no-tokenizer"]) == 0
     assert (tmp_path / "hf_out2" / "config.json").is_file()
 
 
@@ -205,18 +207,22 @@ def test_convert_cli_bare_state_dict_needs_config(tmp_path, capsys):
     cfg = tiny()
     model = RoFormerForMaskedLM(cfg)
     torch.save(model.state_dict(), tmp_path / "bare.pt")
-    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "bare.pt"), "--out", str(tmp_path / "o")]) == 1
+    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "bare.pt"), "--out", str(tmp_path / "o")]) == \
+        EXIT_CONFIG
     err = capsys.readouterr().err
     assert "bare.pt" in err and "--config" in err
 
 
 def test_convert_cli_errors_name_the_file(tmp_path, capsys):
-    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o")]) == 1
+    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o")]) == \
+        EXIT_CHECKPOINT
     assert "missing.pt" in capsys.readouterr().err
     (tmp_path / "junk.pt").write_text("not a checkpoint")
-    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "junk.pt"), "--out", str(tmp_path / "o")]) == 1
+    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "junk.pt"), "--out", str(tmp_path / "o")]) == \
+        EXIT_CHECKPOINT
     assert "junk.pt" in capsys.readouterr().err
-    assert convert_main(["from-hf", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "x.pt")]) == 1
+    assert convert_main(["from-hf", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "x.pt")]) == \
+        EXIT_CHECKPOINT
     assert "nope" in capsys.readouterr().err
     for sub in ("from-hf", "to-hf"):
         with pytest.raises(SystemExit) as e:

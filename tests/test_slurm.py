@@ -275,5 +275,12 @@ def test_wait_reports_a_job_that_can_never_start_with_slurms_reason(small_shards
         assert squeue_state(job) == "PENDING"
         status = submit_status(run_dir)
         assert "state: PENDING (reason: PartitionTimeLimit)" in status and "cannot start as submitted" in status, status
+        # the run directory has a queued job: a second submission is refused and changes nothing
+        config = (run_dir / "config.yaml").read_bytes()
+        again = subprocess.run(submit_cmd(small_shards, run_dir, "--profile", "local", "trainer.seed=7"),
+                               env=job_env(), capture_output=True, text=True, timeout=120)
+        assert again.returncode == 6, again.stdout[-2000:] + again.stderr[-2000:]
+        assert f"already has SLURM job {job} (PENDING)" in again.stderr, again.stderr
+        assert (run_dir / "config.yaml").read_bytes() == config
     finally:
         subprocess.run(["scancel", job], timeout=30)

@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,52 +15,19 @@ import torch
 from multiproc import run_distributed
 from roformer_dist.config import load_config
 from roformer_dist.stop import EXIT_DONE, EXIT_REQUEUE
+from trainer_runs import (DEBUG, SCHEDULE, assert_traces_equal, make_cfg, reference_run, train, trace)
+from trainer_runs import cli_overrides as _cli_overrides
+from trainer_runs import rank_pids as _rank_pids
+from trainer_runs import run_cli as _run_cli
+from trainer_runs import wait_for_step as _wait_for_step
 
-ROOT = Path(__file__).resolve().parent.parent
-DEBUG = ROOT / "configs" / "experiments" / "debug.yaml"
 STAGES_1 = "curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 8}]"
-# The debug curriculum (configs/curriculum/debug.yaml): s128 steps 1-6, s256 7-12, s512 13-18.
-SCHEDULE = [128] * 6 + [256] * 6 + [512] * 6
-
-
-def make_cfg(shards, run_dir, *overrides, world_size=2):
-    return load_config(DEBUG, [f"data.shards={shards.dir}", f"data.eval_shards={shards.eval_dir}",
-                               f"run_dir={run_dir}", f"dist.world_size={world_size}", "trainer.save_every=0",
-                               "trainer.eval_every=0", "data.eval_batches=2", *overrides])
-
-
-def _run(rank, world_size, cfg, env):
-    os.environ.update(env)
-    from roformer_dist.trainer import run_rank
-
-    return run_rank(cfg)
-
-
-def train(cfg, env=None, timeout=300):
-    """Run the trainer on cfg.dist.world_size gloo ranks in fresh processes; returns each rank's status."""
-    return run_distributed(_run, world_size=cfg.dist.world_size, args=(cfg, env or {}), timeout=timeout)
-
-
-def trace(run_dir, key="loss"):
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    recs = [json.loads(x) for x in lines]
-    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1)), "steps must be continuous, no duplicates"
-    return [r[key] for r in recs]
-
-
-def assert_traces_equal(a, b, tol):
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert abs(x - y) <= tol, f"step {i + 1}: {x} vs {y}"
 
 
 @pytest.fixture(scope="module")
 def reference(small_shards, tmp_path_factory):
     """One uninterrupted 2-rank ZeRO-2 run through the three debug stages, shared by the resume tests."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    cfg = make_cfg(small_shards, run_dir, "trainer.save_every=4")
-    assert train(cfg) == [EXIT_DONE, EXIT_DONE]
-    return run_dir
+    return reference_run(tmp_path_factory, small_shards)
 
 
 # --------------------------------------------------------------------------- equivalence
@@ -131,50 +96,6 @@ def test_tensorboard_has_contract_tags_and_continuous_steps(small_shards, tmp_pa
         assert f"eval/loss_{length}" in scalars and f"eval/mlm_acc_{length}" in scalars
     losses = [v for _, v in scalars["train/loss"]]
     assert_traces_equal(losses, trace(run), tol=1e-6)
-
-
-def _run_cli(cfg_overrides, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "roformer_dist.train_cli", "--config", str(DEBUG),
-                             *cfg_overrides], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def _cli_overrides(shards, run_dir, *extra):
-    return [f"data.shards={shards.dir}", f"data.eval_shards={shards.eval_dir}", f"run_dir={run_dir}",
-            "trainer.eval_every=0", "data.eval_batches=2", "trainer.save_every=0", *extra]
-
-
-def _wait_for_step(run_dir, step, proc, timeout=240):
-    deadline = time.monotonic() + timeout
-    path = Path(run_dir) / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= step:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early ({proc.returncode}):\n{proc.stdout.read()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def _children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
-
-
-def _rank_pids(proc):
-    """The spawned rank processes (children of roformer-train that are python, not the resource tracker)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        pids = []
-        for p in _children(proc.pid):
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
-            if "spawn_main" in cmd:
-                pids.append(p)
-        if len(pids) == 2:
-            return sorted(pids)
-        time.sleep(0.2)
-    raise AssertionError("rank processes not found")
 
 
 def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_path, reference):

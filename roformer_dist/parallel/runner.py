@@ -3,29 +3,33 @@
     engine, runner = build_parallel_engine(cfg, model, stage, world_size)
     loader = ShardLoader(..., dp_rank=runner.dp_rank, dp_size=runner.dp_size)
     torch.manual_seed(cfg.trainer.seed + 1 + runner.seed_offset)    # dropout streams
-    out = runner.train_step(iter(loader), stop=..., inject_nan=...)  # the trainer's train_step dict
+    stats = runner.train_step(iter(loader), stop=..., inject_nan=...)  # a StepStats
 
-``train_step`` returns the same dict as ``Trainer.train_step`` (loss, mlm_acc, tokens, samples,
-nonfinite, stop), already reduced over the whole job and identical on every rank: each statistic is
-contributed once per data replica (loss and accuracy by the last pipeline stage's tensor rank 0,
-tokens and samples by the first stage's), then summed over all ranks.
+``train_step`` returns a :class:`StepStats` already reduced over the whole job and identical on every
+rank: each statistic is contributed once per data replica (loss and accuracy by the last pipeline
+stage's tensor rank 0, tokens and samples by the first stage's), then summed over all ranks in one
+all-reduce (``StepStats.to_tensor`` / ``from_tensor``). A stop request of any rank travels in the same
+all-reduce, so every rank learns at the same step that the job stops.
 
 Without pipeline parallelism the engine is a plain ``DeepSpeedEngine`` whose module keeps the
 model's ``forward`` / ``MaskedLMOutput`` (tensor-parallel or not); with it, a ``PipelineEngine``
 driven by ``train_batch`` (DeepSpeed runs forward, backward and the optimizer step of all
-micro-batches itself). ``eval_step`` and ``set_stage`` hide the same difference.
+micro-batches itself). ``eval_step``, ``set_stage``, ``save_checkpoint`` and ``load_checkpoint`` hide
+the same difference, so the trainer never touches the engine.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import astuple, dataclass, fields
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from roformer_dist.config import Config, StageConfig, micro_batch_size
+from roformer_dist.errors import CheckpointError
 from roformer_dist.parallel.topology import ParallelDims, check_layout
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,77 @@ log = logging.getLogger(__name__)
 _NO_LABELS = torch.zeros(1)
 """What the last pipeline stage gets as 'labels' from its iterator: the real labels travel with the
 activations from the first stage."""
+
+
+@dataclass
+class StepStats:
+    """The statistics of one optimizer step; summed over ranks as one float64 tensor."""
+
+    loss_sum: float = 0.0
+    """Sum of the finite micro-batch losses."""
+    num_micro_batches: int = 0
+    """Micro-batches whose loss was computed (finite or not)."""
+    num_correct: float = 0.0
+    """Masked positions predicted right."""
+    num_predicted: int = 0
+    """Masked positions (MLM targets)."""
+    num_tokens: int = 0
+    """Non-padding tokens read."""
+    num_samples: int = 0
+    """Sequences read."""
+    num_nonfinite: int = 0
+    """Micro-batches with a NaN/inf loss."""
+    num_stop_requests: int = 0
+    """Ranks that asked to stop (a signal)."""
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor(astuple(self), dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "StepStats":
+        values = t.tolist()
+        return cls(**{f.name: (v if f.type in (float, "float") else int(round(v)))
+                      for f, v in zip(fields(cls), values)})
+
+    def add_micro_batch(self, loss: float, correct: float, predicted: int) -> None:
+        finite = loss == loss and abs(loss) != float("inf")
+        self.loss_sum += loss if finite else 0.0
+        self.num_micro_batches += 1
+        self.num_correct += correct
+        self.num_predicted += predicted
+        self.num_nonfinite += 0 if finite else 1
+
+    def keep_only(self, *, loss: bool, data: bool) -> "StepStats":
+        """This rank's share: the loss/accuracy fields where it reports them, the data fields likewise."""
+        out = StepStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        if not loss:
+            out.loss_sum, out.num_micro_batches, out.num_correct, out.num_predicted = 0.0, 0, 0.0, 0
+            out.num_nonfinite = 0
+        if not data:
+            out.num_tokens, out.num_samples = 0, 0
+        return out
+
+    # ------------------------------------------------------------------ what the trainer reads
+    @property
+    def nonfinite(self) -> bool:
+        return self.num_nonfinite > 0
+
+    @property
+    def loss(self) -> float:
+        """Mean micro-batch loss; NaN when any was non-finite (the update was skipped)."""
+        return float("nan") if self.nonfinite else self.loss_sum / max(1, self.num_micro_batches)
+
+    @property
+    def mlm_acc(self) -> float:
+        return self.num_correct / max(1, self.num_predicted)
+
+    @property
+    def stop(self) -> bool:
+        return self.num_stop_requests > 0
+
+    def __getitem__(self, key: str):
+        """``stats["loss"]``: the mapping access of earlier versions (benchmarks and tests use it)."""
+        return getattr(self, key)
 
 
 def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfig, world_size: int,
@@ -80,14 +155,6 @@ class ParallelRunner:
         return self.dims.dp_size
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.dims.is_first_stage
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.dims.is_last_stage
-
-    @property
     def reads_data(self) -> bool:
         """Only the first pipeline stage consumes training batches."""
         return self.dims.is_first_stage
@@ -97,32 +164,47 @@ class ParallelRunner:
         """Add to the dropout seed: equal on the tensor ranks of a stage, different elsewhere."""
         return self.dims.replica_seed_offset
 
+    # ------------------------------------------------------------------ engine facts for the trainer's records
+    @property
+    def global_batch_size(self) -> int:
+        return self.engine.train_batch_size()
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.engine.gradient_accumulation_steps()
+
+    def grad_norm(self) -> Optional[float]:
+        """The last step's global gradient norm, where the engine exposes it."""
+        try:
+            g = self.engine.get_global_grad_norm()
+        except Exception:  # noqa: BLE001 - not every ZeRO stage / engine exposes it
+            return None
+        return float(g) if g is not None else None
+
+    def loss_scale(self) -> float:
+        """fp16's dynamic loss scale; 1.0 without one."""
+        opt = self.engine.optimizer
+        scale = getattr(opt, "loss_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
+        return float(scale) if scale is not None else 1.0
+
     # ------------------------------------------------------------------ steps
     def _reporting(self, what: str) -> bool:
         if self.dims.tp_rank != 0:
             return False
         return self.dims.is_last_stage if what == "loss" else self.dims.is_first_stage
 
-    def _finish(self, stats: torch.Tensor) -> dict:
-        """Zero what this rank does not report, sum over the job. Layout as Trainer.train_step's."""
-        if not self._reporting("loss"):
-            stats[[0, 1, 2, 3, 6]] = 0
-        if not self._reporting("data"):
-            stats[[4, 5]] = 0
+    def _finish(self, stats: StepStats) -> StepStats:
+        """Keep what this rank reports, sum over the job (the step's one all-reduce)."""
+        t = stats.keep_only(loss=self._reporting("loss"), data=self._reporting("data")).to_tensor()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stats)
-        nonfinite = stats[6].item() > 0
-        return {"loss": stats[0].item() / max(1.0, stats[1].item()) if not nonfinite else float("nan"),
-                "mlm_acc": stats[2].item() / max(1.0, stats[3].item()), "tokens": int(stats[4].item()),
-                "samples": int(stats[5].item()), "nonfinite": nonfinite, "stop": stats[7].item() > 0}
+            dist.all_reduce(t)
+        return StepStats.from_tensor(t)
 
-    def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False) -> dict:
+    def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False) -> StepStats:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
         (dicts with input_ids, attention_mask, token_type_ids, labels; only read where
         ``reads_data``). ``stop``: this rank's stop request (any rank's stops all)."""
-        # [loss sum, micro-batches, correct, predicted, tokens, samples, non-finite, stop requested]
-        stats = torch.zeros(8, dtype=torch.float64)
-        stats[7] = 1.0 if stop else 0.0
+        stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)
             return self._finish(stats)
@@ -133,14 +215,13 @@ class ParallelRunner:
             batch = next(batches)
             out = engine(**_on(batch, engine.device))
             loss = out.loss * float("nan") if inject_nan else out.loss
-            finite = bool(torch.isfinite(loss.detach()).item())
-            _count(stats, loss.item(), finite, float(out.accuracy) * int(out.num_predicted), int(out.num_predicted))
-            stats[4] += int(batch["attention_mask"].sum())
-            stats[5] += batch["input_ids"].shape[0]
+            stats.add_micro_batch(loss.item(), float(out.accuracy) * int(out.num_predicted), int(out.num_predicted))
+            stats.num_tokens += int(batch["attention_mask"].sum())
+            stats.num_samples += batch["input_ids"].shape[0]
             engine.backward(loss)
             if i < gas - 1:
                 engine.step()
-        nonfinite = torch.tensor([stats[6].item()], dtype=torch.float64)
+        nonfinite = torch.tensor([float(stats.num_nonfinite)], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(nonfinite)
         if nonfinite.item() > 0 and self.cfg.deepspeed.zero_stage == 0:
@@ -150,7 +231,7 @@ class ParallelRunner:
         engine.step()
         return self._finish(stats)
 
-    def _pipeline_train(self, batches, stats: torch.Tensor, inject_nan: bool) -> None:
+    def _pipeline_train(self, batches, stats: StepStats, inject_nan: bool) -> None:
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         data = None
@@ -158,8 +239,8 @@ class ParallelRunner:
             items = []
             for _ in range(gas):
                 b = next(batches)
-                stats[4] += int(b["attention_mask"].sum())
-                stats[5] += b["input_ids"].shape[0]
+                stats.num_tokens += int(b["attention_mask"].sum())
+                stats.num_samples += b["input_ids"].shape[0]
                 items.append((_pipe_inputs(b), _NO_LABELS))
             data = iter(items)
         elif self.dims.is_last_stage:
@@ -170,7 +251,7 @@ class ParallelRunner:
         self.loss_fn.inject_nan = False
         if self.dims.is_last_stage:
             for loss, correct, k in self.loss_fn.records:
-                _count(stats, loss, loss == loss and abs(loss) != float("inf"), correct, k)
+                stats.add_micro_batch(loss, correct, k)
 
     @torch.no_grad()
     def eval_step(self, batch: dict) -> torch.Tensor:
@@ -212,13 +293,16 @@ class ParallelRunner:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
 
+    # ------------------------------------------------------------------ checkpoints (files: checkpoint.py)
+    def save_checkpoint(self, ckpt_root: str, tag: str) -> None:
+        """This rank's DeepSpeed files of checkpoint ``tag`` (collective); DeepSpeed's ``latest`` is not written."""
+        self.engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
 
-def _count(stats: torch.Tensor, loss: float, finite: bool, correct: float, predicted: int) -> None:
-    stats[0] += loss if finite else 0.0
-    stats[1] += 1
-    stats[2] += correct
-    stats[3] += predicted
-    stats[6] += 0 if finite else 1
+    def load_checkpoint(self, ckpt_root: str, tag: str) -> None:
+        """Load model and optimizer state of ``tag`` (collective); ``load_universal`` was fixed at build time."""
+        path, _ = self.engine.load_checkpoint(ckpt_root, tag=tag)
+        if path is None:
+            raise CheckpointError(f"{ckpt_root}/{tag}: DeepSpeed found no model state to load on this rank")
 
 
 def _on(batch: dict, device) -> dict:

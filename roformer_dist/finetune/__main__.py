@@ -1,0 +1,5 @@
+import sys
+
+from roformer_dist.finetune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,243 @@
+"""``roformer-finetune``: fine-tune and evaluate a sequence classifier (single sentences or sentence pairs).
+
+    roformer-finetune --model runs/demo/hf --train train.jsonl --dev dev.jsonl --out runs/sst
+    roformer-finetune --model runs/demo/checkpoints --train ... --dev ... --out ...       # a training checkpoint
+    roformer-finetune --model runs/demo/hf --from-scratch ...       # same architecture, random initialisation
+    roformer-finetune --baseline ngram --train ... --dev ... --out ...   # naive Bayes on character 1-2-grams
+
+Input: jsonl ``{"sentence", "label"}`` / ``{"sentence1", "sentence2", "label"}`` or tsv with a header row
+(see roformer_dist/finetune/data.py). Prints dev accuracy and macro-F1 after every epoch and, last,
+``dev accuracy X.XXXX  macro-F1 Y.YYYY  (best epoch N)``. Writes OUT_DIR/results.json, OUT_DIR/best/ (the
+best epoch's model with its tokenizer: HF format, loadable with AutoModelForSequenceClassification and
+AutoTokenizer) and OUT_DIR/tb/ (TensorBoard: train/loss, train/lr, dev/accuracy, dev/macro_f1). An
+existing OUT_DIR is reused: those three are replaced.
+
+Exit status: 0 done, 2 bad flags (ConfigError), 4 bad input files (DataError), 5 model or checkpoint
+missing or unreadable (CheckpointError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["build_parser", "run", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="roformer-finetune",
+                                description="Fine-tune and evaluate a sequence classifier (single sentences "
+                                            "or sentence pairs) on a pretrained RoFormer.",
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF export directory, training checkpoint (step_XXXXXXXX/, checkpoints/ or "
+                                   "run directory) or weights file; not needed with --baseline")
+    p.add_argument("--train", required=True, help="training examples (.jsonl, or .tsv with a header row)")
+    p.add_argument("--dev", required=True, help="dev examples, evaluated after every epoch")
+    p.add_argument("--out", required=True, help="output directory (results.json, best/, tb/)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="the same architecture from random initialisation (what pretraining buys)")
+    p.add_argument("--baseline", choices=["ngram"], default=None,
+                   help="ngram: multinomial naive Bayes on character unigrams + bigrams (add-one smoothing)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (10%% linear warm-up, linear decay)")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per optimizer step (per rank)")
+    p.add_argument("--max-length", type=int, default=128, help="tokens per example incl. [CLS]/[SEP]; longer "
+                                                                "examples are truncated (and counted)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: all cores, divided among the ranks under torchrun)")
+    p.add_argument("--tokenizer", default=None,
+                   help="SentencePiece .model or shard set, for a checkpoint whose shard set moved or a "
+                        "weights file (default: the model's own)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    return p
+
+
+def _check_args(args) -> None:
+    from roformer_dist.errors import ConfigError
+
+    if args.baseline is None and not args.model:
+        raise ConfigError("--model is required (an HF export, a training checkpoint or a weights file) unless "
+                          "--baseline ngram")
+    if args.baseline is not None and args.from_scratch:
+        raise ConfigError("--from-scratch and --baseline exclude each other")
+    for name, ok in (("epochs", args.epochs >= 1), ("batch_size", args.batch_size >= 1),
+                     ("lr", args.lr > 0), ("max_length", args.max_length >= 4)):
+        if not ok:
+            raise ConfigError(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected "
+                              f"{'> 0' if name == 'lr' else '>= 4' if name == 'max_length' else '>= 1'}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads: got {args.threads}, expected >= 1")
+
+
+def _dist_setup(args, device_kind: str):
+    """Dist for this process; initialises torch.distributed when launched by torchrun with WORLD_SIZE > 1."""
+    import torch
+
+    from roformer_dist.finetune.train import Dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), torch.device(device_kind if device_kind != "cuda" else "cuda:0")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    device = torch.device(f"cuda:{local_rank}") if device_kind == "cuda" else torch.device("cpu")
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size()), device
+
+
+def _results(task, labels, train, dev, records, *, truncated, model, from_scratch, baseline, extra) -> dict:
+    best = max(records, key=lambda r: (r["dev_accuracy"], r["dev_macro_f1"], -r["epoch"]))
+    return {"task": task, "num_labels": len(labels), "labels": list(labels), "train_examples": len(train),
+            "dev_examples": len(dev), "truncated": truncated, "epochs": records, "best_epoch": best["epoch"],
+            "best_dev_accuracy": best["dev_accuracy"], "best_dev_macro_f1": best["dev_macro_f1"],
+            "model": model, "from_scratch": from_scratch, "baseline": baseline, **extra}
+
+
+def _run_baseline(args, train, dev, labels, out: Path, say) -> dict:
+    from roformer_dist.finetune.data import encode_labels
+    from roformer_dist.finetune.metrics import accuracy, macro_f1
+    from roformer_dist.finetune.models import write_json
+    from roformer_dist.finetune.ngram import NaiveBayes
+
+    t0 = time.perf_counter()
+    y_train, y_dev = encode_labels(train, labels), encode_labels(dev, labels)
+    pairs = lambda ds: [(e.text_a, e.text_b) for e in ds.examples]  # noqa: E731
+    nb = NaiveBayes().fit(pairs(train), y_train, len(labels))
+    pred = nb.predict(pairs(dev))
+    rec = {"epoch": 1, "dev_accuracy": accuracy(y_dev, pred), "dev_macro_f1": macro_f1(y_dev, pred),
+           "train_loss": nb.mean_nll(pairs(train), y_train), "seconds": round(time.perf_counter() - t0, 2)}
+    say(f"naive Bayes on character unigrams + bigrams: {len(nb.vocab):,} features; dev accuracy "
+        f"{rec['dev_accuracy']:.4f}  macro-F1 {rec['dev_macro_f1']:.4f}  ({rec['seconds']:.1f} s)")
+    res = _results(train.task, labels, train, dev, [rec], truncated=0,
+                   model="naive Bayes, character unigrams + bigrams, add-one smoothing", from_scratch=False,
+                   baseline="ngram", extra={})
+    write_json(out / "results.json", res)
+    return res
+
+
+def run(argv: Optional[list[str]] = None) -> dict:
+    """Run roformer-finetune with command-line ``argv``; returns the content of results.json.
+
+    Raises ConfigError / DataError / CheckpointError (see the exit statuses) on bad input."""
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    from roformer_dist.finetune.data import label_list, read_examples
+
+    train, dev = read_examples(args.train), read_examples(args.dev)
+    labels = label_list(train, dev)
+    out = Path(args.out)
+    say = print
+    if args.baseline is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        say(f"{train.task} task, {len(labels)} labels; {len(train)} training and {len(dev)} dev examples")
+        res = _run_baseline(args, train, dev, labels, out, say)
+        say(f"dev accuracy {res['best_dev_accuracy']:.4f}  macro-F1 {res['best_dev_macro_f1']:.4f}  "
+            f"(best epoch {res['best_epoch']})")
+        return res
+    return _run_model(args, train, dev, labels, out)
+
+
+def _run_model(args, train, dev, labels, out: Path) -> dict:
+    import torch
+
+    from roformer_dist.errors import ConfigError
+    from roformer_dist.finetune.train import default_threads
+
+    device_kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    dist, device = _dist_setup(args, device_kind)
+    threads = args.threads or (default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                               if dist.world_size > 1 else None)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _train_and_report(args, train, dev, labels, out, dist, device)
+    finally:
+        torch.set_num_threads(before)  # run() may be called in-process (the demo): leave torch as it was
+
+
+def _train_and_report(args, train, dev, labels, out: Path, dist, device) -> dict:
+    import torch
+
+    from roformer_dist.errors import ConfigError
+    from roformer_dist.finetune.data import encode_labels
+    from roformer_dist.finetune.models import describe, load_classifier, write_json
+    from roformer_dist.finetune.train import encode, fit
+
+    say = print if dist.main else (lambda *_: None)
+    _quiet_transformers()
+    clf = load_classifier(args.model, labels, from_scratch=args.from_scratch, seed=args.seed,
+                          tokenizer=args.tokenizer)
+    if args.max_length > clf.max_positions:
+        raise ConfigError(f"--max-length {args.max_length}: the model has {clf.max_positions} positions")
+    say(f"model: {describe(clf)}{' (from scratch: random initialisation)' if args.from_scratch else ''}")
+    say(f"{train.task} task, {len(labels)} labels; {len(train)} training and {len(dev)} dev examples; "
+        f"{dist.world_size} process(es), {torch.get_num_threads()} threads each, {device}")
+    enc_train = encode(clf.tokenizer, train.examples, encode_labels(train, labels), args.max_length)
+    enc_dev = encode(clf.tokenizer, dev.examples, encode_labels(dev, labels), args.max_length)
+    for ds, enc in ((train, enc_train), (dev, enc_dev)):
+        if enc.num_truncated:
+            say(f"{ds.path}: {enc.num_truncated} of {len(ds)} examples are longer than --max-length "
+                f"{args.max_length} tokens and were truncated")
+    truncated = enc_train.num_truncated + enc_dev.num_truncated
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+    common = dict(truncated=truncated, model=str(args.model), from_scratch=args.from_scratch, baseline=None,
+                  extra={"backend": clf.backend, "max_length": args.max_length, "lr": args.lr,
+                         "batch_size": args.batch_size, "seed": args.seed})
+    records: list[dict] = []
+
+    def on_epoch(rec: dict) -> None:  # results.json after every epoch: a long run shows its progress
+        records.append(rec)
+        write_json(out / "results.json", _results(train.task, labels, train, dev, records, **common))
+
+    records_all = fit(clf, enc_train, enc_dev, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                      seed=args.seed, out_dir=out, device=device, dist=dist, progress=not args.no_progress,
+                      on_epoch=on_epoch, say=say)
+    res = _results(train.task, labels, train, dev, records_all, **common)
+    if dist.main:
+        write_json(out / "results.json", res)
+    say(f"best model: {out / 'best'}")
+    say(f"dev accuracy {res['best_dev_accuracy']:.4f}  macro-F1 {res['best_dev_macro_f1']:.4f}  "
+        f"(best epoch {res['best_epoch']})")
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+    return res
+
+
+def _quiet_transformers() -> None:
+    """transformers warns that the new classification head is not initialised from the checkpoint:
+    that is the point of fine-tuning; our own line says what was loaded."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from roformer_dist.errors import CheckpointError, ConfigError, DataError, exit_status
+
+    try:
+        run(argv)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"roformer-finetune: error: {e}", file=sys.stderr)
+        return exit_status(e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Classification data for roformer-finetune: CLUE-style jsonl or GLUE-style tsv, single sentences or pairs.
+
+jsonl: one JSON object per line, ``{"sentence": ..., "label": ...}`` (single) or ``{"sentence1": ...,
+"sentence2": ..., "label": ...}`` (pair); other keys are ignored, blank lines skipped. tsv: a header row
+naming the columns (``sentence`` and ``label``, or ``sentence1``, ``sentence2`` and ``label``), then one
+example per line, fields separated by tabs (no quoting). Labels are strings or integers; the label set is
+the training file's, sorted (numerically when every label is an integer or a string of digits).
+
+Every problem is a :class:`~data_pipeline.errors.DataError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from data_pipeline.errors import DataError
+
+__all__ = ["Example", "Dataset", "read_examples", "label_list", "encode_labels"]
+
+Label = Union[str, int]
+_SINGLE, _PAIR = ("sentence",), ("sentence1", "sentence2")
+
+
+@dataclass
+class Example:
+    text_a: str
+    text_b: Optional[str]
+    label: Label
+    line: int
+    """1-based line number in the file (for messages)."""
+
+
+@dataclass
+class Dataset:
+    path: Path
+    task: str
+    """single | pair"""
+    examples: list[Example]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def _task_of(keys, where: str) -> str:
+    if all(k in keys for k in _PAIR):
+        return "pair"
+    if "sentence" in keys:
+        return "single"
+    raise DataError(f"{where}: expected a field 'sentence' (single sentences) or 'sentence1' and "
+                    f"'sentence2' (sentence pairs), found {sorted(keys)}")
+
+
+def _label(value, where: str) -> Label:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise DataError(f"{where}: field 'label' must be a string or an integer, got {json.dumps(value)}")
+    return value
+
+
+def _text(value, key: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _read_jsonl(path: Path) -> tuple[str, list[Example]]:
+    task, out = None, []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            t = _task_of(obj, where)
+            if task is None:
+                task = t
+            elif t != task:
+                raise DataError(f"{where}: a {t} example in a file of {task} examples (line "
+                                f"{out[0].line} was {task})")
+            if "label" not in obj:
+                raise DataError(f"{where}: missing field 'label'")
+            a = _text(obj[_PAIR[0] if task == "pair" else "sentence"],
+                      _PAIR[0] if task == "pair" else "sentence", where)
+            b = _text(obj[_PAIR[1]], _PAIR[1], where) if task == "pair" else None
+            out.append(Example(a, b, _label(obj["label"], where), lineno))
+    return task or "single", out
+
+
+def _read_tsv(path: Path) -> tuple[str, list[Example]]:
+    out: list[Example] = []
+    header = None
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            fields = line.split("\t")
+            if header is None:
+                header = [h.strip() for h in fields]
+                task = _task_of(header, f"{where} (the header row)")
+                if "label" not in header:
+                    raise DataError(f"{where} (the header row): missing column 'label' (columns: {header})")
+                cols = [header.index(k) for k in (_PAIR if task == "pair" else _SINGLE)]
+                label_col = header.index("label")
+                continue
+            if len(fields) != len(header):
+                raise DataError(f"{where}: {len(fields)} tab-separated fields, the header has {len(header)} "
+                                f"({header})")
+            a = fields[cols[0]]
+            b = fields[cols[1]] if task == "pair" else None
+            label = fields[label_col].strip()
+            if not label:
+                raise DataError(f"{where}: empty 'label'")
+            out.append(Example(a, b, label, lineno))
+    if header is None:
+        return "single", out
+    return task, out
+
+
+def read_examples(path: str | os.PathLike) -> Dataset:
+    """Read a jsonl or tsv file (``.tsv`` is tsv, anything else jsonl)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    tsv = path.suffix.lower() == ".tsv"
+    task, examples = (_read_tsv if tsv else _read_jsonl)(path)
+    if not examples:
+        raise DataError(f"{path}: no examples (the file is empty{' or has only a header' if tsv else ''})")
+    return Dataset(path, task, examples)
+
+
+def _sort_key(labels: list[Label]):
+    if all(isinstance(x, int) for x in labels):
+        return lambda x: (0, x, "")
+    if all(isinstance(x, str) and x.lstrip("-").isdigit() for x in labels):
+        return lambda x: (0, int(x), x)
+    return lambda x: (1, 0, str(x))
+
+
+def label_list(train: Dataset, dev: Dataset) -> list[Label]:
+    """The training labels, sorted; DataError naming the first dev line whose label is not among them."""
+    if train.task != dev.task:
+        raise DataError(f"{dev.path}: {dev.task} examples, but {train.path} has {train.task} examples")
+    labels = sorted({e.label for e in train.examples}, key=_sort_key(list({e.label for e in train.examples})))
+    if len(labels) < 2:
+        raise DataError(f"{train.path}: every example has the label {labels[0]!r}; a classifier needs at least "
+                        "two labels")
+    known = set(labels)
+    for e in dev.examples:
+        if e.label not in known:
+            raise DataError(f"{dev.path}:{e.line}: label {e.label!r} does not occur in {train.path} "
+                            f"(its labels: {', '.join(map(repr, labels[:20]))}{', ...' if len(labels) > 20 else ''})")
+    return labels
+
+
+def encode_labels(ds: Dataset, labels: list[Label]) -> list[int]:
+    index = {x: i for i, x in enumerate(labels)}
+    return [index[e.label] for e in ds.examples]

@@ -1,0 +1,236 @@
+"""The model roformer-finetune trains: a sequence classifier on top of a pretrained (or fresh) encoder.
+
+``--model`` may be
+- an HF export directory (``config.json``; ``roformer-convert to-hf`` output or any HF encoder with a
+  fast tokenizer): ``AutoModelForSequenceClassification`` + its tokenizer;
+- a training checkpoint (``step_XXXXXXXX/``, ``checkpoints/`` or a run directory) or a roformer-dist
+  weights file: the weights go into ``transformers.RoFormerForSequenceClassification`` in memory, with the
+  tokenizer of the run's shard set (or ``--tokenizer``).
+A model HF's RoFormer cannot express (``attention`` other than softmax, absolute positions) is trained
+as our own encoder with the same classification head (``NativeClassifier``) and saved as
+``classifier.pt`` instead of HF files.
+
+The classification head (HF's RoFormerClassificationHead): the [CLS] state -> dropout -> dense -> act ->
+dropout -> linear to the labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from roformer_dist.errors import CheckpointError, ConfigError, DataError
+
+__all__ = ["Classifier", "NativeClassifier", "load_classifier", "load_native_classifier", "NATIVE_FILE"]
+
+NATIVE_FILE = "classifier.pt"
+NATIVE_FORMAT = "roformer-dist-classifier"
+
+
+class NativeClassifier(nn.Module):
+    """Our encoder (any ModelConfig model.py supports) + HF RoFormer's classification head."""
+
+    def __init__(self, cfg, num_labels: int):
+        super().__init__()
+        from roformer_dist.model import RoFormerForMaskedLM, _activation
+
+        self.config = cfg
+        self.num_labels = num_labels
+        self.encoder = RoFormerForMaskedLM(cfg)
+        del self.encoder.head  # the MLM head is not used: encode() gives the hidden states
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = _activation(cfg.hidden_act)
+        self.out_proj = nn.Linear(cfg.hidden_size, num_labels)
+        for m in (self.dense, self.out_proj):
+            nn.init.normal_(m.weight, 0.0, cfg.initializer_range)
+            nn.init.zeros_(m.bias)
+
+    def load_encoder(self, sd: dict) -> None:
+        sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+        missing, unexpected = self.encoder.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"weights do not match the model config: missing {missing[:5]}, "
+                                  f"unexpected {unexpected[:5]}")
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        h = self.encoder.encode(input_ids, attention_mask, token_type_ids)[:, 0]  # (B, hidden): [CLS]
+        return self.out_proj(self.dropout(self.act(self.dense(self.dropout(h)))))
+
+
+@dataclass
+class Classifier:
+    model: nn.Module
+    tokenizer: Any
+    """A transformers fast tokenizer."""
+    backend: str
+    """transformers | native"""
+    description: str
+    max_positions: int
+    write_tokenizer: Callable[[Path], None]
+    labels: list
+
+    def logits(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """``model`` is ``self.model`` or its DDP wrapper."""
+        if self.backend == "native":
+            return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        return model(**batch).logits
+
+    def save(self, out: Path) -> None:
+        """Write the model and its tokenizer to the (empty) directory ``out``."""
+        if self.backend == "native":
+            payload = {"format": NATIVE_FORMAT, "version": 1, "model_config": _asdict(self.model.config),
+                       "num_labels": self.model.num_labels, "labels": list(self.labels),
+                       "state_dict": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}}
+            torch.save(payload, out / NATIVE_FILE)
+        else:
+            self.model.save_pretrained(str(out))
+        self.write_tokenizer(out)
+
+
+def _asdict(cfg) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def load_native_classifier(path: str | os.PathLike) -> tuple[NativeClassifier, Any]:
+    """(model in eval mode, tokenizer) from a directory roformer-finetune saved with the native backend."""
+    from roformer_dist.config import ModelConfig
+    from roformer_dist.hf_tokenizer import load_hf_tokenizer
+
+    path = Path(path)
+    try:
+        obj = torch.load(path / NATIVE_FILE, map_location="cpu", weights_only=True)
+        if obj.get("format") != NATIVE_FORMAT:
+            raise ValueError(f"format {obj.get('format')!r}")
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path / NATIVE_FILE}: not a roformer-finetune classifier ({e})") from None
+    model = NativeClassifier(ModelConfig(**obj["model_config"]), obj["num_labels"])
+    model.load_state_dict(obj["state_dict"])
+    return model.eval(), load_hf_tokenizer(path)
+
+
+def _label_maps(labels: list) -> dict:
+    return {"id2label": {i: str(x) for i, x in enumerate(labels)},
+            "label2id": {str(x): i for i, x in enumerate(labels)}}
+
+
+def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Optional[str]) -> Classifier:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from roformer_dist.hf_tokenizer import TOKENIZER_FILES, load_hf_tokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), num_labels=len(labels), **_label_maps(labels))
+        if from_scratch:
+            model = AutoModelForSequenceClassification.from_config(config)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(str(path), config=config)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"--model {path}: cannot load as an HF sequence classifier: {e}") from None
+    max_pos = int(getattr(config, "max_position_embeddings", 512))
+    tok_src = Path(tokenizer) if tokenizer else path
+    tok = load_hf_tokenizer(tok_src, max_pos)
+
+    def write_tokenizer(out: Path) -> None:
+        if tok_src.is_dir() and (tok_src / "tokenizer.json").is_file():
+            for name in TOKENIZER_FILES:
+                if (tok_src / name).is_file():
+                    shutil.copyfile(tok_src / name, out / name)
+        else:
+            _write_sp_tokenizer(out, tok_src, max_pos)
+
+    return Classifier(model, tok, "transformers", f"HF export {path}", max_pos, write_tokenizer, labels)
+
+
+def _write_sp_tokenizer(out: Path, source: Path, max_pos: int) -> None:
+    from roformer_dist.hf_tokenizer import write_tokenizer_files
+
+    write_tokenizer_files(out, source / "tokenizer.model" if source.is_dir() else source, max_pos)
+
+
+def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scratch: bool) -> Classifier:
+    from roformer_dist.hf import check_exportable, hf_config_from, state_dict_to_hf
+    from roformer_dist.hf_tokenizer import load_hf_tokenizer
+
+    max_pos = cfg.max_position_embeddings
+    tok = load_hf_tokenizer(sp_model, max_pos)
+
+    def write_tokenizer(out: Path) -> None:
+        _write_sp_tokenizer(out, sp_model, max_pos)
+
+    try:
+        check_exportable(cfg)
+    except ConfigError as why:
+        model = NativeClassifier(cfg, len(labels))
+        if not from_scratch:
+            model.load_encoder(sd)
+        return Classifier(model, tok, "native", f"{what} (native: {why})", max_pos, write_tokenizer, labels)
+    from transformers import RoFormerForSequenceClassification
+
+    hf_cfg = hf_config_from(cfg)
+    hf_cfg.num_labels = len(labels)
+    hf_cfg.id2label, hf_cfg.label2id = _label_maps(labels).values()
+    hf_cfg.tokenizer_class = "PreTrainedTokenizerFast"
+    model = RoFormerForSequenceClassification(hf_cfg)
+    if not from_scratch:
+        enc = {k: v for k, v in state_dict_to_hf(sd, cfg).items() if k.startswith("roformer.")}
+        missing, unexpected = model.load_state_dict(enc, strict=False)
+        if unexpected or any(not k.startswith("classifier.") for k in missing):
+            raise CheckpointError(f"{what}: weights do not match the model: missing {missing[:5]}, "
+                                  f"unexpected {unexpected[:5]}")
+    return Classifier(model, tok, "transformers", what, max_pos, write_tokenizer, labels)
+
+
+def load_classifier(spec: str, labels: list, *, from_scratch: bool, seed: int,
+                    tokenizer: Optional[str] = None) -> Classifier:
+    """The classifier for ``--model spec`` (see the module docstring); head (and, with ``from_scratch``,
+    every weight) initialised from ``seed``."""
+    from roformer_dist.hf_export import find_tokenizer, load_training_checkpoint, source_from_checkpoint
+
+    path = Path(spec)
+    if not path.exists():
+        raise CheckpointError(f"--model {path}: no such file or directory")
+    torch.manual_seed(seed)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _from_hf_dir(path, labels, from_scratch, tokenizer)
+    weights = path / "model.pt" if path.is_dir() and (path / "model.pt").is_file() else path
+    if weights.is_file():
+        from roformer_dist.convert_cli import _resolve_vocab, load_weights
+
+        cfg, sd = load_weights(weights)
+        cfg = _resolve_vocab(cfg, sd)
+        if tokenizer is None:
+            raise DataError(f"--model {weights}: a weights file names no tokenizer; pass --tokenizer "
+                            "<shard set or tokenizer.model>")
+        sp_model, _ = find_tokenizer(tokenizer, None)
+        return _from_ours(cfg, sd, f"weights file {weights}", sp_model, labels, from_scratch)
+    tc = load_training_checkpoint(path)
+    source = source_from_checkpoint(tc)
+    sp_model, jieba = find_tokenizer(tokenizer, source)
+    if sp_model is None:
+        raise DataError(f"--model {path}: the run's shard set {tc.config.data.shards!r} was not found, so there "
+                        "is no tokenizer; pass --tokenizer <shard set or tokenizer.model>")
+    what = f"training checkpoint {tc.dir} (step {tc.trainer.get('step')})"
+    if jieba:
+        what += " [jieba-trained tokenizer: encoded without jieba]"
+    return _from_ours(tc.model_config, tc.state_dict, what, sp_model, labels, from_scratch)
+
+
+def describe(clf: Classifier) -> str:
+    n = sum(p.numel() for p in clf.model.parameters())
+    return f"{clf.description}; {clf.backend} model, {n:,} parameters, {len(clf.labels)} labels"
+
+
+def write_json(path: Path, obj) -> None:
+    from data_pipeline.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,212 @@
+"""The fine-tuning loop: dynamic padding, length-grouped batches, AdamW with linear warm-up and decay,
+one pass over dev per epoch, TensorBoard scalars, the best model (by dev accuracy, then macro-F1) kept.
+
+Under ``torchrun`` (WORLD_SIZE > 1) each rank trains on its share of every epoch's batches inside
+DistributedDataParallel and evaluates the whole dev set itself (the replicas are identical); rank 0
+alone writes files and prints.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from roformer_dist.finetune.metrics import accuracy, macro_f1
+
+__all__ = ["Encoded", "encode", "Dist", "fit", "GROUP_BATCHES"]
+
+GROUP_BATCHES = 50
+"""Examples are sorted by length within windows of this many batches (less padding, still shuffled)."""
+
+
+@dataclass
+class Encoded:
+    ids: list[list[int]]
+    type_ids: list[list[int]]
+    labels: np.ndarray
+    num_truncated: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def encode(tokenizer, examples, labels: list[int], max_length: int) -> Encoded:
+    """Token ids ([CLS] a [SEP] (b [SEP])) truncated to ``max_length``; counts what was truncated."""
+    a = [e.text_a for e in examples]
+    b = [e.text_b for e in examples] if examples and examples[0].text_b is not None else None
+    full = tokenizer(a, b, add_special_tokens=True, truncation=False, return_attention_mask=False,
+                     return_token_type_ids=False, verbose=False)["input_ids"]
+    enc = tokenizer(a, b, add_special_tokens=True, truncation=True, max_length=max_length,
+                    return_attention_mask=False, return_token_type_ids=True)
+    num_truncated = sum(len(x) > max_length for x in full)
+    return Encoded(enc["input_ids"], enc["token_type_ids"], np.asarray(labels, np.int64), num_truncated)
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _collate(data: Encoded, idx: np.ndarray, pad_id: int, device) -> dict:
+    """Pad the selected examples to their longest (B, S_max)."""
+    n = max(len(data.ids[i]) for i in idx)
+    ids = torch.full((len(idx), n), pad_id, dtype=torch.long)
+    types = torch.zeros((len(idx), n), dtype=torch.long)
+    mask = torch.zeros((len(idx), n), dtype=torch.long)
+    for row, i in enumerate(idx):
+        k = len(data.ids[i])
+        ids[row, :k] = torch.as_tensor(data.ids[i])
+        types[row, :k] = torch.as_tensor(data.type_ids[i])
+        mask[row, :k] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "token_type_ids": types.to(device)}
+
+
+def train_batches(data: Encoded, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """One epoch's batches: shuffled, sorted by length within windows, batch order shuffled."""
+    order = rng.permutation(len(data))
+    lengths = np.fromiter((len(x) for x in data.ids), np.int64, len(data))
+    window = batch_size * GROUP_BATCHES
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = order[start:start + window]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def eval_batches(data: Encoded, batch_size: int) -> list[np.ndarray]:
+    order = np.argsort([len(x) for x in data.ids], kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+@torch.no_grad()
+def predict(clf, data: Encoded, batch_size: int, device) -> np.ndarray:
+    clf.model.eval()
+    pred = np.zeros(len(data), np.int64)
+    for idx in eval_batches(data, batch_size):
+        pred[idx] = clf.logits(clf.model, _collate(data, idx, clf.tokenizer.pad_token_id, device)).argmax(-1).cpu().numpy()
+    return pred
+
+
+def _optimizer(model, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+def fit(clf, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batch_size: int, seed: int,
+        out_dir: Path, device, dist: Dist, progress: bool, warmup: float = 0.1,
+        on_epoch: Optional[Callable[[dict], None]] = None, say: Callable[[str], None] = print) -> list[dict]:
+    """Train for ``epochs``; returns one record per epoch. The best model goes to ``out_dir/best``."""
+    from tqdm import tqdm
+
+    model = clf.model.to(device)
+    wrapped = model
+    if dist.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = _optimizer(model, lr)
+    rng = np.random.default_rng(seed)
+    per_epoch = len(train_batches(train, batch_size, np.random.default_rng(seed))) // dist.world_size
+    if per_epoch == 0:
+        raise ValueError(f"{len(train)} training examples make no batch per rank at world size {dist.world_size}")
+    total = per_epoch * epochs
+    warm = max(1, int(warmup * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+    tb = None
+    if dist.main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        shutil.rmtree(out_dir / "tb", ignore_errors=True)
+        tb = SummaryWriter(str(out_dir / "tb"))
+    pad = clf.tokenizer.pad_token_id
+    records, best, step = [], None, 0
+    try:
+        for epoch in range(1, epochs + 1):
+            t0 = time.perf_counter()
+            batches = train_batches(train, batch_size, rng)[: per_epoch * dist.world_size][dist.rank::dist.world_size]
+            model.train()
+            loss_sum = torch.zeros(2, dtype=torch.float64)  # sum of example losses, examples
+            bar = tqdm(batches, desc=f"epoch {epoch}/{epochs}", unit="batch", disable=not (progress and dist.main),
+                       mininterval=1.0, leave=False)
+            for idx in bar:
+                batch = _collate(train, idx, pad, device)
+                y = torch.as_tensor(train.labels[idx], device=device)
+                loss = F.cross_entropy(clf.logits(wrapped, batch).float(), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                step += 1
+                loss_sum += torch.tensor([loss.item() * len(idx), len(idx)], dtype=torch.float64)
+                if tb is not None:
+                    tb.add_scalar("train/loss", loss.item(), step)
+                    tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
+                bar.set_postfix_str(f"loss {loss_sum[0].item() / loss_sum[1].item():.4f}", refresh=False)
+            bar.close()
+            if dist.world_size > 1:
+                torch.distributed.all_reduce(loss_sum)
+            pred = predict(clf, dev, batch_size * 2, device)
+            rec = {"epoch": epoch, "dev_accuracy": accuracy(dev.labels, pred),
+                   "dev_macro_f1": macro_f1(dev.labels, pred),
+                   "train_loss": loss_sum[0].item() / max(1.0, loss_sum[1].item()),
+                   "seconds": round(time.perf_counter() - t0, 2)}
+            records.append(rec)
+            improved = best is None or (rec["dev_accuracy"], rec["dev_macro_f1"]) > best
+            if dist.main:
+                tb.add_scalar("dev/accuracy", rec["dev_accuracy"], epoch)
+                tb.add_scalar("dev/macro_f1", rec["dev_macro_f1"], epoch)
+                tb.add_scalar("train/epoch_loss", rec["train_loss"], epoch)
+                tb.flush()
+                say(f"epoch {epoch}/{epochs}: train loss {rec['train_loss']:.4f}  dev accuracy "
+                    f"{rec['dev_accuracy']:.4f}  macro-F1 {rec['dev_macro_f1']:.4f}  ({rec['seconds']:.1f} s)"
+                    + ("  best so far" if improved and epoch > 1 else ""))
+                if improved:
+                    save_best(clf, out_dir)
+            if improved:
+                best = (rec["dev_accuracy"], rec["dev_macro_f1"])
+            if on_epoch is not None and dist.main:
+                on_epoch(rec)
+    finally:
+        if tb is not None:
+            tb.close()
+    return records
+
+
+def save_best(clf, out_dir: Path) -> None:
+    """Replace ``out_dir/best`` with the current model: written aside, then renamed into place."""
+    from roformer_dist.hf_export import replace_dir_atomically
+
+    tmp = out_dir / f".best.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        clf.save(tmp)
+        replace_dir_atomically(tmp, out_dir / "best")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def default_threads(local_world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))

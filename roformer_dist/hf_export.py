@@ -1,0 +1,288 @@
+"""A complete Hugging Face model repository from our weights (``roformer-convert to-hf``).
+
+Layout of the directory it writes::
+
+    config.json               transformers.RoFormerConfig (tokenizer_class: PreTrainedTokenizerFast)
+    model.safetensors         RoFormerForMaskedLM weights (tied decoder, sinusoidal table included)
+    tokenizer.json            our normaliser + SentencePiece Unigram + [CLS]/[SEP] template (hf_tokenizer.py)
+    tokenizer_config.json     fast tokenizer class, special tokens, token type ids among the inputs
+    special_tokens_map.json
+    tokenizer.model           the SentencePiece model the shards were made with
+    README.md                 model card (model_card.py)
+    roformer_export.json      provenance: source, step, tokens seen, tokenizer sha256 and agreement check
+
+The repository is written into a hidden temporary sibling and renamed into place when complete, so a
+failed export leaves nothing half-written; an existing non-empty directory is replaced only with
+``force`` (the old one is removed after the new one is in place).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from data_pipeline.atomic import atomic_write_text, fsync_dir
+from roformer_dist.errors import CheckpointError, ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ExportSource", "ExportResult", "TrainingCheckpoint", "load_training_checkpoint",
+           "resolve_checkpoint_dir", "source_from_checkpoint", "find_tokenizer", "export_hf_repository",
+           "replace_dir_atomically", "EXPORT_INFO"]
+
+EXPORT_INFO = "roformer_export.json"
+
+
+@dataclass
+class ExportSource:
+    """What is known about the weights being exported (for the model card and roformer_export.json)."""
+
+    description: str
+    """e.g. ``training checkpoint runs/demo/checkpoints/step_00000250``."""
+    run_config: Any = None
+    """The full run :class:`~roformer_dist.config.Config` of a training checkpoint, else None."""
+    trainer: dict = field(default_factory=dict)
+    """Trainer state of a training checkpoint: step, tokens_seen, samples_seen."""
+    eval_metrics: dict = field(default_factory=dict)
+    """``eval/*`` scalars of the last evaluation at or before the checkpoint's step."""
+    eval_step: Optional[int] = None
+    shard_dir: Optional[Path] = None
+    """The training shard set (when it can be found)."""
+    manifest: Optional[dict] = None
+    eval_manifest: Optional[dict] = None
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    num_parameters: int
+    tokenizer: Optional[Path]
+    jieba: bool = False
+    agreement: Any = None
+    """:class:`~roformer_dist.hf_tokenizer.Agreement` of the round trip over training documents, or None."""
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainingCheckpoint:
+    dir: Path
+    config: Any
+    """Full run Config stored in the checkpoint."""
+    model_config: Any
+    state_dict: dict
+    trainer: dict
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """``step_XXXXXXXX/``, a ``checkpoints/`` root (its ``latest``) or a run directory -> the checkpoint."""
+    from roformer_dist.checkpoint import LATEST, state_file
+
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint directory")
+    if (p / "checkpoints").is_dir() and not state_file(p, 0).exists():
+        p = p / "checkpoints"
+    if (p / LATEST).is_file() and not state_file(p, 0).exists():
+        tag = (p / LATEST).read_text().strip()
+        if not (p / tag).is_dir():
+            raise CheckpointError(f"{p / LATEST}: names {tag!r}, which does not exist")
+        p = p / tag
+    if not state_file(p, 0).exists():
+        raise CheckpointError(f"{p}: not a roformer-dist training checkpoint (no trainer_state_rank0.pt; "
+                              "expected <run_dir>/checkpoints/step_XXXXXXXX/, a checkpoints/ directory with "
+                              "'latest', or a run directory)")
+    return p
+
+
+def load_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
+    """Consolidated fp32 weights, config and trainer state of a complete training checkpoint (any ZeRO
+    stage or model-parallel layout); CheckpointError naming the path when missing or damaged."""
+    from roformer_dist.checkpoint import load_consolidated_weights, load_trainer_state
+    from roformer_dist.config import from_dict
+
+    ckpt = resolve_checkpoint_dir(path)
+    try:
+        state = load_trainer_state(ckpt, 0)
+        cfg = from_dict(state["config"])
+        model_cfg, sd = load_consolidated_weights(ckpt)
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt}: its stored config is invalid: {e}") from None
+    except Exception as e:  # noqa: BLE001 - torch/DeepSpeed raise many kinds on a damaged file
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint ({type(e).__name__}: {e})") from None
+    return TrainingCheckpoint(ckpt, cfg, model_cfg, sd, dict(state.get("trainer", {})))
+
+
+def _existing(path: str, run_dir: Path) -> Optional[Path]:
+    """A path from a run config: as given (relative to the current directory), else next to the run."""
+    if not path:
+        return None
+    p = Path(path)
+    for cand in ([p] if p.is_absolute() else [p, run_dir.parent / p, run_dir / p]):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def _eval_scalars(run_dir: Path, step: int) -> tuple[dict, Optional[int]]:
+    """``eval/*`` values of the last evaluation at or before ``step`` (from the run's TensorBoard)."""
+    tb = run_dir / "tb"
+    if not tb.is_dir():
+        return {}, None
+    try:
+        from roformer_dist.metrics import read_scalars
+
+        scalars = read_scalars(tb)
+    except Exception as e:  # noqa: BLE001 - the card is still useful without them
+        log.warning("cannot read %s: %s", tb, e)
+        return {}, None
+    steps = [s for tag, pts in scalars.items() if tag.startswith("eval/") for s, _ in pts if s <= step]
+    if not steps:
+        return {}, None
+    at = max(steps)
+    return {tag: v for tag, pts in scalars.items() if tag.startswith("eval/") for s, v in pts if s == at}, at
+
+
+def source_from_checkpoint(ckpt: TrainingCheckpoint) -> ExportSource:
+    from data_pipeline.shards import read_manifest
+
+    run_dir = ckpt.dir.parent.parent
+    src = ExportSource(f"training checkpoint {ckpt.dir}", run_config=ckpt.config, trainer=ckpt.trainer)
+    src.eval_metrics, src.eval_step = _eval_scalars(run_dir, int(ckpt.trainer.get("step", 1 << 62)))
+    src.shard_dir = _existing(ckpt.config.data.shards, run_dir)
+    eval_dir = _existing(ckpt.config.data.eval_shards, run_dir)
+    for attr, d in (("manifest", src.shard_dir), ("eval_manifest", eval_dir)):
+        if d is not None:
+            try:
+                setattr(src, attr, read_manifest(d))
+            except ValueError as e:
+                log.warning("shard set %s: %s", d, e)
+    return src
+
+
+def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> tuple[Optional[Path], bool]:
+    """(SentencePiece model, jieba) from ``given`` (a .model file or a shard set) or the training shards."""
+    from data_pipeline.shards import read_manifest, tokenizer_path
+
+    if given is not None:
+        p = Path(given)
+        if p.is_dir():
+            try:
+                m = read_manifest(p)
+            except ValueError as e:
+                raise DataError(f"--tokenizer {p}: {e}") from None
+            model = tokenizer_path(p, m)
+            if model is None or not model.is_file():
+                raise DataError(f"--tokenizer {p}: the shard set's tokenizer model {model} is missing")
+            return model, bool(m.get("jieba", False))
+        if not p.is_file():
+            raise DataError(f"--tokenizer {p}: no such file (expected a SentencePiece .model or a shard set)")
+        return p, False
+    if source.manifest is not None and source.shard_dir is not None:
+        model = tokenizer_path(source.shard_dir, source.manifest)
+        if model is not None and model.is_file():
+            return model, bool(source.manifest.get("jieba", False))
+    return None, False
+
+
+def _apply_umask(d: Path) -> None:
+    """transformers writes model.safetensors through a private (0600) temporary file: give the files of an
+    export the permissions any other file of the user gets (a shared cluster's group can read them)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in d.iterdir():
+        if p.is_file():
+            os.chmod(p, 0o666 & ~mask)
+    os.chmod(d, 0o777 & ~mask)
+
+
+def replace_dir_atomically(tmp: Path, out: Path) -> None:
+    """Move the complete directory ``tmp`` to ``out`` (an existing ``out`` is removed after the switch)."""
+    _apply_umask(tmp)
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_out_dir(out: Path, force: bool, flag: str = "--force") -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {out}: directory exists and is not empty; pass {flag} to replace it")
+
+
+def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
+                         tokenizer: Optional[Path] = None, jieba: bool = False, force: bool = False,
+                         check_docs: int = 1000, say: Callable[[str], None] = print) -> ExportResult:
+    """Write the HF repository of our ``model`` (see the module docstring) to ``out``."""
+    from roformer_dist.hf import check_exportable, to_hf_model
+    from roformer_dist.hf_tokenizer import read_sp_model, roundtrip_agreement, write_tokenizer_files
+    from roformer_dist.model_card import render_model_card
+
+    out = Path(out)
+    cfg = model.config
+    check_exportable(cfg)
+    check_out_dir(out, force)
+    rep = read_sp_model(tokenizer) if tokenizer is not None else None
+    if rep is not None and len(rep.vocab) != cfg.vocab_size:
+        raise DataError(f"tokenizer {tokenizer}: {len(rep.vocab)} pieces, but the model's vocabulary has "
+                        f"{cfg.vocab_size} rows (another tokenizer than the one it was trained with?)")
+    jieba = jieba or bool(rep and rep.jieba)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    result = ExportResult(out, model.num_parameters(), tokenizer, jieba)
+    try:
+        hf = to_hf_model(model)
+        if rep is not None:
+            hf.config.tokenizer_class = "PreTrainedTokenizerFast"
+        hf.save_pretrained(str(tmp))
+        if rep is not None:
+            write_tokenizer_files(tmp, tokenizer, cfg.max_position_embeddings, rep)
+            if check_docs > 0 and source.shard_dir is not None and source.manifest is not None:
+                from roformer_dist.hf_tokenizer import build_fast_tokenizer
+
+                result.agreement = roundtrip_agreement(build_fast_tokenizer(rep), source.shard_dir, tokenizer,
+                                                       max_docs=check_docs)
+        info = _export_info(result, source, rep)
+        result.files = sorted([p.name for p in tmp.iterdir()] + ["README.md", EXPORT_INFO])
+        atomic_write_text(tmp / "README.md", render_model_card(cfg, result, source, info))
+        atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+        replace_dir_atomically(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if result.agreement is not None:
+        say(f"tokenizer check: {result.agreement.summary()} of the training shards "
+            f"({source.shard_dir}) re-encoded by tokenizer.json")
+    if jieba:
+        say("warning: the tokenizer was trained with jieba word pre-segmentation, which tokenizer.json cannot "
+            "express: AutoTokenizer encodes without it (see README.md in the export for exact encoding)")
+    return result
+
+
+def _export_info(result: ExportResult, source: ExportSource, rep) -> dict:
+    from data_pipeline.tokenizer import sha256_file
+
+    agr = result.agreement
+    info = {"format": "roformer-dist-hf-export", "version": 1, "source": source.description,
+            "step": source.trainer.get("step"), "tokens_seen": source.trainer.get("tokens_seen"),
+            "eval_step": source.eval_step, "eval": {k: round(v, 6) for k, v in source.eval_metrics.items()},
+            "num_parameters": result.num_parameters, "tokenizer": None}
+    if rep is not None:
+        info["tokenizer"] = {
+            "sha256": sha256_file(result.tokenizer), "vocab_size": len(rep.vocab), "jieba": result.jieba,
+            "split_conflicts": rep.split_conflicts,
+            "roundtrip_check": None if agr is None else {"documents": agr.num_docs, "identical": agr.num_equal,
+                                                         "examples": agr.examples}}
+    return info
