@@ -158,6 +158,27 @@ def test_linear_flops_do_not_grow_with_length():
     assert lin.flops_per_token(128) < soft.flops_per_token(128)  # head_dim 8 < 128 positions
 
 
+def test_finetune_native_classifier_takes_a_linear_encoder():
+    """roformer-finetune trains models HF cannot express with our encoder (the native backend): a linear
+    model's weights load into it and it computes the pretrained model's [CLS] state, with gradients."""
+    from roformer_dist.finetune.models import NativeClassifier
+
+    cfg = tiny()
+    pretrained = make(cfg).eval()
+    clf = NativeClassifier(cfg, num_labels=3)
+    clf.load_encoder(pretrained.state_dict())
+    clf.eval()
+    ids, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[0, 15:] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(clf.encoder.encode(ids, mask), pretrained.encode(ids, mask))
+    logits = clf(ids, mask)
+    assert logits.shape == (3, 3)
+    logits.sum().backward()
+    assert clf.encoder.layers[0].attention.qkv.weight.grad.abs().sum() > 0
+
+
 def test_attention_dropout_is_not_drawn_by_linear_attention():
     """Linear attention has no probabilities: in training, attention_probs_dropout_prob changes nothing."""
     ids, labels = batch()
