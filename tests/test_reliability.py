@@ -175,11 +175,12 @@ def test_resume_with_another_model_is_refused_before_anything_changes(small_shar
 
 def _corrupt_first_shard(shard_dir: Path, dst: Path, seed: int = 1234, total_slots: int = 1) -> str:
     """A copy of a shard set whose first shard in slot 0's epoch-0 order is truncated; returns its name."""
-    from data_pipeline.loader import deal_shards
+    from data_pipeline.loader import shard_sizes
+    from data_pipeline.slots import deal
 
     shutil.copytree(shard_dir, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
-    first = deal_shards(seed, 0, len(manifest["shards"]), 0, total_slots)[0]
+    first = deal(seed, 0, shard_sizes(manifest), total_slots)[0][0].shard
     name = manifest["shards"][first]["name"]
     path = dst / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
