@@ -18,8 +18,8 @@
 #                     linear attention, time and memory for S 512 .. 8192
 # Every figure is a JSON line ({"bench": ...}); all of them are collected in $OUT/summary.txt.
 # Every step runs even if an earlier one failed; the script exits non-zero if any failed.
-# Not run where it was written (no GPU there): there, `bash -n` checks it and the tests run the
-# Python of step 2 on CPU (Triton under its interpreter).
+# Without a GPU, tests/test_gpu_check.py checks it with `bash -n` and runs the Python of step 2 on CPU
+# (Triton under its interpreter).
 
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -16,6 +16,7 @@ Exit statuses of ``roformer-data`` (the same numbers as :mod:`roformer_dist.erro
     1  a cluster task failed for a reason that is neither (killed, out of memory, a bug)
     2  usage: bad flags, an output that exists (use --force) or cannot be written
     4  data error: unreadable / empty corpus, damaged or inconsistent shard set, unreachable URL
+  130  interrupted (Ctrl-C); an output being built is removed, nothing was written
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every random number is a hash of (seed, epoch, global slot, sample index, position)
 (splitmix64), so a sample's mask depends on nothing else: not on the batch it lands in,
 the worker that made it, or how many samples were drawn before. A resumed run, or the
-same data under another rank/worker layout, masks identically; nothing reads the OS.
+same slots served by another rank/worker arrangement (as many slots in all), masks
+identically; nothing reads the OS.
 
 Rule (BERT): choose ``mlm_probability`` of the non-special, non-padding tokens for
 prediction (labels = original id, -100 elsewhere); of those, 80% become [MASK], 10% a

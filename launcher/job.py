@@ -8,8 +8,9 @@ complete checkpoint together, and ``run_rank`` returns ``EXIT_REQUEUE`` on every
 
 - global rank 0 does what submitit's ``SignalHandler.checkpoint_and_try_requeue`` (submitit 1.5.4) does on a
   signal -- it *is* that method, called after the save instead of from inside the signal: it counts the
-  stop as a time-out or a preemption (time-outs spend ``slurm.max_num_timeout``; with limits under ~50 min
-  submitit counts every stop as a time-out), writes the resubmission pickle, runs ``scontrol requeue
+  stop as a time-out or a preemption (time-outs spend ``slurm.max_num_timeout``; submitit calls a stop a
+  time-out once the attempt has run min(0.8 x limit, limit - 10 min), so with limits of 10 minutes or
+  less every stop is one), writes the resubmission pickle, runs ``scontrol requeue
   $SLURM_JOB_ID`` (the local executor: exit 144, its controller restarts the tasks) and exits without a
   result. Past the budget it raises ``UncompletedJobError`` and the job fails with that message.
 - the other ranks leave without a result (``SystemExit``: submitit writes no result pickle for it);

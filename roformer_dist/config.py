@@ -225,7 +225,7 @@ class CheckpointConfig:
     keep_last: int = 3
     """Complete checkpoints to keep (older ones are deleted)."""
     resume: bool = True
-    """Resume from run_dir/checkpoints/latest when it exists."""
+    """Resume from the newest complete, undamaged checkpoint in run_dir/checkpoints when there is one."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,8 @@ class SlurmConfig:
     signal_delay_s: int = 120
     """Seconds before the time limit at which SLURM sends USR2."""
     max_num_timeout: int = 20
-    """Requeues allowed after a time-limit or preemption signal."""
+    """Requeues allowed after time-limit stops (submitit's count; a stop before min(0.8 x time_min,
+    time_min - 10) minutes of an attempt counts as a preemption, which does not spend it)."""
     setup: tuple[str, ...] = ()
     """Shell lines run before the job (e.g. module load)."""
     env: dict[str, str] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The sequence-length curriculum: a pure schedule plus a thin stateful part.
+"""The sequence-length curriculum: a pure schedule (the trainer and the loop policy read it).
 
 Steps are counted from 0: ``step`` is the index of the optimizer step about to
 run (equivalently, the number of steps already done). Stage ``i`` covers steps

@@ -11,8 +11,9 @@ A second SIGINT (Ctrl-C pressed again) aborts at once: the process kills its own
 workers, or the ranks in the launcher), runs the registered abort callbacks (releasing the run lock)
 and exits ``EXIT_ABORTED`` without saving; the newest complete checkpoint stays ``latest``.
 
-Handlers are installed once, where the process starts (``roformer-train``'s ``main``, the rank entry
-of its spawner, ``run_rank`` under torchrun / SLURM). :func:`blocked_stop_signals` lets the spawner
+Handlers are installed once, where the process starts (``roformer-train``'s ``main``, also under
+torchrun and srun; the rank entry of its spawner; ``run_rank`` when its caller installed none, as the
+submitit job of ``roformer-submit``). :func:`blocked_stop_signals` lets the spawner
 start children whose stop signals stay pending until their own handlers are in place, so that a
 Ctrl-C during start-up neither kills a half-started rank nor prints a ``KeyboardInterrupt``.
 """

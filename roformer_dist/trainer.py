@@ -179,8 +179,8 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Read the data manifests, choose and check the checkpoint, build model, engine and loader,
-        load the checkpoint. Nothing in run_dir changes before the checks passed: config.yaml is
-        written last."""
+        load the checkpoint. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not touched
+        before the checks passed: config.yaml is written last (a damaged checkpoint may be marked BAD)."""
         from data_pipeline.loader import ShardLoader
         from roformer_dist.model import RoFormerForMaskedLM
         from roformer_dist.parallel.runner import build_parallel_engine
@@ -503,8 +503,9 @@ def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[F
              hold_lock: bool = True) -> int:
     """Run this process as one rank of the job described by ``cfg``; see the module docstring.
 
-    ``stop``: the stop flag the caller installed (``roformer-train``'s spawner does it first thing in
-    each rank); None installs it here (torchrun, SLURM). ``faults``: None reads the test fault
+    ``stop``: the stop flag the caller installed (``roformer-train`` does it first thing, in its launcher
+    and in each rank it spawns, and under torchrun or srun); None installs it here (the submitit job of
+    ``roformer-submit``, a direct call). ``faults``: None reads the test fault
     variables of the environment, once. ``hold_lock``: global rank 0 holds the run lock (torchrun,
     SLURM); the local spawner holds it itself and passes False."""
     env = DistEnv.from_environ()

@@ -27,7 +27,7 @@ def choice_fields():
     return out
 
 
-def test_the_issues_choices_are_typed():
+def test_fixed_value_fields_are_typed():
     keys = {k for k, _ in choice_fields()}
     assert {"model.hidden_act", "model.position_embedding", "model.rotary_backend", "model.attention",
             "deepspeed.precision", "optim.schedule", "optim.name", "deepspeed.zero_stage",

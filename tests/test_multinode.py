@@ -1,4 +1,4 @@
-"""Multi-node launch on a real two-node SLURM cluster on localhost (issue 9).
+"""Multi-node launch on a real two-node SLURM cluster on localhost.
 
 ``slurm/local_cluster/start.sh --nodes 2`` runs two node daemons, n1 and n2, on 127.0.0.1 (one Port
 each), so ``--nodes 2`` really spans two SLURM nodes: the rendezvous is the first node of the allocation,
