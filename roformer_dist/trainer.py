@@ -438,10 +438,12 @@ class Trainer:
         s, st = self.state, at.stage
         toks_per_s = stats.num_tokens / dt if dt > 0 else 0.0
         loss = None if stats.nonfinite else stats.loss
+        # time: when the step ended (Unix seconds); step_time_s: the runner's share of it (data + compute +
+        # communication), so that the loop's own cost is time[i] - time[i - 1] - step_time_s[i]
         rec = {"step": s.step, "loss": loss, "mlm_acc": stats.mlm_acc, "lr": lr, "seq_len": st.seq_len,
                "stage": st.name, "samples": stats.num_samples, "global_batch": self.runner.global_batch_size,
                "accumulation": self.runner.accumulation_steps, "tokens_seen": s.tokens_seen,
-               "skipped": stats.nonfinite}
+               "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(dt, 5)}
         self.metrics.step_record(rec)
         if not self.policy.log(s.step):
             return
