@@ -31,7 +31,7 @@ configurations run interleaved (ours, hf, hf_ds, then hf_ds, hf, ours, ...) so t
 machine's load hits them alike; the load average is printed beside the figures. DeepSpeed's JIT-built
 ops come from TORCH_EXTENSIONS_DIR (a warm cache: built once per machine beforehand).
 
-Part 2 (``--part overhead``), at each ``--seq``, 1 rank, the same global batch, data and model:
+Part 2 (``--part overhead``), at each ``--overhead-seq`` (128), 1 rank, the same global batch, data and model:
 
     roformer-train   ``dist.world_size=1`` (ZeRO-2, its DataLoader worker, metrics.jsonl, TensorBoard)
     bare torch       our ``RoFormerForMaskedLM`` + torch AdamW (same parameter groups), gradient clipping,
@@ -39,12 +39,15 @@ Part 2 (``--part overhead``), at each ``--seq``, 1 rank, the same global batch, 
     bare DeepSpeed   the same batches through the same DeepSpeed engine as roformer-train builds
                      (``roformer_dist.engine.build_engine``): forward, backward, step
 
-with as many torch threads as roformer-train takes at 1 rank (all cores). The ratio roformer-train /
-bare torch is the framework's cost (goal >= 0.9); roformer-train / bare DeepSpeed is the loop's alone.
+each process with ``--overhead-threads`` torch threads (1 by default: on a loaded 2-core machine two
+threads per process make step times a lottery; ``0`` leaves OMP_NUM_THREADS unset, so that every
+process takes all cores, as roformer-train does at 1 rank). The ratio roformer-train / bare torch is
+the framework's cost (goal >= 0.9); roformer-train / bare DeepSpeed is the loop's alone. Same
+timing as part 1 (step end times; the bare steps note theirs in the worker).
 
-    python bench/e2e.py                                   # both parts, seq 128 and 512, 2 rounds
+    python bench/e2e.py                                   # both parts: about 40 minutes on 2 busy cores
     python bench/e2e.py --part e2e --seq 128 --rounds 3
-    python bench/e2e.py --part overhead --seq 128 512 --steps 30
+    python bench/e2e.py --part overhead --overhead-seq 128 512 --overhead-threads 0
 
 Ends with one JSON line: ``ratio`` = ours / the faster HF configuration in steady-state tokens/s, the
 lower of the sequence lengths (the goal: >= 1.8 at both), with the per-length figures and the overhead
@@ -88,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     p.add_argument("--global-batch", nargs="+", default=["128=32", "512=16"], metavar="SEQ=N",
                    help="sequences per optimizer step at each length (default: 128=32 512=16; others: 4096 tokens)")
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
+    p.add_argument("--overhead-seq", type=int, nargs="+", default=[128], help="sequence lengths of part 2")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--skip", type=int, default=4, help="start-up steps left out of the steady state")
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
     p.add_argument("--ranks", type=int, default=2, help="ranks of part 1")
@@ -113,7 +117,7 @@ def parse_args(argv=None):
     for item in a.global_batch:
         seq, _, n = item.partition("=")
         a.batch[int(seq)] = int(n)
-    for seq in a.seq:
+    for seq in a.seq + a.overhead_seq:
         a.batch.setdefault(seq, max(a.ranks, 4096 // seq))
         if a.batch[seq] % a.ranks:
             p.error(f"--global-batch {seq}={a.batch[seq]}: not a multiple of --ranks {a.ranks}")
@@ -135,7 +139,7 @@ def prepare(a) -> tuple[Path, Path]:
     (hf_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
     if not (hf_dir / "tokenizer" / "tokenizer.json").exists():
         write_tokenizer_files(hf_dir / "tokenizer", shards / "tokenizer.model", 1536)
-    for seq in a.seq:
+    for seq in (a.seq if a.part != "overhead" else []):
         path = hf_dir / f"packed_{seq}.npy"
         if path.exists():
             continue
@@ -362,10 +366,10 @@ def part_overhead(a, shards: Path, work: Path) -> dict:
     env = C.child_env(**({"OMP_NUM_THREADS": str(a.overhead_threads)} if a.overhead_threads else {}))
     if not a.overhead_threads:
         env.pop("OMP_NUM_THREADS", None)
-    raw = {(seq, c): [] for seq in a.seq for c in OVERHEAD_CONFIGS}
+    raw = {(seq, c): [] for seq in a.overhead_seq for c in OVERHEAD_CONFIGS}
     loads = []
     for rnd in range(a.rounds):
-        for seq in a.seq:
+        for seq in a.overhead_seq:
             for c in order(OVERHEAD_CONFIGS, rnd):
                 d = work / f"overhead_{c}_{seq}_r{rnd}"
                 loads.append(C.load_average())
@@ -375,7 +379,7 @@ def part_overhead(a, shards: Path, work: Path) -> dict:
                 else:
                     raw[seq, c].append(run_bare(a, c, seq, d, env))
     out = {}
-    for seq in a.seq:
+    for seq in a.overhead_seq:
         res = {c: summarize(a, raw[seq, c], a.batch[seq] * seq) for c in OVERHEAD_CONFIGS}
         t = res["train_1rank"]["tokens_per_s"]
         out[seq] = {"results": res, "ratio_vs_bare_torch": t / res["bare_torch"]["tokens_per_s"],
@@ -384,14 +388,14 @@ def part_overhead(a, shards: Path, work: Path) -> dict:
     print(f"\nPart 2: framework overhead at 1 rank ({threads} thread(s)), same data, model and global batch; "
           f"load average during the runs: {loads[0]} ... {loads[-1]}")
     rows = []
-    for seq in a.seq:
+    for seq in a.overhead_seq:
         res = out[seq]["results"]
         for c in OVERHEAD_CONFIGS:
             r = res[c]
             rows.append([str(seq), LABELS[c], r["tokens_per_s"], r["step_s"],
                          f"{res['train_1rank']['tokens_per_s'] / r['tokens_per_s']:.3f}" if c != "train_1rank" else "-"])
     C.print_table(["seq", "configuration", "tokens/s", "step s", "roformer-train / this"], rows)
-    for seq in a.seq:
+    for seq in a.overhead_seq:
         print(f"seq {seq}: roformer-train / bare step = {out[seq]['ratio_vs_bare_torch']:.3f} (goal >= 0.9); "
               f"/ bare DeepSpeed engine = {out[seq]['ratio_vs_bare_ds']:.3f}")
     return out
