@@ -356,8 +356,10 @@ class Trainer:
                 batch = next(it)
                 if i % self.dp_size == self.dp_rank:
                     sums += self.runner.eval_step(batch)
-            if dist.get_world_size() > 1:
+            if dist.get_world_size() > 1:  # on the engine's device: NCCL reduces no CPU tensors
+                sums = sums.to(self.engine.device)
                 dist.all_reduce(sums)
+                sums = sums.cpu()
             out[f"eval/loss_{length}"] = sums[0].item() / max(1.0, sums[2].item())
             out[f"eval/mlm_acc_{length}"] = sums[1].item() / max(1.0, sums[2].item())
         own = st.seq_len if st.seq_len in lengths else lengths[0]
