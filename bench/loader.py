@@ -7,10 +7,14 @@
 raw  = read each shard file, walk its tar members, ``np.frombuffer`` every ``.ids`` member.
 full = ShardLoader in-process (num_workers=0, one worker's work): sha256 check, document
        shuffle, packing into seq_len (512), whole-word MLM masking, torch collation.
+Tar reading alone, side by side: ours (``parse_shard``: the vectorised member index, no hash)
+vs webdataset's ``tar_file_iterator`` (tarfile streaming, one bytes object per member) over
+the same files, both ending in ``np.frombuffer`` of every ``.ids`` member.
 Both count the shard set's document tokens per second of CPU time of this (single) process
 (``time.process_time``: robust on a shared machine; wall time is printed too); medians of
 --repeats, raw and full interleaved.
-Ends with one JSON line: {"bench": "loader", "ours": full, "baseline": raw, "unit": "tokens/s", "ratio": full/raw}.
+Ends with one JSON line: {"bench": "loader", "ours": full, "baseline": raw, "unit": "tokens/s", "ratio": full/raw,
+"tar_read": {"ours": ..., "webdataset": ..., "ratio": ours/webdataset}}.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data_pipeline.loader import ShardLoader  # noqa: E402
 from data_pipeline.shards import build_shards, iter_tar_members, read_manifest  # noqa: E402
+from data_pipeline.tario import parse_shard  # noqa: E402
 
 
 def raw_pass(shard_dir: Path, m: dict) -> int:
@@ -40,6 +45,27 @@ def raw_pass(shard_dir: Path, m: dict) -> int:
         for name, start, size in iter_tar_members(buf, e["name"]):
             if name.endswith(".ids"):
                 n += len(np.frombuffer(buf, dtype, size // dtype.itemsize, start))
+    return n
+
+
+def ours_tar_pass(shard_dir: Path, m: dict) -> int:
+    n = 0
+    for e in m["shards"]:
+        sd = parse_shard((shard_dir / e["name"]).read_bytes(), e["name"], m["dtype"], e, verify_hash=False)
+        n += sum(len(sd.tokens[s:s + k]) for s, k in zip(sd.tok_start.tolist(), sd.lengths.tolist()))
+    return n
+
+
+def wds_tar_pass(shard_dir: Path, m: dict) -> int:
+    from webdataset.tariterators import tar_file_iterator
+
+    dtype = np.dtype(m["dtype"])
+    n = 0
+    for e in m["shards"]:
+        with open(shard_dir / e["name"], "rb") as f:
+            for sample in tar_file_iterator(f):
+                if sample["fname"].endswith(".ids"):
+                    n += len(np.frombuffer(sample["data"], dtype))
     return n
 
 
@@ -106,12 +132,18 @@ def main() -> int:
     m = read_manifest(shard_dir)
     tokens = m["num_tokens"]
     raw_pass(shard_dir, m)  # warm the page cache
-    raw_t, full_t, raw_w, full_w = [], [], [], []
+    raw_t, full_t, raw_w, full_w, ours_t, wds_t = [], [], [], [], [], []
     for _ in range(args.repeats):
         c, w, n = cpu_timed(raw_pass, shard_dir, m)
         assert n == tokens
         raw_t.append(c)
         raw_w.append(w)
+        c, _, n = cpu_timed(ours_tar_pass, shard_dir, m)
+        assert n == tokens
+        ours_t.append(c)
+        c, _, n = cpu_timed(wds_tar_pass, shard_dir, m)
+        assert n == tokens
+        wds_t.append(c)
         c, w, docs = cpu_timed(full_pass, shard_dir, args.seq_len, args.batch)
         assert docs == m["num_docs"]
         full_t.append(c)
@@ -125,10 +157,18 @@ def main() -> int:
           f"{statistics.median(raw_w):>9.3f}")
     print(f"{'full: verify, shuffle, pack ' + str(args.seq_len) + ', mask, collate':<52}{full / 1e6:>12.2f}"
           f"{statistics.median(full_t):>9.3f}{statistics.median(full_w):>9.3f}")
+    ours_tar = tokens / statistics.median(ours_t)
+    wds_tar = tokens / statistics.median(wds_t)
+    print(f"{'tar read, ours: vectorised index (parse_shard)':<52}{ours_tar / 1e6:>12.2f}"
+          f"{statistics.median(ours_t):>9.3f}")
+    print(f"{'tar read, webdataset tar_file_iterator':<52}{wds_tar / 1e6:>12.2f}{statistics.median(wds_t):>9.3f}")
     print(f"{'ratio full / raw (cpu)':<52}{full / raw:>12.2f}")
+    print(f"{'ratio tar read ours / webdataset (cpu)':<52}{ours_tar / wds_tar:>12.2f}")
     print(f"{'ratio full / raw (wall)':<52}{statistics.median(raw_w) / statistics.median(full_w):>12.2f}")
     print(json.dumps({"bench": "loader", "ours": round(full), "baseline": round(raw), "unit": "tokens/s",
-                      "ratio": round(full / raw, 3)}))
+                      "ratio": round(full / raw, 3),
+                      "tar_read": {"ours": round(ours_tar), "webdataset": round(wds_tar),
+                                   "ratio": round(ours_tar / wds_tar, 2)}}))
     if tmp is not None:
         tmp.cleanup()
     return 0

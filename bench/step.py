@@ -12,8 +12,8 @@ so they count). On CUDA: ``torch.cuda.max_memory_allocated`` over the step minus
 
     python bench/step.py                      # the CPU benchmark of the issue (2 threads, fp32)
     python bench/step.py --device cuda --dtype bf16 --seq 1536
-    python bench/step.py --device cuda --dtype bf16 --hidden 768 --layers 12 --heads 12 --ffn 3072 \
-        --vocab 50000 --batch 32 --ours-only      # MFU of the base model
+    python bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 --batch 32 \
+        --ours-only                               # tokens/s and MFU of the base preset
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--mask-prob", type=float, default=0.15)
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout of both models")
     p.add_argument("--rotary-backend", default="auto")
+    p.add_argument("--attention", choices=("softmax", "linear"), default="softmax")
+    p.add_argument("--model-preset", default=None,
+                   help="take hidden/layers/heads/ffn from configs/model/NAME.yaml (e.g. base); --vocab stays")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ours-only", action="store_true", help="skip HF (e.g. for MFU of big models)")
@@ -62,10 +65,17 @@ def parse_args(argv=None):
 
 
 def model_config(a) -> ModelConfig:
+    if a.model_preset:
+        from roformer_dist.config import load_config
+
+        m = load_config(overrides=[f"model={a.model_preset}"]).model
+        a.hidden, a.layers, a.heads, a.ffn = m.hidden_size, m.num_hidden_layers, m.num_attention_heads, \
+            m.intermediate_size
     return ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
                        num_attention_heads=a.heads, intermediate_size=a.ffn,
                        max_position_embeddings=max(512, a.seq), hidden_dropout_prob=a.dropout,
-                       attention_probs_dropout_prob=a.dropout, rotary_backend=a.rotary_backend)
+                       attention_probs_dropout_prob=a.dropout, rotary_backend=a.rotary_backend,
+                       attention=a.attention)
 
 
 def make_batch(a, device):
@@ -124,15 +134,6 @@ def cpu_memory(a, which: str) -> int:
     return json.loads(out.strip().splitlines()[-1])["peak_delta"]
 
 
-def cuda_memory(step) -> int:
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
 def peak_tflops(a) -> float | None:
     if a.peak_tflops:
         return a.peak_tflops
@@ -152,6 +153,9 @@ def main(argv=None) -> None:
         return
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
+    model_config(a)  # a preset fills in the dimensions printed below
+    if a.attention != "softmax" and not a.ours_only:
+        raise SystemExit("--attention linear has no HF equivalent: add --ours-only")
     ids, labels = make_batch(a, a.device)
     names = ["ours"] if a.ours_only else ["ours", "hf"]
     models = {n: build(a, n) for n in names}
@@ -163,7 +167,7 @@ def main(argv=None) -> None:
     if not a.no_memory:
         for n in names:
             if a.device.startswith("cuda"):
-                mem[n] = cuda_memory(steps[n])
+                mem[n] = C.cuda_peak_delta(steps[n])
             else:
                 mem[n] = cpu_memory(a, n)
 
@@ -176,7 +180,7 @@ def main(argv=None) -> None:
     print(f"train step, B={a.batch} S={a.seq} hidden={a.hidden} layers={a.layers} heads={a.heads} "
           f"ffn={a.ffn} vocab={a.vocab} {a.dtype} {a.device} dropout={a.dropout} "
           f"threads={torch.get_num_threads() if a.device == 'cpu' else '-'} masked={frac:.3f} "
-          f"rotary={a.rotary_backend}")
+          f"rotary={a.rotary_backend} attention={a.attention}{' preset=' + a.model_preset if a.model_preset else ''}")
     rows = []
     for n in names:
         row = [n, times[n] * 1e3, tokens / times[n], losses[n], flops[n] / times[n] / 1e12]
@@ -192,13 +196,15 @@ def main(argv=None) -> None:
         if mem:
             print(f"peak memory ours/hf = {mem['ours'] / mem['hf']:.3f}")
         C.emit("step", times["ours"], times["hf"], "s", times["hf"] / times["ours"],
-               device=a.device, dtype=a.dtype, seq=a.seq,
+               device=a.device, dtype=a.dtype, seq=a.seq, tokens_per_s=round(tokens / times["ours"], 1),
                mem_ours_mib=round(mem.get("ours", 0) / 2**20, 1), mem_hf_mib=round(mem.get("hf", 0) / 2**20, 1),
                mem_ratio=round(mem["hf"] / mem["ours"], 3) if mem else None)
     else:
         mfu = flops["ours"] / times["ours"] / 1e12 / peak if peak else None
         C.emit("step_ours", times["ours"], times["ours"], "s", 1.0, device=a.device, dtype=a.dtype, seq=a.seq,
-               tflops=round(flops["ours"] / times["ours"] / 1e12, 2), mfu=round(mfu, 4) if mfu else None)
+               batch=a.batch, preset=a.model_preset, attention=a.attention,
+               tokens_per_s=round(tokens / times["ours"], 1), tflops=round(flops["ours"] / times["ours"] / 1e12, 2),
+               mfu=round(mfu, 4) if mfu else None)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,31 @@
 """roformer-dist data pipeline: corpus -> SentencePiece -> webdataset shards -> resumable MLM loader.
 
 Stages (see each module): :mod:`.corpus` (readers, normalisation), :mod:`.tokenizer`
-(SentencePiece training/loading, word-start marks), :mod:`.shards` (format, manifest,
-parallel writer, reader, verification), :mod:`.loader` (``ShardLoader``), :mod:`.masking`
-(dynamic MLM masking), :mod:`.cli` (``roformer-data``). Does not import roformer_dist or launcher.
+(SentencePiece training/loading, word-start marks), :mod:`.tario` (the shard tar format),
+:mod:`.manifest` (the manifest and its checks), :mod:`.source` (shard sets in directories or at
+URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (preparation split over
+tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.loader`
+(``ShardLoader``), :mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``).
+
+The pipeline does not import roformer_dist or launcher. One exception, lazily and only there:
+``roformer-data prepare --cluster/--slurm`` imports ``launcher.prepare`` to submit its tasks
+through submitit with the cluster profiles of ``roformer-submit``.
 """
 
-__all__ = ["ShardLoader", "read_manifest", "check_tokenizer", "CorruptShardError"]
+__all__ = ["ShardLoader", "read_manifest", "check_tokenizer", "CorruptShardError", "DataError", "UsageError"]
 
 
 def __getattr__(name):  # lazy: `roformer-data --help` should not import torch
     if name == "ShardLoader":
         from .loader import ShardLoader
         return ShardLoader
-    if name in ("read_manifest", "check_tokenizer", "CorruptShardError"):
-        from . import shards
-        return getattr(shards, name)
+    if name in ("read_manifest", "check_tokenizer"):
+        from . import manifest
+        return getattr(manifest, name)
+    if name == "CorruptShardError":
+        from .tario import CorruptShardError
+        return CorruptShardError
+    if name in ("DataError", "UsageError"):
+        from . import errors
+        return getattr(errors, name)
     raise AttributeError(name)

@@ -1,7 +1,13 @@
 """``roformer-data``: tokenizer | shards | prepare | inspect.
 
     roformer-data prepare --input corpus/ --vocab-size 32000 --out data/shards
-    roformer-data inspect --verify data/shards
+    roformer-data prepare --input 'corpus/*.jsonl.gz' --vocab-size 32000 --out data/shards --slurm --tasks 64
+    roformer-data inspect --verify data/shards          (or an http(s)://, pipe:, file: URL prefix)
+
+Nothing is written over an existing shard set without ``--force``; a new set is built beside its
+final place and moved there only when complete, so a failure leaves nothing behind. Exit status:
+0 done, 2 usage (bad flags, an output that exists or cannot be written), 4 data error (unreadable
+or empty corpus, a damaged or inconsistent shard set, an unreachable URL); see :mod:`.errors`.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
+from .errors import EXIT_DATA, EXIT_FAILED, EXIT_OK, EXIT_USAGE, DataError, TaskError, UsageError
 
 log = logging.getLogger("roformer-data")
 
@@ -35,7 +41,7 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
 def _tokenizer_args(p: argparse.ArgumentParser, vocab_required: bool) -> None:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--vocab-size", type=int, required=vocab_required, default=None if vocab_required else 32000,
-                   help="vocabulary size (a soft limit: a small corpus may give fewer pieces)")
+                   help="vocabulary size (a soft limit: a small corpus may give fewer pieces, with a warning)")
     g.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"), help="SentencePiece model type")
     g.add_argument("--character-coverage", type=float, default=0.9995,
                    help="share of characters the vocabulary covers (rare ones fall back to bytes)")
@@ -47,10 +53,36 @@ def _tokenizer_args(p: argparse.ArgumentParser, vocab_required: bool) -> None:
 
 def _shard_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shards")
-    g.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenising processes")
+    g.add_argument("--workers", type=int, default=None,
+                   help="tokenising processes (default: one per CPU; with --tasks: per task, the CPUs of a SLURM "
+                        "task, or this machine's CPUs shared by the local tasks)")
     g.add_argument("--shard-size-mb", type=float, default=64.0, help="target MB of token ids per shard")
     g.add_argument("--max-docs-per-shard", type=int, default=None, help="also cap documents per shard")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--force", action="store_true",
+                   help="replace an existing shard set at --out (only once the new one is complete)")
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (split the corpus over tasks; each writes its own shards, then one merge)")
+    g.add_argument("--tasks", type=int, default=None,
+                   help="tasks to split the corpus over (by files, and by line ranges of large plain files)")
+    g.add_argument("--cluster", choices=("local", "slurm"), default=None,
+                   help="local: the tasks as processes on this machine; slurm: a SLURM job array through submitit "
+                        "(default with --tasks: slurm when sbatch exists)")
+    g.add_argument("--slurm", dest="cluster", action="store_const", const="slurm", help="the same as --cluster slurm")
+    g.add_argument("--profile", help="cluster profile configs/cluster/NAME.yaml (as roformer-submit)")
+    g.add_argument("--partition", help="SLURM partition")
+    g.add_argument("--account", help="SLURM account")
+    g.add_argument("--qos", help="SLURM QoS")
+    g.add_argument("--constraint", help="SLURM constraint")
+    g.add_argument("--time", type=int, metavar="MINUTES", help="time limit per task")
+    g.add_argument("--cpus-per-task", type=int,
+                   help="CPUs of a SLURM task, also its tokenising processes (default: the profile's)")
+    g.add_argument("--mem", help="memory per task, e.g. 16G")
+    g.add_argument("--sample-docs", type=int, default=200_000,
+                   help="documents the tokenizer is trained on before the tasks start (taken evenly from the "
+                        "start of every input file)")
 
 
 def _texts(args):
@@ -61,56 +93,152 @@ def _texts(args):
                                                    args.strict, stats))
 
 
-def _train(args, out_prefix: Path) -> Path:
+def _warn(stats) -> None:
+    for w in stats.warnings():
+        log.warning("%s", w)
+
+
+def _train(args, out_prefix: Path, texts=None, stats=None) -> Path:
     from .tokenizer import train_tokenizer
 
-    stats, texts = _texts(args)
+    if texts is None:
+        stats, texts = _texts(args)
+    report: dict = {}
     model = train_tokenizer(texts, out_prefix, args.vocab_size, model_type=args.model_type,
                             character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,
                             input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
-                            jieba=args.jieba)
-    print(f"tokenizer: {model} ({stats.summary()})")
+                            jieba=args.jieba, report=report)
+    _warn(stats)
+    print(f"tokenizer: {report['vocab_size']} pieces ({stats.summary()})")
     return model
 
 
-def _build(args, tokenizer: Path) -> dict:
+def _summary(m: dict, out) -> str:
+    el = max(m["_build_seconds"], 1e-9)
+    return (f"shards: {out}: {len(m['shards'])} shards, {m['num_docs']} documents, {m['num_tokens']} tokens, "
+            f"vocab {m['vocab_size']} ({m['dtype']}); {el:.1f} s, {m['text_bytes'] / el / 1e6:.2f} MB of text/s, "
+            f"{m['num_tokens'] / el / 1e3:.0f}k tokens/s")
+
+
+def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True) -> dict:
     from .corpus import CorpusStats
-    from .shards import build_shards
+    from .shards import write_shards
 
     stats = CorpusStats()
-    m = build_shards(args.input, tokenizer, args.out, workers=args.workers, shard_size_mb=args.shard_size_mb,
+    m = write_shards(args.input, tokenizer, into, workers=args.workers or os.cpu_count() or 1, shard_size_mb=args.shard_size_mb,
                      max_docs_per_shard=args.max_docs_per_shard, fmt=args.format, doc_boundary=args.doc_boundary,
                      jsonl_field=args.jsonl_field, strict=args.strict, jieba=args.jieba,
-                     progress=not args.no_progress, stats=stats)
-    el = m["_build_seconds"]
-    print(f"shards: {args.out}: {len(m['shards'])} shards, {m['num_docs']} documents, {m['num_tokens']} tokens, "
-          f"vocab {m['vocab_size']} ({m['dtype']}); {el:.1f} s, {m['text_bytes'] / el / 1e6:.2f} MB of text/s, "
-          f"{m['num_tokens'] / el / 1e3:.0f}k tokens/s")
+                     progress=not args.no_progress, stats=stats, warn_corpus=warn_corpus,
+                     progress_desc=f"shards -> {args.out}")
+    print(_summary(m, args.out))
     print(f"corpus: {stats.summary()}")
     return m
 
 
 def cmd_tokenizer(args) -> int:
+    import shutil
+    import tempfile
+
+    from .corpus import check_inputs
+
     out = Path(args.out)
-    _train(args, out.with_suffix("") if out.suffix == ".model" else out)
-    return 0
+    prefix = out.with_suffix("") if out.suffix == ".model" else out
+    targets = [Path(str(prefix) + ".model"), Path(str(prefix) + ".vocab")]
+    if targets[0].exists() and not args.force:
+        raise UsageError(f"{targets[0]}: exists; pass --force to replace it")
+    check_inputs(args.input)
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=prefix.parent))
+    except OSError as e:
+        raise UsageError(f"{out}: cannot write the tokenizer there ({e.strerror}: {e.filename})") from None
+    try:
+        model = _train(args, tmp / prefix.name)
+        os.replace(model.with_suffix(".vocab"), targets[1])
+        os.replace(model, targets[0])     # the model last: it is what users load
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"tokenizer: {targets[0]}")
+    return EXIT_OK
 
 
 def cmd_shards(args) -> int:
-    _build(args, Path(args.tokenizer))
-    return 0
+    from .corpus import check_inputs
+    from .shards import stage_output
+    from .tokenizer import Tokenizer
+
+    Tokenizer(args.tokenizer, jieba=args.jieba)
+    if args.tasks:
+        return _cluster(args, Path(args.tokenizer))
+    with stage_output(args.out, args.force) as stage:
+        check_inputs(args.input)
+        _build(args, Path(args.tokenizer), stage.path)
+        stage.commit()
+    return EXIT_OK
 
 
 def cmd_prepare(args) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = _train(args, out / "tokenizer")
-    _build(args, model)
-    return 0
+    from .corpus import check_inputs
+    from .shards import stage_output
+
+    if args.tasks:
+        return _cluster(args, None)
+    with stage_output(args.out, args.force) as stage:   # fails now if --out exists or cannot be written
+        check_inputs(args.input)                        # and if an input cannot be read
+        model = _train(args, stage.path / "tokenizer")
+        _build(args, model, stage.path, warn_corpus=False)
+        stage.commit()
+    return EXIT_OK
+
+
+def _cluster(args, tokenizer) -> int:
+    """--tasks N: the tokenizer trained once on a sample (prepare), the tasks, the merge (:mod:`.cluster`)."""
+    import time
+
+    from . import cluster
+    from .corpus import check_inputs
+    from .shards import stage_output
+
+    if args.tasks < 1:
+        raise UsageError(f"--tasks: expected a positive number, got {args.tasks}")
+    mode = args.cluster or ("slurm" if _has_sbatch() else "local")
+    spec = cluster.Spec.from_args(args)
+    t0 = time.time()
+    with stage_output(args.out, args.force) as stage:   # beside --out: every node must see it
+        check_inputs(args.input)
+        if tokenizer is None:
+            stats, texts = cluster.sample_texts(spec, args.sample_docs)
+            _train(args, stage.path / "tokenizer", texts, stats)
+        else:
+            cluster.copy_tokenizer(tokenizer, stage.path)
+        tasks = cluster.plan(spec, args.tasks)
+        if len(tasks) < args.tasks:
+            log.warning("--tasks %d: the input makes only %d task(s) (compressed files and blank-line separated "
+                        "documents are not cut)", args.tasks, len(tasks))
+        for t in tasks:
+            print(f"task {t.index + 1}/{len(tasks)}: {t.describe()}")
+        from launcher.prepare import run_tasks  # lazily: the pipeline's core does not import launcher
+
+        run_tasks(mode, spec, tasks, stage.path, args)
+        m = cluster.merge(stage.path, tasks)
+        stage.commit()
+    for w in m["_stats"].warnings():
+        log.warning("%s", w)
+    print(cluster.summary(m, time.time() - t0, args.out))
+    return EXIT_OK
+
+
+def _has_sbatch() -> bool:
+    import shutil
+
+    return shutil.which("sbatch") is not None
 
 
 def cmd_inspect(args) -> int:
-    from .shards import read_manifest, read_shard, tokenizer_path, verify_shard_set
+    import numpy as np
+
+    from .manifest import read_manifest, read_tokenizer
+    from .shards import CorruptShardError, load_shard, verify_shard_set
     from .tokenizer import Tokenizer
 
     m = read_manifest(args.dir)
@@ -124,14 +252,14 @@ def cmd_inspect(args) -> int:
             print(f"ERROR: {p}", file=sys.stderr)
         if problems:
             print(f"verify: {len(problems)} problem(s)", file=sys.stderr)
-            return 1
-        print(f"verify: OK ({len(m['shards'])} shards re-hashed and parsed, totals match)")
+            return EXIT_DATA
+        print(f"verify: OK ({len(m['shards'])} shards re-hashed and parsed, totals match, tokenizer agrees)")
     first = m["shards"][0]
     try:
-        sd = read_shard(Path(args.dir) / first["name"], m["dtype"], first, verify_hash=False)
-    except ValueError as e:
+        sd = load_shard(args.dir, m, 0, verify_hash=False)
+    except CorruptShardError as e:
         print(f"ERROR: {e}", file=sys.stderr)
-        return 1
+        return EXIT_DATA
     lens = sd.lengths
     if len(lens):
         edges = [0, 16, 32, 64, 128, 256, 512, 1024, 1536, 4096, np.inf]
@@ -141,51 +269,63 @@ def cmd_inspect(args) -> int:
         for lo, hi, c in zip(edges[:-1], edges[1:], hist):
             if c:
                 print(f"  [{lo:>5}, {hi:>5}) {c:>8} {'#' * int(40 * c / hist.max())}")
-    tok = tokenizer_path(args.dir, m)
-    if tok is not None and tok.is_file() and args.samples:
-        tk = Tokenizer(tok)
+    if args.samples and m["tokenizer"]["path"] is not None:
+        tk = Tokenizer(m["tokenizer"]["path"], model=read_tokenizer(args.dir, m))
         for i in range(min(args.samples, sd.num_docs)):
             ids = sd.tokens[sd.tok_start[i]:sd.tok_start[i] + sd.lengths[i]]
             text = tk.decode(ids)
             print(f"  doc {i} ({len(ids)} tokens): {text[:120]}{'...' if len(text) > 120 else ''}")
-    return 0
+    return EXIT_OK
+
+
+EPILOG = ("exit status: 0 done, 1 a cluster task failed (killed, out of memory, ...), 2 usage (bad flags; --out holds a shard set and --force is not given, or cannot be "
+          "written), 4 data error (unreadable or empty corpus, damaged or inconsistent shard set, unreachable URL)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="roformer-data", description="Chinese corpus -> SentencePiece tokenizer -> "
-                                 "webdataset shards for roformer-dist pretraining.")
+                                 "webdataset shards for roformer-dist pretraining.", epilog=EPILOG)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tokenizer,shards,prepare,inspect}")
 
-    p = sub.add_parser("tokenizer", help="train a SentencePiece tokenizer",
+    p = sub.add_parser("tokenizer", help="train a SentencePiece tokenizer", epilog=EPILOG,
                        description="Train a SentencePiece model ([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4) on the "
                                    "normalised corpus.")
     _corpus_args(p)
     _tokenizer_args(p, vocab_required=True)
     p.add_argument("--out", "-o", required=True, help="model path or prefix (writes PREFIX.model and PREFIX.vocab)")
+    p.add_argument("--force", action="store_true", help="replace an existing PREFIX.model")
     p.set_defaults(fn=cmd_tokenizer)
 
-    p = sub.add_parser("shards", help="tokenise a corpus into a shard set",
-                       description="Tokenise in parallel into webdataset tar shards + manifest.json (written last).")
+    p = sub.add_parser("shards", help="tokenise a corpus into a shard set", epilog=EPILOG,
+                       description="Tokenise in parallel into webdataset tar shards + manifest.json, built beside "
+                                   "--out and moved there when complete.")
     _corpus_args(p)
     p.add_argument("--tokenizer", "-t", required=True, help="SentencePiece .model (copied into the shard set)")
     p.add_argument("--out", "-o", required=True, help="shard-set directory")
     _shard_args(p)
+    _cluster_args(p)
     p.set_defaults(fn=cmd_shards)
 
-    p = sub.add_parser("prepare", help="tokenizer + shards in one go",
-                       description="Train the tokenizer (OUT/tokenizer.model) and write the shard set into OUT.")
+    p = sub.add_parser("prepare", help="tokenizer + shards in one go", epilog=EPILOG,
+                       description="Train the tokenizer (OUT/tokenizer.model) and write the shard set into OUT "
+                                   "(built beside OUT, moved there when complete). With --tasks N the corpus is "
+                                   "split over N tasks (local processes or a SLURM job array), the tokenizer is "
+                                   "trained once on a sample first, and the tasks' shards are merged into one set.")
     _corpus_args(p)
     _tokenizer_args(p, vocab_required=True)
     p.add_argument("--out", "-o", required=True, help="shard-set directory (the tokenizer goes inside)")
     _shard_args(p)
+    _cluster_args(p)
     p.set_defaults(fn=cmd_prepare)
 
     p = sub.add_parser("inspect", help="totals, length histogram, decoded samples; --verify re-hashes everything",
-                       description="Show a shard set. With --verify, re-hash and parse every shard and the "
-                                   "tokenizer; exit 1 naming each missing, truncated or mismatched file.")
-    p.add_argument("dir", help="shard-set directory")
-    p.add_argument("--verify", action="store_true", help="re-hash and parse every shard")
+                       epilog=EPILOG,
+                       description="Show a shard set (a directory or a URL prefix). With --verify, re-hash and parse "
+                                   "every shard and check the tokenizer against the manifest (sha256, vocab_size, "
+                                   "special ids); exit 4 naming each missing, truncated or mismatched file or field.")
+    p.add_argument("dir", help="shard-set directory or URL prefix (http://, https://, pipe:, file:)")
+    p.add_argument("--verify", action="store_true", help="re-hash and parse every shard, check the tokenizer")
     p.add_argument("--samples", type=int, default=3, help="decoded documents to show")
     p.set_defaults(fn=cmd_inspect)
     return ap
@@ -197,9 +337,18 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except DataError as e:
+        print(f"roformer-data {args.cmd}: data error: {e}", file=sys.stderr)
+        return EXIT_DATA
+    except (UsageError, ValueError, ImportError) as e:
         print(f"roformer-data {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except TaskError as e:
+        print(f"roformer-data {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"roformer-data {args.cmd}: interrupted; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

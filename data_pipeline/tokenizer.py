@@ -19,13 +19,20 @@ vocabulary has them.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["SPECIAL_TOKENS", "SPECIAL_IDS", "train_tokenizer", "Tokenizer", "sha256_file", "jieba_cut"]
+from .errors import DataError, UsageError
+
+__all__ = ["SPECIAL_TOKENS", "SPECIAL_IDS", "train_tokenizer", "Tokenizer", "sha256_file", "jieba_cut",
+           "split_long"]
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
@@ -47,7 +54,7 @@ def _import_jieba():
     try:
         import jieba  # noqa: PLC0415 - optional, imported only behind the flag
     except ImportError:
-        raise ImportError("jieba word pre-segmentation was requested (--jieba / jieba=True) but jieba is not "
+        raise UsageError("jieba word pre-segmentation was requested (--jieba / jieba=True) but jieba is not "
                           "installed: pip install jieba  (or pip install 'roformer-dist[jieba]')") from None
     jieba.setLogLevel(60)
     return jieba
@@ -58,49 +65,111 @@ def jieba_cut(text: str) -> list[str]:
     return list(_import_jieba().cut(text, HMM=True))
 
 
+_BREAKS = [c.encode() for c in "\n。！？；!?;.，, "]
+
+
+def split_long(text: str, max_bytes: int) -> list[str]:
+    """``text`` in pieces of at most ``max_bytes`` UTF-8 bytes, cut after a sentence end, comma or space
+    in the second half of a piece when there is one (else at a character boundary)."""
+    b = text.encode("utf-8")
+    if len(b) <= max_bytes:
+        return [text]
+    pieces = []
+    while len(b) > max_bytes:
+        cut = max_bytes
+        while cut > 0 and (b[cut] & 0xC0) == 0x80:     # not inside a UTF-8 character
+            cut -= 1
+        best = max((b.rfind(br, max_bytes // 2, cut) + len(br) for br in _BREAKS if b.rfind(br, max_bytes // 2, cut) >= 0),
+                   default=-1)
+        cut = best if best > 0 else cut
+        pieces.append(b[:cut].decode("utf-8"))
+        b = b[cut:]
+    if b:
+        pieces.append(b.decode("utf-8"))
+    return pieces
+
+
 def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike, vocab_size: int = 32000, *,
                     model_type: str = "unigram", character_coverage: float = 0.9995,
                     byte_fallback: bool = True, input_sentence_size: int = 2_000_000,
                     num_threads: Optional[int] = None, jieba: bool = False, seed: int = 0,
-                    max_sentence_length: int = 1 << 14) -> Path:
+                    max_sentence_length: int = 1 << 14, report: Optional[dict] = None) -> Path:
     """Train a SentencePiece model on normalised texts; returns the ``.model`` path.
 
     ``input_sentence_size`` caps the sentences SentencePiece samples (uniformly, seeded)
-    for training, so that a corpus of tens of GB trains in bounded memory. The vocabulary
-    size is a soft limit: a small corpus may give fewer pieces (the real size goes into
-    the manifest).
+    for training, so that a corpus of tens of GB trains in bounded memory. Texts longer than
+    ``max_sentence_length`` bytes (SentencePiece would drop them) are split into pieces first.
+    The vocabulary size is a soft limit: a small corpus may give fewer pieces (the real size
+    goes into the manifest; a warning says so). ``report`` (a dict) receives ``texts``,
+    ``split_texts``, ``split_pieces``, ``vocab_size`` and ``requested_vocab_size``.
+    Errors: UsageError for impossible settings, DataError when there is no text at all.
     """
     import sentencepiece as spm
 
     if model_type not in ("unigram", "bpe"):
-        raise ValueError(f"model_type: expected 'unigram' or 'bpe', got {model_type!r}")
+        raise UsageError(f"model_type: expected 'unigram' or 'bpe', got {model_type!r}")
     if vocab_size < len(SPECIAL_IDS) + 256 * byte_fallback + 1:
-        raise ValueError(f"vocab_size: {vocab_size} is too small (5 special ids"
+        raise UsageError(f"vocab_size: {vocab_size} is too small (5 special ids"
                          f"{' + 256 byte-fallback pieces' if byte_fallback else ''} + at least one piece)")
     model_prefix = Path(model_prefix)
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     if jieba:
         _import_jieba()
+    counts = {"texts": 0, "split_texts": 0, "split_pieces": 0}
+    limit = max_sentence_length // 2 if jieba else max_sentence_length  # jieba adds a delimiter per word
 
+    failure: list[BaseException] = []   # SentencePiece turns an error of our iterator into "INTERNAL: ..."
+
+    def pieces(it: Iterator[str]) -> Iterator[str]:
+        try:
+            for t in it:
+                counts["texts"] += 1
+                parts = split_long(t, limit - 1)
+                if len(parts) > 1:
+                    counts["split_texts"] += 1
+                    counts["split_pieces"] += len(parts)
+                yield from parts
+        except BaseException as e:
+            failure.append(e)
+            raise
+
+    texts = iter(texts)
+    first = next(texts, None)
+    while first is not None and not first:
+        first = next(texts, None)
+    if first is None:
+        raise DataError("the corpus has no text to train a tokenizer on (every document was empty or invalid)")
+    stream = pieces(itertools.chain([first], texts))
+    if jieba:
         def sentences() -> Iterator[str]:
-            for t in texts:
+            for t in stream:
                 yield _DELIM.join(w for w in jieba_cut(t) if w)
     else:
         def sentences() -> Iterator[str]:
-            yield from texts
+            yield from stream
 
     spm.set_random_generator_seed(seed if seed else 1)  # sentence sampling is reproducible
     try:
         _train(spm, sentences(), model_prefix, vocab_size, model_type, character_coverage, byte_fallback,
                input_sentence_size, num_threads, max_sentence_length, jieba)
     except RuntimeError as e:
+        if failure:
+            raise failure[0] from None
         if "Vocabulary size is smaller than required_chars" in str(e):
-            raise ValueError(f"vocab_size: {vocab_size} is smaller than the characters needed for "
+            raise UsageError(f"vocab_size: {vocab_size} is smaller than the characters needed for "
                              f"character_coverage {character_coverage} ({str(e).split('.')[-3].strip()}); "
                              f"raise vocab_size or lower character_coverage") from None
         raise
     model = Path(str(model_prefix) + ".model")
-    Tokenizer(model)  # checks the special ids
+    got = Tokenizer(model).vocab_size  # also checks the special ids
+    if counts["split_texts"]:
+        log.warning("tokenizer training: %d documents longer than %d bytes were split into %d pieces (SentencePiece "
+                    "drops longer sentences)", counts["split_texts"], limit - 1, counts["split_pieces"])
+    if got < vocab_size:
+        log.warning("tokenizer: %d pieces, fewer than the %d asked for: the corpus is too small or too repetitive "
+                    "for that vocabulary (%d documents)", got, vocab_size, counts["texts"])
+    if report is not None:
+        report.update(counts, vocab_size=got, requested_vocab_size=vocab_size)
     return model
 
 
@@ -137,29 +206,42 @@ def _train(spm, sentences, model_prefix, vocab_size, model_type, character_cover
 class Tokenizer:
     """A loaded SentencePiece model with the project's special ids and word-start marks."""
 
-    def __init__(self, path: str | os.PathLike, jieba: bool = False):
+    def __init__(self, path: str | os.PathLike, jieba: bool = False, *, model: Optional[bytes] = None):
+        """Load ``path`` (or, with ``model``, the serialized model; ``path`` then only names it)."""
         import sentencepiece as spm
 
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer {self.path}: no such file (expected a SentencePiece .model)")
+        if model is None and not self.path.is_file():
+            raise DataError(f"tokenizer {self.path}: no such file (expected a SentencePiece .model)")
         self.sp = spm.SentencePieceProcessor()
         try:
-            self.sp.Load(str(self.path))
+            if model is None:
+                self.sp.Load(str(self.path))
+            else:
+                self.sp.LoadFromSerializedProto(model)
         except (OSError, RuntimeError) as e:
-            raise ValueError(f"tokenizer {self.path}: not a SentencePiece model ({e})") from None
+            raise DataError(f"tokenizer {self.path}: not a SentencePiece model ({e})") from None
+        self._model = model
         self.jieba = jieba
         self.vocab_size = self.sp.GetPieceSize()
         self.special_ids = dict(SPECIAL_IDS)
         for key, tok in SPECIAL_TOKENS.items():
             got = self.sp.PieceToId(tok)
             if got != SPECIAL_IDS[key] or self.sp.IdToPiece(SPECIAL_IDS[key]) != tok:
-                raise ValueError(f"tokenizer {self.path}: {tok} must have id {SPECIAL_IDS[key]}, has id {got} "
+                raise DataError(f"tokenizer {self.path}: {tok} must have id {SPECIAL_IDS[key]}, has id {got} "
                                  f"(train it with data_pipeline.tokenizer.train_tokenizer)")
         self.dtype = np.dtype("uint16") if self.vocab_size <= 1 << 16 else np.dtype("uint32")
-        self._build_tables()
+        self._tables = False
+
+    def __getattr__(self, name: str):
+        # the per-piece tables of word_marks, built on first use (a loop over the whole vocabulary)
+        if name in ("char_len", "_starts_alnum", "_ends_alnum", "_prefixed", "_cont_byte") and not self._tables:
+            self._build_tables()
+            return getattr(self, name)
+        raise AttributeError(name)
 
     def _build_tables(self) -> None:
+        self._tables = True
         n = self.vocab_size
         pieces = [self.sp.IdToPiece(i) for i in range(n)]
         self.char_len = np.zeros(n, np.int64)       # characters each piece starts in the text (a byte-
@@ -186,7 +268,7 @@ class Tokenizer:
 
     @property
     def sha256(self) -> str:
-        return sha256_file(self.path)
+        return hashlib.sha256(self._model).hexdigest() if self._model is not None else sha256_file(self.path)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of a normalised text (int64)."""
@@ -200,6 +282,57 @@ class Tokenizer:
         if self.jieba:
             return [self.encode(t) for t in texts]
         return [np.asarray(ids, np.int64) for ids in self.sp.Encode(list(texts))]
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of normalised texts, concatenated (int64 [total]), and each text's count (int64 [n])."""
+        if self.jieba:
+            arrays = [self.encode(t) for t in texts]
+            lengths = np.fromiter(map(len, arrays), np.int64, len(arrays))
+            return (np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), lengths
+        ids = self.sp.Encode(list(texts), num_threads=1)   # one thread: the builder runs one process per core
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
+
+    def word_marks_flat(self, ids: np.ndarray, lengths: np.ndarray, texts: Sequence[str],
+                        words: Optional[Sequence[Optional[Sequence[str]]]] = None) -> np.ndarray:
+        """:meth:`word_marks` of many documents at once: ``ids``/``lengths`` as :meth:`encode_flat` returns
+        them (every length > 0), ``words[i]`` the gold words of document i or None. uint8 [total]."""
+        n = len(ids)
+        if n == 0:
+            return np.zeros(0, np.uint8)
+        firsts = np.zeros(len(lengths), np.int64)                    # index of each document's first token
+        np.cumsum(lengths[:-1], out=firsts[1:])
+        cont = np.zeros(n, bool)
+        nxt, prv = ids[1:], ids[:-1]
+        cont[1:] = (~self._prefixed[nxt] & self._ends_alnum[prv] & self._starts_alnum[nxt]) | self._cont_byte[nxt]
+        cont[firsts] = False
+        marks = (~cont).astype(np.uint8)
+        if words is None and self.jieba:
+            words = [[w for w in jieba_cut(t) if w] for t in texts]
+        if words is None or all(w is None for w in words):
+            return marks
+        has = np.fromiter((w is not None for w in words), bool, len(words))
+        doc_of = np.repeat(np.arange(len(lengths)), lengths)
+        clen = self.char_len[ids]
+        before = np.cumsum(clen) - clen                               # chars before each token (all documents)
+        tok_start = before - before[firsts][doc_of]                   # ... within its document
+        with_words = [w for w in words if w is not None]
+        num_words = np.fromiter(map(len, with_words), np.int64, len(with_words))
+        wlen = np.fromiter(map(len, itertools.chain.from_iterable(with_words)), np.int64, int(num_words.sum()))
+        text_len = np.zeros(len(lengths), np.int64)                   # chars of each document (its words' sum)
+        wdoc = np.repeat(np.flatnonzero(has), num_words)
+        np.add.at(text_len, wdoc, wlen)
+        base = np.zeros(len(lengths) + 1, np.int64)                   # a slot of text_len + 1 per document
+        np.cumsum(text_len + 1, out=base[1:])
+        wbefore = np.cumsum(wlen) - wlen
+        wfirst = np.zeros(len(with_words), np.int64)
+        np.cumsum(num_words[:-1], out=wfirst[1:])
+        wstart = wbefore - np.repeat(wbefore[wfirst] if len(wfirst) else wfirst, num_words)
+        is_start = np.zeros(int(base[-1]), bool)
+        is_start[base[wdoc] + wstart] = True
+        gold = is_start[base[doc_of] + np.minimum(tok_start, text_len[doc_of])]
+        gold[firsts] = True
+        return np.where(has[doc_of], gold, marks.astype(bool)).astype(np.uint8)
 
     def decode(self, ids) -> str:
         return self.sp.Decode([int(i) for i in np.asarray(ids).ravel()])

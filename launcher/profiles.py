@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.source import is_url
 from roformer_dist.config import Config, load_config, replace
 
 # Written into the sbatch script before srun: `scancel --signal=USR2 --full` (and some preemption setups)
@@ -77,19 +78,19 @@ def resolve(config: str, overrides: list[str], flags: JobFlags) -> Config:
     cfg = load_config(config, items + [f"slurm.tasks_per_node={tasks}", f"dist.world_size={world}"])
     # The job may start in another working directory than this shell's: make paths absolute.
     paths = {"run_dir": cfg.run_dir}
-    if cfg.data.shards:
-        paths["data.shards"] = cfg.data.shards
-    if cfg.data.eval_shards:
-        paths["data.eval_shards"] = cfg.data.eval_shards
+    for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+        if value and not is_url(value):
+            paths[key] = value
     return replace(cfg, **{k: str(Path(v).expanduser().resolve()) for k, v in paths.items()})
 
 
 def check_data(cfg: Config) -> None:
-    """A shard set is a directory with a manifest.json (ARCHITECTURE: Shards); refuse to queue without one."""
+    """A local shard set is a directory with a manifest.json: refuse to queue without one. A shard set at a
+    URL is checked by the job when it starts (a ``pipe:`` command may only work on the compute nodes)."""
     for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
         if key == "data.shards" and not value:
             raise ValueError("data.shards: no training shard set given")
-        if value and not (Path(value) / "manifest.json").is_file():
+        if value and not is_url(value) and not (Path(value) / "manifest.json").is_file():
             raise ValueError(f"{key}: {value} is not a shard set (no manifest.json; make one with "
                              "`roformer-data prepare`)")
 

@@ -21,7 +21,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -31,6 +31,28 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 """Where presets live. Overridable with ROFORMER_CONFIGS for installed copies."""
 if os.environ.get("ROFORMER_CONFIGS"):
     CONFIGS_DIR = Path(os.environ["ROFORMER_CONFIGS"])
+
+# --------------------------------------------------------------------------- choice types
+# Every field with a fixed set of values is typed with one of these; the loader (``_coerce``), the
+# validator and the code that dispatches on the value (model.py, rotary.py) read the values from here.
+
+HiddenAct = Literal["gelu", "gelu_new", "relu"]
+PositionEmbedding = Literal["rotary", "absolute"]
+RotaryBackend = Literal["auto", "reference", "compiled", "triton", "apex", "flash_attn"]
+AttentionKind = Literal["softmax", "linear"]
+OptimizerName = Literal["adamw", "lamb"]
+LRSchedule = Literal["linear", "cosine", "constant"]
+ZeroStage = Literal[0, 1, 2, 3]
+Precision = Literal["fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu"]
+DistBackend = Literal["auto", "gloo", "nccl"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def choices(choice_type: Any) -> tuple:
+    """The allowed values of a choice type, in declaration order: ``choices(AttentionKind)``."""
+    return typing.get_args(choice_type)
+
 
 
 @dataclass(frozen=True)
@@ -47,12 +69,12 @@ class ModelConfig:
     """Attention heads per layer; must divide hidden_size, head size must be even (rotary pairs)."""
     intermediate_size: int = 3072
     """Inner width of the feed-forward block."""
-    hidden_act: str = "gelu"
-    """Feed-forward activation: gelu | gelu_new | relu."""
+    hidden_act: HiddenAct = "gelu"
+    """Feed-forward activation: gelu | gelu_new (tanh approximation) | relu."""
     hidden_dropout_prob: float = 0.1
     """Dropout after embeddings, attention output and feed-forward output."""
     attention_probs_dropout_prob: float = 0.1
-    """Dropout on attention probabilities."""
+    """Dropout on attention probabilities (softmax attention; linear attention forms none)."""
     max_position_embeddings: int = 1536
     """Longest sequence the model accepts (sizes the rotary cache / absolute table)."""
     type_vocab_size: int = 2
@@ -65,20 +87,22 @@ class ModelConfig:
     """Id of [PAD]; its embedding row is kept zero at init."""
     initializer_range: float = 0.02
     """Std of the normal initialiser."""
-    position_embedding: str = "rotary"
+    position_embedding: PositionEmbedding = "rotary"
     """rotary (RoFormer) | absolute (the BERT baseline, learned absolute positions)."""
-    rotary_backend: str = "auto"
-    """auto | reference | compiled | triton | apex | flash_attn."""
-    attention: str = "softmax"
-    """softmax (scaled dot-product attention)."""
+    rotary_backend: RotaryBackend = "auto"
+    """auto | reference | compiled | triton | apex | flash_attn (see roformer_dist/rotary.py)."""
+    attention: AttentionKind = "softmax"
+    """softmax (scaled dot-product, O(S^2)) | linear (the paper's section 3.3: feature map elu(x)+1,
+    rotary on the feature maps, O(S) time and memory; see roformer_dist/attention.py)."""
 
 
 @dataclass(frozen=True)
 class DataConfig:
     shards: str = ""
-    """Training shard-set directory (manifest.json + shard-*.tar)."""
+    """Training shard set: a directory (manifest.json + shard-*.tar) or a URL prefix (http://, https://,
+    pipe:COMMAND, file:; ``{name}`` in it is replaced by the file name, else ``/<name>`` is appended)."""
     eval_shards: str = ""
-    """Held-out shard-set directory; empty = no eval."""
+    """Held-out shard set (a directory or URL prefix, as data.shards); empty = no eval."""
     num_workers: int = 1
     """DataLoader worker processes per rank (0 = load in the training process)."""
     mlm_probability: float = 0.15
@@ -89,6 +113,11 @@ class DataConfig:
     """Skip (and count, and log) a corrupt shard instead of stopping."""
     eval_batches: int = 8
     """Batches per eval length."""
+    url_retries: int = 5
+    """Reads of a manifest, tokenizer or shard at a URL before giving up (transient failures only:
+    HTTP 5xx/408/429, connection errors, a failing pipe: command); 1 = no retry."""
+    url_retry_wait_s: float = 1.0
+    """Wait before the first retry of a URL; doubled before each further one (at most 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -121,13 +150,13 @@ class CurriculumConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimizerName = "adamw"
     """adamw | lamb."""
     lr: float = 1e-4
     """Peak learning rate."""
     warmup_steps: int = 1000
     """Linear warmup steps from 0 to lr."""
-    schedule: str = "linear"
+    schedule: LRSchedule = "linear"
     """Decay after warmup: linear | cosine | constant."""
     min_lr_ratio: float = 0.0
     """Final LR as a fraction of lr."""
@@ -145,11 +174,11 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
-    zero_stage: int = 2
+    zero_stage: ZeroStage = 2
     """ZeRO stage 0-3."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """fp32 | bf16 | fp16 (fp16 uses dynamic loss scaling)."""
-    offload_optimizer: str = "none"
+    offload_optimizer: OffloadDevice = "none"
     """none | cpu."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward."""
@@ -169,7 +198,7 @@ class ParallelConfig:
 class DistConfig:
     world_size: int = 1
     """Processes roformer-train starts on this machine (ignored when launched by SLURM/torchrun)."""
-    backend: str = "auto"
+    backend: DistBackend = "auto"
     """auto (nccl with CUDA, else gloo) | gloo | nccl."""
     timeout_s: int = 1800
     """Collective timeout in seconds."""
@@ -281,6 +310,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     args = typing.get_args(tp)
     if _is_dataclass_type(tp):
         return _build(tp, value, key)
+    if origin is Literal:
+        return _coerce_choice(value, args, key)
     if origin is Union:
         if value is None and type(None) in args:
             return None
@@ -330,6 +361,25 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return "" if value is None else str(value)
+    return value
+
+
+def _choice_error(key: str, allowed: tuple, value: Any) -> ConfigError:
+    return ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def _coerce_choice(value: Any, allowed: tuple, key: str) -> Any:
+    """A value of a choice type: converted to the choices' type (``zero_stage="2"`` -> 2), then checked."""
+    kinds = {type(a) for a in allowed}
+    if isinstance(value, bool) and kinds != {bool}:
+        raise _choice_error(key, allowed, value)
+    if len(kinds) == 1 and not isinstance(value, tuple(kinds)):
+        try:
+            value = _coerce(value, next(iter(kinds)), key)
+        except ConfigError:
+            raise _choice_error(key, allowed, value) from None
+    if value not in allowed:
+        raise _choice_error(key, allowed, value)
     return value
 
 
@@ -517,16 +567,25 @@ def replace(cfg: Any, **changes: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+# One function per section; the rules that combine sections (positions vs stages, layout vs model and
+# ZeRO) live with the section they constrain: ``validate_layout`` holds every parallel-layout rule.
 
 
 def _positive(value: float, key: str, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}: expected a {'non-negative' if allow_zero else 'positive'} value, got {value!r}")
+
+
+def _check_choices(section: Any, prefix: str) -> None:
+    """Every choice-typed field of a section holds one of its values (also for configs made with
+    ``replace``, which skips the loader's coercion)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        if typing.get_origin(hints[f.name]) is Literal:
+            allowed = choices(hints[f.name])
+            value = getattr(section, f.name)
+            if value not in allowed or (isinstance(value, bool) and not isinstance(allowed[0], bool)):
+                raise _choice_error(f"{prefix}.{f.name}", allowed, value)
 
 
 def data_parallel_size(cfg: Config, world_size: Optional[int] = None) -> int:
@@ -546,8 +605,9 @@ def micro_batch_size(cfg: Config, stage: StageConfig, world_size: Optional[int] 
     return mbs
 
 
-def validate(cfg: Config, world_size: Optional[int] = None) -> None:
-    m = cfg.model
+def validate_model(m: ModelConfig) -> None:
+    """The model section on its own (the model checks its config with this too)."""
+    _check_choices(m, "model")
     if isinstance(m.vocab_size, str):
         if m.vocab_size != "auto":
             raise ConfigError(f"model.vocab_size: expected a positive integer or 'auto', got {m.vocab_size!r}")
@@ -563,41 +623,56 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             f"model.num_attention_heads: {m.num_attention_heads} does not divide model.hidden_size {m.hidden_size}")
     if (m.hidden_size // m.num_attention_heads) % 2:
         raise ConfigError("model.num_attention_heads: head size hidden_size/heads must be even for rotary pairs")
-    _choice(m.hidden_act, ("gelu", "gelu_new", "relu"), "model.hidden_act")
-    _choice(m.position_embedding, ("rotary", "absolute"), "model.position_embedding")
-    _choice(m.attention, ("softmax",), "model.attention")
-    _choice(m.rotary_backend, ("auto", "reference", "compiled", "triton", "apex", "flash_attn"),
-            "model.rotary_backend")
     for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
         if not 0.0 <= getattr(m, key) < 1.0:
             raise ConfigError(f"model.{key}: expected a probability in [0, 1), got {getattr(m, key)}")
 
-    if not 0.0 < cfg.data.mlm_probability < 1.0:
-        raise ConfigError(f"data.mlm_probability: expected a value in (0, 1), got {cfg.data.mlm_probability}")
-    _positive(cfg.data.num_workers, "data.num_workers", allow_zero=True)
 
-    o = cfg.optim
-    _choice(o.name, ("adamw", "lamb"), "optim.name")
-    _choice(o.schedule, ("linear", "cosine", "constant"), "optim.schedule")
+def _validate_data(d: DataConfig) -> None:
+    if not 0.0 < d.mlm_probability < 1.0:
+        raise ConfigError(f"data.mlm_probability: expected a value in (0, 1), got {d.mlm_probability}")
+    _positive(d.num_workers, "data.num_workers", allow_zero=True)
+    _positive(d.url_retries, "data.url_retries")
+    _positive(d.url_retry_wait_s, "data.url_retry_wait_s", allow_zero=True)
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _check_choices(o, "optim")
     _positive(o.lr, "optim.lr")
     _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio: expected a value in [0, 1], got {o.min_lr_ratio}")
 
-    d = cfg.deepspeed
-    if d.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed.zero_stage: expected 0, 1, 2 or 3, got {d.zero_stage}")
-    _choice(d.precision, ("fp32", "bf16", "fp16"), "deepspeed.precision")
-    _choice(d.offload_optimizer, ("none", "cpu"), "deepspeed.offload_optimizer")
+
+def _validate_deepspeed(d: DeepSpeedConfig) -> None:
+    _check_choices(d, "deepspeed")
     if d.offload_optimizer == "cpu" and d.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer: cpu offload needs deepspeed.zero_stage >= 1")
 
-    p = cfg.parallel
+
+def check_tensor_split(m: ModelConfig, tensor: int) -> None:
+    """Tensor parallelism splits heads, the FFN and the vocabulary ``tensor`` ways: they must divide."""
+    if tensor == 1:
+        return
+    if m.num_attention_heads % tensor:
+        raise ConfigError(f"parallel.tensor: {tensor} does not divide model.num_attention_heads "
+                          f"{m.num_attention_heads}")
+    if m.intermediate_size % tensor:
+        raise ConfigError(f"parallel.tensor: {tensor} does not divide model.intermediate_size "
+                          f"{m.intermediate_size}")
+    if isinstance(m.vocab_size, int) and m.vocab_size < 2 * tensor:
+        raise ConfigError(f"parallel.tensor: {tensor} too large for model.vocab_size {m.vocab_size}")
+
+
+def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Every rule of the parallel layout: world size vs tensor x pipeline, ZeRO vs pipeline/tensor,
+    pipeline stages vs layers, heads/FFN/vocabulary vs tensor (``parallel.topology`` relies on it)."""
+    p, d, m = cfg.parallel, cfg.deepspeed, cfg.model
     _positive(p.tensor, "parallel.tensor")
     _positive(p.pipeline, "parallel.pipeline")
     ws = cfg.dist.world_size if world_size is None else world_size
     _positive(ws, "dist.world_size")
-    _choice(cfg.dist.backend, ("auto", "gloo", "nccl"), "dist.backend")
+    _check_choices(cfg.dist, "dist")
     if ws % (p.tensor * p.pipeline):
         raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
@@ -606,25 +681,21 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if p.pipeline > m.num_hidden_layers:
         raise ConfigError(
             f"parallel.pipeline: {p.pipeline} stages but model.num_hidden_layers is {m.num_hidden_layers}")
-    if p.tensor > 1:
-        if m.num_attention_heads % p.tensor:
-            raise ConfigError(f"parallel.tensor: {p.tensor} does not divide model.num_attention_heads "
-                             f"{m.num_attention_heads}")
-        if m.intermediate_size % p.tensor:
-            raise ConfigError(f"parallel.tensor: {p.tensor} does not divide model.intermediate_size "
-                             f"{m.intermediate_size}")
-        if d.zero_stage == 3:
-            # ZeRO-3 would partition each tensor shard again across the data ranks; its checkpoint
-            # consolidation (zero_to_fp32) knows only one model-parallel rank.
-            raise ConfigError("deepspeed.zero_stage: 3 is not supported with parallel.tensor > 1; use 1 or 2")
-        if isinstance(m.vocab_size, int) and m.vocab_size < 2 * p.tensor:
-            raise ConfigError(f"parallel.tensor: {p.tensor} too large for model.vocab_size {m.vocab_size}")
+    check_tensor_split(m, p.tensor)
+    if p.tensor > 1 and d.zero_stage == 3:
+        # ZeRO-3 would partition each tensor shard again across the data ranks; its checkpoint
+        # consolidation (zero_to_fp32) knows only one model-parallel rank.
+        raise ConfigError("deepspeed.zero_stage: 3 is not supported with parallel.tensor > 1; use 1 or 2")
 
-    if not cfg.curriculum.stages:
+
+def _validate_curriculum(cfg: Config, world_size: Optional[int] = None) -> None:
+    c, m = cfg.curriculum, cfg.model
+    if not c.stages:
         raise ConfigError("curriculum.stages: expected at least one stage")
-    _positive(cfg.curriculum.tokens_per_micro_batch, "curriculum.tokens_per_micro_batch")
+    _positive(c.tokens_per_micro_batch, "curriculum.tokens_per_micro_batch")
+    ws = cfg.dist.world_size if world_size is None else world_size
     dp = data_parallel_size(cfg, ws)
-    for i, st in enumerate(cfg.curriculum.stages):
+    for i, st in enumerate(c.stages):
         key = f"curriculum.stages[{i}] ({st.name})"
         _positive(st.steps, f"{key}.steps")
         _positive(st.global_batch_size, f"{key}.global_batch_size")
@@ -632,11 +703,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             raise ConfigError(f"{key}.seq_len: expected a positive multiple of 8, got {st.seq_len}")
         if st.seq_len > m.max_position_embeddings:
             raise ConfigError(f"{key}.seq_len: {st.seq_len} is longer than model.max_position_embeddings "
-                             f"{m.max_position_embeddings}")
+                              f"{m.max_position_embeddings}")
         for ln in st.eval_lengths:
             if ln <= 0 or ln % 8 or ln > m.max_position_embeddings:
                 raise ConfigError(f"{key}.eval_lengths: {ln} must be a positive multiple of 8 <= "
-                                 f"model.max_position_embeddings {m.max_position_embeddings}")
+                                  f"model.max_position_embeddings {m.max_position_embeddings}")
+        if st.micro_batch_size is None and st.seq_len > c.tokens_per_micro_batch:
+            # the derived micro-batch would be one sequence larger than the memory budget
+            raise ConfigError(f"{key}.seq_len: {st.seq_len} tokens exceed curriculum.tokens_per_micro_batch "
+                              f"{c.tokens_per_micro_batch}: raise the budget or set the stage's micro_batch_size")
         mbs = micro_batch_size(cfg, st, ws)
         _positive(mbs, f"{key}.micro_batch_size")
         if st.global_batch_size % (mbs * dp):
@@ -646,17 +721,41 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         if st.lr is not None:
             _positive(st.lr, f"{key}.lr")
 
-    t = cfg.trainer
+
+def _validate_trainer(t: TrainerConfig) -> None:
     for key in ("stop_at_step", "save_every", "eval_every"):
         _positive(getattr(t, key), f"trainer.{key}", allow_zero=True)
     _positive(t.log_every, "trainer.log_every")
     _positive(t.max_nonfinite_steps, "trainer.max_nonfinite_steps")
-    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
-    _choice(cfg.logging.level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level")
-    s = cfg.slurm
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _positive(c.keep_last, "checkpoint.keep_last")
+
+
+def _validate_logging(lg: LoggingConfig) -> None:
+    if lg.level.upper() not in choices(LogLevel):
+        raise _choice_error("logging.level", choices(LogLevel), lg.level)
+
+
+def _validate_slurm(s: SlurmConfig) -> None:
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
         _positive(getattr(s, key), f"slurm.{key}")
     if s.signal_delay_s >= s.time_min * 60:
         raise ConfigError(f"slurm.signal_delay_s: {s.signal_delay_s} s is not shorter than slurm.time_min "
-                         f"{s.time_min} min")
+                          f"{s.time_min} min")
 
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Every section, then the layout and the curriculum at ``world_size`` (default: dist.world_size).
+    Raises ConfigError naming the first bad key."""
+    validate_model(cfg.model)
+    _validate_data(cfg.data)
+    _validate_optim(cfg.optim)
+    _validate_deepspeed(cfg.deepspeed)
+    validate_layout(cfg, world_size)
+    _validate_curriculum(cfg, world_size)
+    _validate_trainer(cfg.trainer)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_logging(cfg.logging)
+    _validate_slurm(cfg.slurm)

@@ -5,20 +5,23 @@ Architecture (matches HF ``transformers.RoFormerForMaskedLM``, see ``roformer_di
                  ``position_embedding="absolute"``, the BERT baseline) -> LayerNorm -> dropout
                  (-> linear embedding_size -> hidden_size when they differ)
     layers       post-LN BERT layers: x = LN(x + drop(out(attn(x)))); x = LN(x + drop(ffn(x)))
-                 attention: one fused QKV GEMM, rotary on q and k (and v with ``rotary_value``),
-                 ``F.scaled_dot_product_attention`` with the padding mask
+                 attention: one fused QKV GEMM, then ``attention.attention_core``: rotary and
+                 ``F.scaled_dot_product_attention`` with the padding mask (``attention="softmax"``),
+                 or the paper's linear attention with rotary feature maps (``attention="linear"``)
     head         dense -> act -> LayerNorm -> decoder tied to the word embeddings (+ bias)
 
 With labels the vocabulary projection runs only at the predicted positions (labels != -100):
 pretraining predicts ~15 % of tokens, so the biggest GEMM of the model shrinks ~7x.
+``select_predicted`` + the head + ``masked_lm_loss`` are the masked-LM loss of every layout.
 
 Distribution (DeepSpeed, tensor / pipeline parallelism) is applied from outside; the submodules
-``embeddings``, ``layers[i]`` and ``head`` are usable on their own for that.
+``embeddings``, ``layers[i]`` and ``head`` are usable on their own for that, and the seams that
+tensor parallelism overrides are methods: ``RoFormerSelfAttention.project / attend / output`` and
+``RoFormerMLMHead.decode / full_logits / criterion``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,20 +30,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from roformer_dist.config import ModelConfig
-from roformer_dist.rotary import RotaryCache, apply_rotary, qk_half_permutation, resolve_backend, rotate, rotate_half
+from roformer_dist.attention import attention_core
+from roformer_dist.config import ModelConfig, validate_model
+from roformer_dist.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
 IGNORE_INDEX = -100
 
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+"""``model.hidden_act`` -> function (one entry per value of ``HiddenAct``)."""
+
 
 def _activation(name: str):
-    if name == "gelu":
-        return F.gelu
-    if name == "gelu_new":
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "relu":
-        return F.relu
-    raise ValueError(f"model.hidden_act: expected gelu, gelu_new or relu, got {name!r}")
+    """``ACTIVATIONS[name]``; the name other modules (finetune/models.py) call."""
+    return ACTIVATIONS[name]
 
 
 @dataclass
@@ -93,7 +99,14 @@ class RoFormerEmbeddings(nn.Module):
 
 
 class RoFormerSelfAttention(nn.Module):
-    """Fused QKV -> rotary -> SDPA -> output projection (before the residual and LayerNorm)."""
+    """Fused QKV -> attention core (rotary inside) -> output projection (before the residual and LayerNorm).
+
+    Three seams, each overridable on its own (tensor parallelism adds its collectives there):
+    ``project`` (x -> q, k, v), ``attend`` (:func:`roformer_dist.attention.attention_core`) and
+    ``output`` (context -> hidden)."""
+
+    SETTINGS = ("num_heads", "head_dim", "rotary_value", "rotary_backend", "dropout_p", "kind")
+    """Plain attributes (no weights) that a sharded copy takes over."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -102,72 +115,35 @@ class RoFormerSelfAttention(nn.Module):
         self.rotary_value = cfg.rotary_value
         self.rotary_backend = cfg.rotary_backend
         self.dropout_p = cfg.attention_probs_dropout_prob
+        self.kind = cfg.attention
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: q, k, v; heads in order
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def _projections(self, x: torch.Tensor, half_layout: bool):
-        """(B, S, hidden) -> qkv (B, S, 3, H, D), and the output projection's weight."""
+    def project(self, x: torch.Tensor, kernel: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S, hidden) -> qkv (B, S, 3, H, D), and the output projection's weight (permuted for the
+        rotate-half kernel, see ``rotary.half_layout_weights``)."""
         B, S, _ = x.shape
         weight, bias, out_weight = self.qkv.weight, self.qkv.bias, self.out.weight
-        if half_layout:
-            # apex: permute the q/k(/v) projection rows per head (evens then odds) so that the
-            # rotate-half kernel rotates RoFormer's pairs; q.k is invariant under the common
-            # permutation. Gathering the weight costs O(hidden^2), nothing per token.
-            parts = (0, 1, 2) if self.rotary_value else (0, 1)
-            rows = qk_half_permutation(self.num_heads, self.head_dim, 3, parts).to(weight.device)
-            weight, bias = weight.index_select(0, rows), bias.index_select(0, rows)
-            if self.rotary_value:  # the context comes out permuted too: permute out's input columns
-                cols = rows[2 * self.num_heads * self.head_dim:] - 2 * self.num_heads * self.head_dim
-                out_weight = out_weight.index_select(1, cols)
+        if kernel == HALF_LAYOUT:
+            weight, bias, out_weight = half_layout_weights(weight, bias, out_weight, self.num_heads,
+                                                           self.head_dim, self.rotary_value)
         qkv = F.linear(x, weight, bias).view(B, S, 3, self.num_heads, self.head_dim)
         return qkv, out_weight
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, S, hidden = x.shape
-        backend = resolve_backend(self.rotary_backend, x.device) if cos is not None else None
-        half_layout = backend == "apex"
-        qkv, out_weight = self._projections(x, half_layout)
-        q, k, v = rotate_qkv(qkv, cos, sin, backend, self.rotary_value)  # (B, H, S, D)
+    def attend(self, qkv: torch.Tensor, attn_mask: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+               sin: Optional[torch.Tensor], kernel: Optional[str]) -> torch.Tensor:
+        """qkv (B, S, 3, H, D) -> context (B, S, H * D)."""
         p = self.dropout_p if self.training else 0.0
-        if p > 0.0 and x.device.type == "cpu":
-            # PyTorch's CPU SDPA has no fused kernel with dropout; its math fallback is ~2x slower
-            # than this eager path (measured in bench/step.py).
-            ctx = _eager_attention(q, k, v, attn_mask, p)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
-        ctx = ctx.transpose(1, 2).reshape(B, S, hidden)
+        return attention_core(self.kind, qkv, attn_mask, cos, sin, kernel, self.rotary_value, p)
+
+    def output(self, ctx: torch.Tensor, out_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(ctx, out_weight, self.out.bias)
 
-
-def rotate_qkv(qkv: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-               backend: Optional[str], rotary_value: bool):
-    """(B, S, 3, H, D) projections -> rotated q, k (and v with rotary_value) as (B, H, S, D) each.
-
-    The ``apex`` backend works in the rotate-half layout (its projection rows are permuted)."""
-    q, k, v = qkv.unbind(2)  # (B, S, H, D) views of one buffer
-    if cos is not None:
-        if backend == "apex":
-            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-            if rotary_value:
-                v = rotate_half(v, cos, sin)
-        else:
-            q, k = apply_rotary(q, k, cos, sin, backend)
-            if rotary_value:
-                v = rotate(v, cos, sin, backend)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-
-def _eager_attention(q, k, v, attn_mask, dropout_p):
-    # scale q (S x D) rather than the scores (S x S): one pass less over the big tensor, fwd and bwd
-    scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))  # (B, H, S, S)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attn_mask
-    probs = F.dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
-    return torch.matmul(probs, v)
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kernel = model_kernel(self.rotary_backend, x.device) if cos is not None else None
+        qkv, out_weight = self.project(x, kernel)
+        return self.output(self.attend(qkv, attn_mask, cos, sin, kernel), out_weight)
 
 
 class RoFormerLayer(nn.Module):
@@ -185,7 +161,7 @@ class RoFormerLayer(nn.Module):
         self.ffn_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
-        self.act = _activation(cfg.hidden_act)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, hidden: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -195,22 +171,69 @@ class RoFormerLayer(nn.Module):
 
 
 class RoFormerMLMHead(nn.Module):
-    """hidden (N, H) -> scores (N, V): dense -> act -> LayerNorm -> tied decoder + bias.
+    """hidden (N, H) -> scores (N, V): ``transform`` (dense -> act -> LayerNorm), then ``decode`` (the
+    tied decoder + bias); ``criterion`` scores them against the labels.
 
     The decoder weight is the word-embedding matrix, passed in by the caller (so it is stored
     once in the state dict; a pipeline stage holding the head gets it as a tied parameter).
+    The vocabulary-parallel head (parallel/tensor.py) overrides ``decode``, ``full_logits`` and
+    ``criterion``.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         emb = cfg.embedding_size or cfg.hidden_size
         self.dense = nn.Linear(cfg.hidden_size, emb)
-        self.act = _activation(cfg.hidden_act)
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.norm = nn.LayerNorm(emb, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(hidden)))
+
+    def decode(self, h: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, decoder_weight, self.bias)
+
     def forward(self, hidden: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(self.act(self.dense(hidden))), decoder_weight, self.bias)
+        return self.decode(self.transform(hidden), decoder_weight)
+
+    def full_logits(self, hidden: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
+        """Scores over the whole vocabulary at every position (the no-labels output)."""
+        return self(hidden, decoder_weight)
+
+    def criterion(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cross_entropy_and_accuracy(logits, target)
+
+
+def select_predicted(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, E) states and (B, S) labels -> the (N, E) rows where labels != -100 and their (N,) targets,
+    in row-major (batch, position) order. The head then runs on N ~ 0.15 B S rows only."""
+    labels = labels.reshape(-1)
+    index = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (N,)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), labels.index_select(0, index)
+
+
+def cross_entropy_and_accuracy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and argmax accuracy of (N, V) fp32 scores; the criterion of one device."""
+    return F.cross_entropy(logits, target), (logits.detach().argmax(-1) == target).float().mean()
+
+
+def masked_lm_loss(logits: torch.Tensor, target: torch.Tensor, criterion=cross_entropy_and_accuracy
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLM loss of every layout: (N, V) scores at the predicted positions (or this rank's vocabulary
+    slice of them) and their (N,) targets -> (fp32 loss, detached accuracy). ``criterion``: the plain
+    cross-entropy or the vocabulary-parallel one. No predicted position: loss 0 that still has a graph
+    (so that backward, and DeepSpeed, run as on any batch), accuracy 0."""
+    if target.numel() == 0:
+        return logits.float().sum() * 0.0, torch.zeros((), device=logits.device)
+    return criterion(logits.float(), target)
+
+
+def rotary_cache(cfg: ModelConfig) -> Optional[RotaryCache]:
+    """The cos/sin cache of a rotary model (None with absolute positions)."""
+    if cfg.position_embedding != "rotary":
+        return None
+    return RotaryCache(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings)
 
 
 class RoFormerForMaskedLM(nn.Module):
@@ -221,8 +244,7 @@ class RoFormerForMaskedLM(nn.Module):
         if not isinstance(cfg.vocab_size, int):
             raise ValueError(f"model.vocab_size: the model needs an integer, got {cfg.vocab_size!r} "
                              "(resolve 'auto' from the shard manifest first)")
-        if cfg.hidden_size % cfg.num_attention_heads or (cfg.hidden_size // cfg.num_attention_heads) % 2:
-            raise ValueError("model.num_attention_heads: must divide hidden_size into an even head size")
+        validate_model(cfg)
         self.config = cfg
         # Modules draw their default init from the RNG; rewind it so that the weights depend only
         # on init_weights(): seed s -> same weights as ``torch.manual_seed(s); model.init_weights()``.
@@ -230,8 +252,7 @@ class RoFormerForMaskedLM(nn.Module):
         self.embeddings = RoFormerEmbeddings(cfg)
         self.layers = nn.ModuleList(RoFormerLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.head = RoFormerMLMHead(cfg)
-        self.rotary = (RotaryCache(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings)
-                       if cfg.position_embedding == "rotary" else None)
+        self.rotary = rotary_cache(cfg)
         self.gradient_checkpointing = False
         torch.set_rng_state(rng)
         self.init_weights()
@@ -299,21 +320,13 @@ class RoFormerForMaskedLM(nn.Module):
         hidden = self.encode(input_ids, attention_mask, token_type_ids)  # (B, S, H)
         decoder_weight = self.embeddings.word_embeddings.weight
         if labels is None:
-            return MaskedLMOutput(logits=self.head(hidden, decoder_weight))
-
-        labels = labels.reshape(-1)
-        index = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (N,)
-        target = labels.index_select(0, index)
+            return MaskedLMOutput(logits=self.head.full_logits(hidden, decoder_weight))
         # gather first: the head and the vocabulary GEMM only see the N predicted positions
-        logits = self.head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), decoder_weight)
-        num_predicted = torch.tensor(index.numel(), device=labels.device)
-        if index.numel() == 0:
-            loss = logits.float().sum() * 0.0  # keeps the graph (and DeepSpeed) happy on an empty batch
-            accuracy = torch.zeros((), device=labels.device)
-        else:
-            loss = F.cross_entropy(logits.float(), target)
-            accuracy = (logits.detach().argmax(-1) == target).float().mean()
-        return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=num_predicted, masked_logits=logits)
+        h, target = select_predicted(hidden, labels)
+        logits = self.head(h, decoder_weight)  # (N, V)
+        loss, accuracy = masked_lm_loss(logits, target, self.head.criterion)
+        return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=torch.tensor(target.numel(),
+                              device=labels.device), masked_logits=logits)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -321,17 +334,20 @@ class RoFormerForMaskedLM(nn.Module):
     def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward = 3x forward) per token, matmuls only.
 
-        Dense layers 2*params-per-token each, attention 2 * 2 * S * hidden per layer, and the
+        Dense layers 2*params-per-token each, attention 2 * 2 * S * hidden per layer (softmax: scores
+        and context; linear: 2 * 2 * head_dim * hidden, its KV state and the query against it), and the
         vocabulary projection only on ``predicted_fraction`` of the tokens.
         """
         c = self.config
         emb = c.embedding_size or c.hidden_size
         h, f, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-        per_layer = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * seq_len * h
+        mixing = seq_len if c.attention == "softmax" else h // c.num_attention_heads
+        per_layer = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * mixing * h
         proj = 2 * emb * h if emb != h else 0
         head = predicted_fraction * (2 * h * emb + 2 * emb * c.vocab_size)
         return 3.0 * (n * per_layer + proj + head)
 
 
 __all__ = ["RoFormerForMaskedLM", "RoFormerEmbeddings", "RoFormerLayer", "RoFormerSelfAttention",
-           "RoFormerMLMHead", "MaskedLMOutput", "IGNORE_INDEX"]
+           "RoFormerMLMHead", "MaskedLMOutput", "IGNORE_INDEX", "ACTIVATIONS", "select_predicted",
+           "cross_entropy_and_accuracy", "masked_lm_loss", "rotary_cache"]

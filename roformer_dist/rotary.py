@@ -15,14 +15,15 @@ Shapes:
     cos, sin  (S, D/2) float32, from :class:`RotaryCache`.
 All backends compute in float32 and cast the result back to the input dtype.
 
-Backends (``apply_rotary(..., backend=...)``):
+Backends (``rotate_pair`` is the one dispatch; ``apply_rotary`` / ``rotate`` call it for two / one tensor):
     reference   eager: one complex multiplication per tensor, and an autograd.Function whose backward
                 is the inverse rotation (nothing but cos/sin is saved for backward).
     compiled    the same rotation as one ``torch.compile``d kernel for q and k; backward reuses it with -sin.
-    triton      one kernel launch for q and k together, forward and backward (GPU; on CPU only
-                under ``TRITON_INTERPRET=1``).
-    apex        NVIDIA apex's fused RoPE. It only does rotate-half; see :func:`qk_half_permutation`
-                for how the model uses it without any runtime permutation.
+    triton      one kernel launch for q and k together, forward and backward (``rotary_triton.py``;
+                GPU; on CPU only under ``TRITON_INTERPRET=1``, which the tests use).
+    apex        NVIDIA apex's fused RoPE. It only does rotate-half; the model permutes its projection
+                weights (:func:`half_layout_weights`, kernel name :data:`HALF_LAYOUT`) so that no
+                activation is permuted at run time; ``apply_rotary(backend="apex")`` permutes activations.
     flash_attn  ``flash_attn.layers.rotary.apply_rotary_emb(..., interleaved=True)``.
     auto        CUDA: triton > flash_attn > reference (apex only when asked for). CPU: reference. On CPU the
                 compiled backend is ~1.6x faster per call (bench/rotary.py) but costs a ~10 s compile
@@ -34,11 +35,19 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Optional
+import os
+from typing import Callable, Optional
 
 import torch
 
-BACKENDS = ("auto", "reference", "compiled", "triton", "apex", "flash_attn")
+from roformer_dist.config import RotaryBackend, choices
+
+BACKENDS: tuple[str, ...] = choices(RotaryBackend)
+"""The values of ``model.rotary_backend``."""
+
+HALF_LAYOUT = "apex:half"
+"""Kernel name for inputs already in the rotate-half layout (the model's permuted projection rows,
+see :func:`half_layout_weights`): apex's kernel applies directly, no permutation at run time."""
 
 
 # --------------------------------------------------------------------------- cos/sin cache
@@ -175,52 +184,25 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreted() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): the kernel then runs on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 @functools.cache
 def _triton_kernel():
+    # Imported on first use: triton decides when a kernel is defined whether it is compiled or
+    # interpreted, and triton is an optional dependency.
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def rope_kernel(X1, X2, O1, O2, COS, SIN,
-                    sx1b, sx1s, sx1h, sx2b, sx2s, sx2h,
-                    so1b, so1s, so1h, so2b, so2s, so2h,
-                    S, H1, H2, HALF,
-                    HAS_X2: tl.constexpr, BACKWARD: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        # One program per (batch, position): load cos/sin once, rotate every head of x1 and x2.
-        pid = tl.program_id(0).to(tl.int64)
-        b = pid // S
-        s = pid % S
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < HALF
-        c = tl.load(COS + s * HALF + d, mask=dmask, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + s * HALF + d, mask=dmask, other=0.0).to(tl.float32)
-        if BACKWARD:
-            sn = -sn
-        c = c[None, :]
-        sn = sn[None, :]
-        h = tl.arange(0, BLOCK_H)
-        for h0 in range(0, H1, BLOCK_H):
-            hh = h0 + h
-            m = (hh[:, None] < H1) & dmask[None, :]
-            src = X1 + b * sx1b + s * sx1s + hh[:, None] * sx1h + 2 * d[None, :]
-            dst = O1 + b * so1b + s * so1s + hh[:, None] * so1h + 2 * d[None, :]
-            x0 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-            x1 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
-            tl.store(dst, (x0 * c - x1 * sn).to(O1.dtype.element_ty), mask=m)
-            tl.store(dst + 1, (x1 * c + x0 * sn).to(O1.dtype.element_ty), mask=m)
-        if HAS_X2:
-            for h0 in range(0, H2, BLOCK_H):
-                hh = h0 + h
-                m = (hh[:, None] < H2) & dmask[None, :]
-                src = X2 + b * sx2b + s * sx2s + hh[:, None] * sx2h + 2 * d[None, :]
-                dst = O2 + b * so2b + s * so2s + hh[:, None] * so2h + 2 * d[None, :]
-                x0 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-                x1 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
-                tl.store(dst, (x0 * c - x1 * sn).to(O2.dtype.element_ty), mask=m)
-                tl.store(dst + 1, (x1 * c + x0 * sn).to(O2.dtype.element_ty), mask=m)
+    from roformer_dist import rotary_triton
 
-    return rope_kernel, triton.next_power_of_2
+    return rotary_triton.rope_kernel, triton.next_power_of_2, triton.cdiv
+
+
+TRITON_TILE = 2048
+"""Elements of one (positions x heads x pairs) tile of the Triton kernel: enough work per program to
+hide latency on a GPU, and few programs for the CPU interpreter."""
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +212,8 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_launch(x1, x2, cos, sin, backward: bool):
-    kernel, next_pow2 = _triton_kernel()
+    """One kernel launch rotating x1 and (if given) x2, (B, S, H, D) each with any head/position strides."""
+    kernel, next_pow2, cdiv = _triton_kernel()
     x1 = _as_4d(x1)
     x2 = _as_4d(x2) if x2 is not None else None
     B, S, H1, D = x1.shape
@@ -241,12 +224,14 @@ def _triton_launch(x1, x2, cos, sin, backward: bool):
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
     block_h = min(next_pow2(max(H1, H2, 1)), 16)
-    kernel[(B * S,)](
+    block_d = next_pow2(D // 2)
+    block_s = max(1, min(next_pow2(S), TRITON_TILE // (block_h * block_d)))
+    kernel[(cdiv(S, block_s), B)](
         x1, x2_, o1, o2, cos, sin,
         x1.stride(0), x1.stride(1), x1.stride(2), x2_.stride(0), x2_.stride(1), x2_.stride(2),
         o1.stride(0), o1.stride(1), o1.stride(2), o2.stride(0), o2.stride(1), o2.stride(2),
         S, H1, H2, D // 2,
-        HAS_X2=x2 is not None, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=next_pow2(D // 2),
+        HAS_X2=x2 is not None, BACKWARD=backward, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d,
     )
     return o1, (o2 if x2 is not None else None)
 
@@ -298,6 +283,24 @@ def qk_half_permutation(num_heads: int, head_dim: int, num_parts: int = 3,
     permuted = torch.cat([h * head_dim + per_head for h in range(num_heads)])
     parts = [(p * inner + (permuted if p in permuted_parts else torch.arange(inner))) for p in range(num_parts)]
     return torch.cat(parts)
+
+
+def half_layout_weights(qkv_weight: torch.Tensor, qkv_bias: torch.Tensor, out_weight: torch.Tensor,
+                        num_heads: int, head_dim: int, rotary_value: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention weights for the :data:`HALF_LAYOUT` kernel: fused QKV rows (3 * H * D, in) and
+    bias permuted per head by :func:`qk_half_permutation`, and (with ``rotary_value``, when the
+    context comes out permuted) the output projection's input columns permuted to match.
+
+    Anything computed from q and k alone (dot products, elementwise feature maps) is unchanged by
+    the common permutation. Gathering the weights costs O(hidden^2), nothing per token."""
+    parts = (0, 1, 2) if rotary_value else (0, 1)
+    rows = qk_half_permutation(num_heads, head_dim, 3, parts).to(qkv_weight.device)
+    weight, bias = qkv_weight.index_select(0, rows), qkv_bias.index_select(0, rows)
+    if rotary_value:
+        inner = num_heads * head_dim
+        out_weight = out_weight.index_select(1, rows[2 * inner:] - 2 * inner)
+    return weight, bias, out_weight
 
 
 def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -377,40 +380,66 @@ def _resolve(backend: str, device_type: str) -> str:
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The concrete backend ``backend`` means on ``device`` ("auto" -> fastest available)."""
-    return _resolve(backend, torch.device(device).type)
+    device_type = torch.device(device).type
+    resolved = _resolve(backend, device_type)
+    if resolved == "triton" and device_type != "cuda" and not triton_interpreted():
+        raise ValueError(f"model.rotary_backend: triton runs on CUDA devices, not {device_type} "
+                         "(on CPU only under Triton's interpreter, TRITON_INTERPRET=1, for tests)")
+    return resolved
+
+
+def model_kernel(backend: str, device: torch.device | str) -> str:
+    """The kernel the model uses for ``backend`` on ``device``: the resolved backend, except that apex
+    becomes :data:`HALF_LAYOUT` (the model permutes its projection weights instead of activations)."""
+    resolved = resolve_backend(backend, device)
+    return HALF_LAYOUT if resolved == "apex" else resolved
+
+
+PairKernel = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
+                      tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def _one_at_a_time(fn) -> PairKernel:
+    """A pair kernel from a one-tensor kernel (backends without a fused q+k launch)."""
+    def pair(x1, x2, cos, sin):
+        return fn(x1, cos, sin), (None if x2 is None else fn(x2, cos, sin))
+    return pair
+
+
+def _reference_pair(x1, x2, cos, sin):
+    if x2 is None:
+        return _ReferenceRotary.apply(cos, sin, x1)[0], None
+    return _ReferenceRotary.apply(cos, sin, x1, x2)
+
+
+_KERNELS: dict[str, PairKernel] = {
+    "reference": _reference_pair,
+    "compiled": lambda x1, x2, cos, sin: _CompiledRotary.apply(x1, x2, cos, sin),
+    "triton": lambda x1, x2, cos, sin: _TritonRotary.apply(x1, x2, cos, sin),
+    "apex": _one_at_a_time(_apex_interleaved),
+    "flash_attn": _one_at_a_time(_flash_attn_rotate),
+    HALF_LAYOUT: _one_at_a_time(rotate_half),
+}
+
+
+def rotate_pair(x1: torch.Tensor, x2: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                backend: str = "reference") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The one dispatch: rotate x1 and x2 (B, S, H, D; x2 may be None) at positions 0..S-1 with
+    ``backend`` (a config value, or a kernel name from :func:`model_kernel`); cos/sin (S, D/2) fp32.
+    Returns new tensors in the inputs' dtypes."""
+    kernel = backend if backend == HALF_LAYOUT else resolve_backend(backend, x1.device)
+    return _KERNELS[kernel](x1, x2, cos, sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (B, S, H, D) at positions 0..S-1; cos/sin (S, D/2) fp32. Returns new tensors."""
-    backend = resolve_backend(backend, q.device)
-    if backend == "reference":
-        return _ReferenceRotary.apply(cos, sin, q, k)
-    if backend == "compiled":
-        return _CompiledRotary.apply(q, k, cos, sin)
-    if backend == "triton":
-        return _TritonRotary.apply(q, k, cos, sin)
-    if backend == "apex":
-        return _apex_interleaved(q, cos, sin), _apex_interleaved(k, cos, sin)
-    if backend == "flash_attn":
-        return _flash_attn_rotate(q, cos, sin), _flash_attn_rotate(k, cos, sin)
-    raise AssertionError(backend)
+    """Rotate q and k (B, S, H, D) at positions 0..S-1 (one launch where the backend can)."""
+    return rotate_pair(q, k, cos, sin, backend)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     """Rotate one tensor (B, S, H, D), e.g. v with ``rotary_value``."""
-    backend = resolve_backend(backend, x.device)
-    if backend == "reference":
-        return rotate_reference(x, cos, sin)
-    if backend == "compiled":
-        return _CompiledRotary.apply(x, None, cos, sin)[0]
-    if backend == "triton":
-        return _TritonRotary.apply(x, None, cos, sin)[0]
-    if backend == "apex":
-        return _apex_interleaved(x, cos, sin)
-    if backend == "flash_attn":
-        return _flash_attn_rotate(x, cos, sin)
-    raise AssertionError(backend)
+    return rotate_pair(x, None, cos, sin, backend)[0]
 
 
 def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -419,8 +448,8 @@ def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 __all__ = [
-    "BACKENDS", "RotaryCache", "rotary_tables", "apply_rotary", "rotate", "rotate_reference",
-    "resolve_backend", "triton_available", "apex_available", "flash_attn_available",
-    "interleaved_to_half_index", "qk_half_permutation", "rotate_half_reference", "rotate_half",
-    "rotary_bytes",
+    "BACKENDS", "HALF_LAYOUT", "RotaryCache", "rotary_tables", "rotate_pair", "apply_rotary", "rotate",
+    "rotate_reference", "resolve_backend", "model_kernel", "triton_available", "triton_interpreted",
+    "apex_available", "flash_attn_available", "interleaved_to_half_index", "qk_half_permutation",
+    "half_layout_weights", "rotate_half_reference", "rotate_half", "rotary_bytes",
 ]

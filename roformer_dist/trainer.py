@@ -131,29 +131,25 @@ def _data_error(e: Exception, during: str) -> DataError:
 
 
 def resolve_data(cfg: Config, resumed_state: Optional[dict]) -> tuple[Config, dict]:
-    """Read the shard manifests; fill model.vocab_size; refuse mismatches before training."""
-    from data_pipeline.shards import read_manifest
+    """Read the shard manifests; fill model.vocab_size; refuse mismatches before training
+    (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field)."""
+    from data_pipeline.errors import UsageError
+    from data_pipeline.manifest import check_training_data
+    from data_pipeline.source import RetryPolicy, set_default_retry
 
-    if not cfg.data.shards:
-        raise ValueError("data.shards: no training shard set given (a directory made by `roformer-data prepare`)")
-    manifest = read_manifest(cfg.data.shards)
-    vocab = int(manifest["vocab_size"])
-    if cfg.model.vocab_size == "auto":
-        cfg = replace(cfg, **{"model.vocab_size": vocab})
-    elif cfg.model.vocab_size != vocab:
-        raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} differs from the shard manifest's "
-                         f"vocab_size {vocab} ({cfg.data.shards}/manifest.json)")
-    sha = manifest["tokenizer"]["sha256"]
-    if cfg.data.eval_shards:
-        ev = read_manifest(cfg.data.eval_shards)
-        if ev["tokenizer"]["sha256"] != sha or int(ev["vocab_size"]) != vocab:
-            raise ValueError(f"data.eval_shards: {cfg.data.eval_shards} was made with another tokenizer than "
-                             f"data.shards ({ev['tokenizer']['sha256'][:12]} vs {sha[:12]})")
-    if resumed_state is not None:
-        old = resumed_state.get("tokenizer_sha256")
-        if old and old != sha:
-            raise ValueError(f"data.shards: tokenizer sha256 {sha[:12]} differs from the checkpoint's {old[:12]}; "
-                             "resuming on shards of another tokenizer would scramble the vocabulary")
+    from roformer_dist.errors import ConfigError
+
+    # URL reads of this process and of the loaders it creates (their workers inherit the policy)
+    set_default_retry(RetryPolicy(attempts=cfg.data.url_retries, wait_s=cfg.data.url_retry_wait_s))
+    auto = cfg.model.vocab_size == "auto"
+    try:
+        manifest = check_training_data(
+            cfg.data.shards, cfg.data.eval_shards, model_vocab_size=None if auto else cfg.model.vocab_size,
+            checkpoint_tokenizer_sha256=(resumed_state or {}).get("tokenizer_sha256"))
+    except UsageError as e:  # a config key (data.shards empty, model.vocab_size) that disagrees with the data
+        raise ConfigError(str(e)) from None
+    if auto:
+        cfg = replace(cfg, **{"model.vocab_size": int(manifest["vocab_size"])})
     return cfg, manifest
 
 

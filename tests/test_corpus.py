@@ -4,6 +4,7 @@ import json
 import pytest
 
 from data_pipeline.corpus import CorpusStats, normalize, read_documents
+from data_pipeline.errors import DataError
 
 
 def test_normalize_nfkc_fullwidth_controls_whitespace():
@@ -61,7 +62,21 @@ def test_jsonl_gz_blank_boundary_dir_and_glob(tmp_path):
 
 
 def test_missing_input_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.txt"):
+    with pytest.raises(DataError, match="nope.txt"):
         list(read_documents(tmp_path / "nope.txt"))
-    with pytest.raises(FileNotFoundError, match="matches no file"):
+    with pytest.raises(DataError, match="matches no file"):
         list(read_documents(str(tmp_path / "*.zzz")))
+
+
+def test_batch_normalisation_equals_the_one_by_one_rules(peoples_daily):
+    """The hot path (normalize_batch / normalize_words_batch) gives exactly normalize / normalize_words."""
+    from data_pipeline.corpus import _pd_words, normalize_batch, normalize_words, normalize_words_batch
+
+    lines = open(peoples_daily, encoding="utf-8").readlines()[:1500]
+    texts = ["".join(_pd_words(x)) for x in lines] + lines[:50] + [
+        "Ａ\u0301 ｂ", "a\u200bb\tc", "  x  y ", "\u3000全角\uff01", "①②℃…", "\ud800x", "", "\x00\x01",
+        "Ａ１，ｂ\u3000ｃ", "e\u0301", "ｶﾞ", "\ufeff开头", "a\u00a0b", "x\u2028y"]
+    assert normalize_batch(texts) == [normalize(t) for t in texts]
+    words = [_pd_words(x) for x in lines] + [["Ａ", "\u0301b"], ["a b", "  ", "c\ue000d"], ["x\u200b", "ｙ"],
+                                             ["\u3000"], ["①", "ｶﾞ"]]
+    assert normalize_words_batch(words) == [normalize_words(w) for w in words]

@@ -192,6 +192,21 @@ def test_submit_creates_run_dir_records_job_id_and_prints_it(shard_stub, tmp_pat
     assert saved["run_dir"] == str(run_dir)
 
 
+def test_shard_sets_at_urls_are_queued_as_given(shard_stub, tmp_path, fake_slurm):
+    """A URL is not a path: it reaches the job unchanged (the job reads and checks it when it starts)."""
+    env, calls = fake_slurm
+    run_dir = tmp_path / "run"
+    url, eval_url = "https://data.example.org/zh/train", "pipe:aws s3 cp s3://bucket/zh/eval/{name} -"
+    p = run_submit([str(BIN / "roformer-submit"), "--config", str(DEBUG), f"data.shards={url}",
+                    f"data.eval_shards={eval_url}", f"run_dir={run_dir}", "--profile", "local"], env)
+    assert p.returncode == 0, p.stderr
+    import yaml
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (saved["data"]["shards"], saved["data"]["eval_shards"]) == (url, eval_url)
+    assert len(calls.read_text().splitlines()) == 1
+
+
 def test_submit_refuses_a_run_dir_held_by_a_running_run(shard_stub, tmp_path, fake_slurm):
     """A run holds the directory's lock: submitting there changes nothing (its config.yaml stays) and exits 6."""
     env, calls = fake_slurm

@@ -1,4 +1,5 @@
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,7 +115,7 @@ def _elastic_phase1(rank, world, shard_dir, n):
     return ld.state_dict(), np.concatenate([r for b in batches for r in _original(b)])
 
 
-def test_elastic_resume_two_ranks_to_one_covers_the_epoch(unique_set, caplog):
+def test_elastic_resume_two_ranks_to_one_covers_the_epoch_exactly_once(unique_set, caplog):
     d, all_tokens = unique_set
     results = run_distributed(_elastic_phase1, world_size=2, args=(d, 7), timeout=240)
     states = [s for s, _ in results]
@@ -123,31 +124,109 @@ def test_elastic_resume_two_ranks_to_one_covers_the_epoch(unique_set, caplog):
     with caplog.at_level(logging.WARNING):
         ld.load_state_dict(states)
     assert "elastic resume: 4 old slots -> 1 new slots" in caplog.text
+    assert "4 partly read piece(s) continue at the token where they stopped" in caplog.text
     seen += [r for b in ld for r in _original(b)]
     seen = np.concatenate(seen)
-    seen = seen[seen > 4]
-    assert set(all_tokens.tolist()) <= set(seen.tolist())        # nothing skipped
-    # what is read twice lies in the shards the old slots had partly read
-    uniq, counts = np.unique(seen, return_counts=True)
-    repeated = uniq[counts > 1]
-    partly = [s["shards"][s["cursor"]] for s in (x for st in states for x in st["slots"].values())
-              if s["doc"] or s["offset"]]
-    per_shard = 8
-    doc_tokens = np.split(all_tokens, np.cumsum([len(x) for x in _docs_of(d)])[:-1])
-    allowed = set(np.concatenate([doc_tokens[i] for s in partly for i in range(s * per_shard, (s + 1) * per_shard)]).tolist())
-    assert len(repeated) > 0 and set(repeated.tolist()) <= allowed
+    assert np.array_equal(np.sort(seen[seen > 4]), all_tokens)   # nothing skipped, nothing read twice
     with pytest.raises(ValueError, match="needs all 4 old slots"):
         ShardLoader(d, seq_len=32, micro_batch_size=2, num_workers=1, seed=9).load_state_dict(states[0])
 
 
-def _docs_of(d):
-    from data_pipeline.shards import read_manifest, read_shard
-    m = read_manifest(d)
-    out = []
-    for e in m["shards"]:
-        sd = read_shard(d / e["name"], m["dtype"], e)
-        out += [sd.tokens[s:s + n] for s, n in zip(sd.tok_start, sd.lengths)]
-    return out
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory):
+    """One shard of 48 documents whose token ids are all distinct."""
+    rng = np.random.default_rng(1)
+    docs, nxt = [], 5
+    for _ in range(48):
+        n = int(rng.integers(3, 90))
+        docs.append(np.arange(nxt, nxt + n))
+        nxt += n
+    d = tmp_path_factory.mktemp("one_shard")
+    write_shard_set(docs, d, vocab_size=60000)
+    return d, np.concatenate(docs)
+
+
+def _tokens(batches):
+    out = [r for b in batches for r in _original(b)]
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def test_one_shard_on_two_ranks_two_workers_stopped_and_resumed_sees_each_document_once(one_shard, caplog):
+    d, all_tokens = one_shard
+    kw = dict(seq_len=24, micro_batch_size=2, seed=6, max_epochs=1)
+    phase1 = [ShardLoader(d, dp_rank=r, dp_size=2, num_workers=2, **kw) for r in range(2)]
+    first = [_take(ld, 3) for ld in phase1]                      # 3 batches per rank: both workers, mid-document
+    states = [ld.state_dict() for ld in phase1]
+    assert all(len(s["slots"]) == 2 for s in states)
+    pieces = [p for s in states for slot in s["slots"].values() for p in slot["pieces"]]
+    assert {p[0] for p in pieces} == {0} and len(pieces) == 4      # 4 slots share the shard by document ranges
+    seen_first = _tokens(first[0] + first[1])
+
+    def rest(layouts):
+        out = []
+        for rank, world, workers in layouts:
+            ld = ShardLoader(d, dp_rank=rank, dp_size=world, num_workers=workers, **kw)
+            ld.load_state_dict(states if (world, workers) != (2, 2) else states[rank])
+            out += list(ld)
+        return _tokens(out)
+
+    same = rest([(0, 2, 2), (1, 2, 2)])
+    with caplog.at_level(logging.WARNING):
+        one = rest([(0, 1, 3)])                                   # another world size and worker count
+        three = rest([(r, 3, 1) for r in range(3)])
+    assert "elastic resume: 4 old slots -> 3 new slots" in caplog.text
+    for resumed in (same, one, three):
+        seen = np.concatenate([seen_first, resumed])
+        assert np.array_equal(np.sort(seen[seen > 4]), all_tokens)  # every document of the epoch exactly once
+
+
+def test_deal_covers_every_document_once_and_balances_tokens():
+    from data_pipeline.slots import WHOLE_SHARD_TOLERANCE, deal
+
+    cases = {"even": [(100, 10_000)] * 8, "fewer shards than slots": [(100, 10_000)] * 3,
+             "uneven": [(1000, 100_000), (10, 1_000), (10, 1_000), (20, 2_000), (5, 500)],
+             "one shard": [(7, 700)]}
+    for name, shards in cases.items():
+        total = sum(t for _, t in shards)
+        for slots in (1, 2, 3, 4, 7):
+            if sum(d for d, _ in shards) < slots:
+                continue
+            for epoch in (0, 1):
+                dealt = deal(3, epoch, shards, slots)
+                assert dealt == deal(3, epoch, shards, slots)              # deterministic from (seed, epoch)
+                ranges = {i: [] for i in range(len(shards))}
+                for g, pieces in enumerate(dealt):
+                    assert pieces, f"{name}: slot {g} of {slots} got nothing"
+                    for p in pieces:
+                        ranges[p.shard].append((p.lo, p.hi))
+                for i, rs in ranges.items():    # the ranges of a shard tile [0, num_docs): each document once
+                    rs.sort()
+                    assert rs[0][0] == 0 and rs[-1][1] == shards[i][0], (name, slots, rs)
+                    assert all(a[1] == b[0] for a, b in zip(rs, rs[1:])), (name, slots, rs)
+                loads = [sum(p.num_docs * shards[p.shard][1] / shards[p.shard][0] for p in ps) for ps in dealt]
+                assert max(loads) <= WHOLE_SHARD_TOLERANCE * total / slots + 100 + 1e-6, (name, slots, loads)
+    # a balanced set on fewer slots than shards reads whole shards (each file read by one slot)
+    assert all(p.lo == 0 and p.hi == 100 for ps in deal(0, 0, cases["even"], 4) for p in ps)
+    assert deal(0, 0, cases["even"], 4) != deal(0, 1, cases["even"], 4)
+
+
+def test_state_format_1_of_earlier_versions_resumes_exactly(small_shards):
+    """Format 1 (whole shards: a slot's ``shards`` list) is what earlier versions wrote in checkpoints."""
+    kw = dict(seq_len=64, micro_batch_size=2, num_workers=2, seed=8)
+    full = _take(ShardLoader(small_shards.dir, **kw), 30)
+    ld = ShardLoader(small_shards.dir, **kw)
+    _take(ld, 17)
+    state = ld.state_dict()
+    assert state["format"] == 2
+    old = {**state, "format": 1, "slots": {}}
+    for g, s in state["slots"].items():
+        assert all(p[1] == 0 and p[3] == 0 for p in s["pieces"])          # whole shards
+        old["slots"][g] = {k: v for k, v in s.items() if k != "pieces"} | {"shards": [p[0] for p in s["pieces"]]}
+    resumed = ShardLoader(small_shards.dir, **kw)
+    resumed.load_state_dict(old)
+    assert _same(_take(resumed, 13), full[17:])
+    with pytest.raises(ValueError, match=r"field 'format': expected one of \(1, 2\), got 3"):
+        resumed.load_state_dict({**state, "format": 3})
 
 
 def test_stage_switch_128_to_512_repacks_from_the_consumed_position(unique_set):
@@ -175,5 +254,50 @@ def test_state_errors(small_shards, unique_set):
         ShardLoader(small_shards.dir, seq_len=64, micro_batch_size=2, num_workers=0, seed=2).load_state_dict(st)
     with pytest.raises(ValueError, match="field 'shard_set'"):
         ShardLoader(unique_set[0], seq_len=64, micro_batch_size=2, num_workers=0, seed=1).load_state_dict(st)
-    with pytest.raises(ValueError, match="8 shards for 9 loader slots"):
-        ShardLoader(small_shards.dir, seq_len=64, micro_batch_size=2, dp_size=9, num_workers=0)
+    # more slots than shards is fine (slots share shards); more slots than documents is not
+    ShardLoader(small_shards.dir, seq_len=64, micro_batch_size=2, dp_size=9, num_workers=0)
+    with pytest.raises(ValueError, match="64 documents for 66 loader slots"):
+        ShardLoader(unique_set[0], seq_len=64, micro_batch_size=2, dp_size=33, num_workers=2)
+
+
+def test_process_exits_while_a_loader_with_workers_is_mid_epoch(small_shards):
+    """Workers ignore SIGTERM (the trainer decides when to stop); a script that ends while a loader is
+    still iterating must still exit, not wait forever in multiprocessing's exit handler."""
+    import subprocess
+    import sys
+
+    script = (f"from data_pipeline.loader import ShardLoader\n"
+              f"it = iter(ShardLoader({str(small_shards.dir)!r}, seq_len=64, micro_batch_size=2, num_workers=2))\n"
+              f"next(it)\nprint('took a batch', flush=True)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert p.returncode == 0 and "took a batch" in p.stdout, p.stderr
+
+
+def test_resume_from_every_batch_with_a_bad_shard_skipped(tmp_path):
+    """skip_bad_shards with the bad shard last in the slot's order: a state saved after any batch
+    (also once the bad shard was tried and skipped) resumes exactly where it stopped."""
+    from data_pipeline.slots import deal
+
+    rng = np.random.default_rng(3)
+    docs, nxt = [], 5
+    for _ in range(24):
+        n = int(rng.integers(4, 40))
+        docs.append(np.arange(nxt, nxt + n))
+        nxt += n
+    d = tmp_path / "set"
+    write_shard_set(docs, d, vocab_size=60000, max_docs_per_shard=6)
+    last = deal(2, 0, [(6, 0)] * 4, 1)[0][-1].shard                # the shard read last in epoch 0
+    p = d / f"shard-{last:06d}.tar"
+    b = bytearray(p.read_bytes())
+    b[700] ^= 0xFF
+    p.write_bytes(bytes(b))
+    kw = dict(seq_len=24, micro_batch_size=1, num_workers=0, seed=2, max_epochs=1, skip_bad_shards=True)
+    full = list(ShardLoader(d, **kw))
+    assert len(full) > 10
+    for n in range(1, len(full)):
+        ld = ShardLoader(d, **kw)
+        _take(ld, n)
+        resumed = ShardLoader(d, **kw)
+        resumed.load_state_dict(ld.state_dict())
+        assert _same(list(resumed), full[n:]), f"resumed after batch {n}"

@@ -53,7 +53,16 @@ def test_deterministic_and_per_sample():
     other = mask_tokens(ids, att, sample_keys(1, [1] * 8, 0, range(8)), vocab_size=V, mask_id=4,
                         special=_special())
     assert (other[1] != a[1]).any()                            # another epoch masks differently
-    assert len(set(sample_keys(1, [0, 0, 1, 0], [0, 0, 0, 1][0], [0, 1, 0, 0]).tolist())) == 3
+    # the key of a sample changes with each of epoch, slot and sample index, and with nothing else
+    keys = [int(sample_keys(1, [epoch], slot, [sample])[0])
+            for epoch in (0, 1) for slot in (0, 1, 5) for sample in (0, 1, 2)]
+    assert len(set(keys)) == len(keys) == 18
+    assert sample_keys(1, [0, 1, 1], 5, [4, 2, 0])[1] == sample_keys(1, [1], 5, [2])[0]
+    assert sample_keys(2, [1], 5, [2])[0] != sample_keys(1, [1], 5, [2])[0]
+    # masks of the same tokens in two slots differ
+    in_slot = [mask_tokens(ids, att, sample_keys(1, [0] * 8, slot, range(8)), vocab_size=V, mask_id=4,
+                           special=_special())[1] for slot in (0, 1)]
+    assert (in_slot[0] != in_slot[1]).any()
 
 
 def test_whole_word_masking_masks_whole_words():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roformer_dist import model as M
+from roformer_dist import attention as A
 from roformer_dist import rotary as R
 from roformer_dist.config import ModelConfig
 from roformer_dist.model import RoFormerForMaskedLM
@@ -176,7 +176,7 @@ def test_eager_attention_matches_sdpa_without_dropout():
     mask[1, ..., 6:] = False
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.manual_seed(0)
-    got = M._eager_attention(q, k, v, mask, 1e-9)  # dropout on, with a negligible probability
+    got = A.eager_softmax_attention(q, k, v, mask, 1e-9)  # dropout on, with a negligible probability
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -210,18 +210,20 @@ def test_rotary_cache_extends_beyond_max_positions():
     assert out.shape == (1, 40, VOCAB) and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
 @pytest.mark.parametrize("rotary_value", [False, True], ids=["qk", "qkv"])
-def test_apex_weight_permutation_path_matches_reference(monkeypatch, rotary_value):
+def test_apex_weight_permutation_path_matches_reference(monkeypatch, rotary_value, attention):
     """The model's apex path (permuted QKV rows + rotate-half kernel) with the reference rotate-half
-    formula standing in for apex's kernel gives the reference model's outputs and gradients."""
-    cfg = tiny(rotary_value=rotary_value)
+    formula standing in for apex's kernel gives the reference model's outputs and gradients. With
+    linear attention too: its feature map is elementwise, so it commutes with the permutation."""
+    cfg = tiny(rotary_value=rotary_value, attention=attention)
     ids, labels = batch()
     ref = make(cfg)
     apex = make(dataclasses.replace(cfg, rotary_backend="apex"))
     apex.load_state_dict(ref.state_dict())
     monkeypatch.setattr(R, "rotate_half_kernel", R.rotate_half_reference)
-    real_resolve = M.resolve_backend
-    monkeypatch.setattr(M, "resolve_backend", lambda b, d: "apex" if b == "apex" else real_resolve(b, d))
+    real_resolve = R.resolve_backend
+    monkeypatch.setattr(R, "resolve_backend", lambda b, d: "apex" if b == "apex" else real_resolve(b, d))
     out_ref, out_apex = ref(ids, labels=labels), apex(ids, labels=labels)
     torch.testing.assert_close(out_apex.loss, out_ref.loss, atol=1e-6, rtol=1e-6)
     out_ref.loss.backward()

@@ -171,14 +171,14 @@ def test_shard_merge_roundtrip():
 # ----------------------------------------------------------------------------- tensor parallel = unsharded
 
 
-def _tp_vs_unsharded(rank, world_size):
+def _tp_vs_unsharded(rank, world_size, attention="softmax"):
     from roformer_dist.model import RoFormerForMaskedLM
     from roformer_dist.parallel import Layout, ParallelDims, parallelize
     from roformer_dist.parallel.tensor import shard_tensor
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    full = RoFormerForMaskedLM(make_cfg().model)
+    full = RoFormerForMaskedLM(make_cfg(1, 1, 1, 1, f"model.attention={attention}").model)
     tp = parallelize(copy.deepcopy(full), ParallelDims(Layout(tensor=world_size)))
     b = micro_batch(0, 0)
     a, o = full(**b), tp(**b)
@@ -195,8 +195,11 @@ def _tp_vs_unsharded(rank, world_size):
     return errs
 
 
-def test_tensor_parallel_forward_backward_equals_unsharded():
-    for errs in run_distributed(_tp_vs_unsharded, world_size=2, timeout=120):
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_tensor_parallel_forward_backward_equals_unsharded(attention):
+    """Heads split over 2 tensor ranks: loss, accuracy, logits and every gradient shard as unsharded
+    (linear attention too: its KV state and normaliser are per head)."""
+    for errs in run_distributed(_tp_vs_unsharded, world_size=2, args=(attention,), timeout=120):
         assert max(errs.values()) <= 1e-5, errs
 
 

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
+import dataclasses
+import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from roformer_dist import rotary as R
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def naive_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,27 +163,99 @@ def test_compiled_backend_matches_reference(dtype):
     _compare_backend("compiled", "cpu", dtype)
 
 
-def _triton_env_ok() -> bool:
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+@pytest.fixture
+def triton_device(monkeypatch):
+    """Where the Triton kernel runs: "cuda" on a GPU machine; otherwise "cpu" under Triton's interpreter,
+    switched on for this test only (triton reads TRITON_INTERPRET when a kernel is defined, which
+    happens on first use, here; nothing is set in a GPU run)."""
+    if not R.triton_available():
+        pytest.skip("triton is not installed (the `dev` and `gpu` extras have it: pip install -e '.[dev]')")
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = sys.modules.get("roformer_dist.rotary_triton")
+    if kernels is not None and type(kernels.rope_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(kernels)  # defined earlier in this process without the interpreter
+        R._triton_kernel.cache_clear()
+    return "cpu"
 
 
-@pytest.mark.skipif(not R.triton_available(),
-                    reason="triton is not installed (optional `gpu` extra: pip install -e '.[gpu]'); the "
-                           "Triton kernel is tested on CUDA, or on CPU under TRITON_INTERPRET=1")
-def test_triton_backend_matches_reference():
-    if _triton_env_ok():
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        for dtype in (torch.float32, torch.bfloat16):
-            _compare_backend("triton", device, dtype)
-            _compare_backend("triton", device, dtype, S=7, H=5, D=12)  # non-power-of-2 heads and dims
-        return
-    # CPU without the interpreter flag: run this very test in a child with TRITON_INTERPRET=1
-    # (triton reads the flag when a kernel is defined, so it must be set before import).
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"{__file__}::test_triton_backend_matches_reference"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("S, H, D", [(24, 3, 16), (7, 5, 12), (13, 16, 64)],
+                         ids=["even", "odd_len_heads_dims", "several_position_tiles"])
+def test_triton_backend_matches_reference(triton_device, dtype, S, H, D):
+    """Forward and backward, q and k as strided views of one fused projection; odd lengths, head counts
+    and head sizes; (13, 16, 64) spans several position tiles with a partial last one."""
+    _compare_backend("triton", triton_device, dtype, S=S, H=H, D=D)
+
+
+def test_triton_rotates_q_and_k_in_one_launch(triton_device, monkeypatch):
+    launches = []
+    real = R._triton_launch
+
+    def counting(x1, x2, cos, sin, backward):
+        launches.append((x2 is not None, backward))
+        return real(x1, x2, cos, sin, backward)
+
+    monkeypatch.setattr(R, "_triton_launch", counting)
+    q, k = (t.to(triton_device).requires_grad_() for t in make_qk(S=9))
+    cos, sin = R.rotary_tables(9, q.shape[-1], device=triton_device)
+    qo, ko = R.apply_rotary(q, k, cos, sin, "triton")
+    (qo.sum() + 2 * ko.sum()).backward()
+    assert launches == [(True, False), (True, True)]  # one forward and one backward launch, both tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_accepts_any_strides(triton_device, dtype):
+    """A (B, H, S, D) tensor seen as (B, S, H, D) (permuted strides) and one whose last dim is strided."""
+    g = torch.Generator().manual_seed(0)
+    S, H, D = 11, 3, 8
+    bhsd = torch.randn(2, H, S, D, generator=g).to(triton_device, dtype)
+    wide = torch.randn(2, S, H, 2 * D, generator=g).to(triton_device, dtype)
+    q, k = bhsd.transpose(1, 2), wide[..., ::2]  # k: stride(-1) == 2
+    assert not q.is_contiguous() and k.stride(-1) == 2
+    cos, sin = R.rotary_tables(S, D, device=triton_device)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    for got, ref in zip(R.apply_rotary(q, k, cos, sin, "triton"), R.apply_rotary(q, k, cos, sin, "reference")):
+        torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_model_with_triton_backend_matches_reference(triton_device, attention):
+    """The whole model (rotary_value on: q, k and v rotated) through the Triton kernel: loss and gradients."""
+    from roformer_dist.config import ModelConfig
+    from roformer_dist.model import RoFormerForMaskedLM
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      intermediate_size=48, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, rotary_value=True, attention=attention,
+                      rotary_backend="reference")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (2, 9), generator=g).to(triton_device)
+    labels = torch.where(torch.rand(2, 9, generator=g).to(triton_device) < 0.4, ids, -100)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    results = []
+    for backend in ("reference", "triton"):
+        torch.manual_seed(0)
+        model = RoFormerForMaskedLM(dataclasses.replace(cfg, rotary_backend=backend)).to(triton_device)
+        out = model(ids, mask, labels=labels)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(R, "triton_available", lambda: True)
+    R._resolve.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="rotary_backend: triton runs on CUDA devices"):
+            R.resolve_backend("triton", "cpu")
+    finally:
+        R._resolve.cache_clear()
 
 
 @pytest.mark.skipif(not (R.flash_attn_available() and torch.cuda.is_available()),

@@ -7,6 +7,7 @@ import pytest
 
 from data_pipeline import cli
 from data_pipeline.corpus import read_documents
+from data_pipeline.errors import DataError, UsageError
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import (CorruptShardError, build_shards, check_tokenizer, read_manifest, read_shard,
                                   verify_shard_set)
@@ -78,26 +79,30 @@ def test_same_input_gives_identical_shards_with_two_workers(tmp_path, small_shar
     assert [e["sha256"] for e in m1["shards"]] == [e["sha256"] for e in m2["shards"]]
 
 
-def test_interrupted_build_leaves_no_manifest_and_rerun_repairs(tmp_path, small_shards):
+def test_failed_rebuild_keeps_the_old_set_and_leaves_nothing(tmp_path, small_shards):
     out = tmp_path / "set"
     good = build_shards(small_shards.eval_source, small_shards.tokenizer, out, max_docs_per_shard=100,
                         progress=False)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(open(small_shards.eval_source, "rb").read() + b"\xff\n")
-    with pytest.raises(ValueError, match="invalid UTF-8"):
-        build_shards(bad, small_shards.tokenizer, out, max_docs_per_shard=100, progress=False, strict=True)
-    with pytest.raises(ValueError, match="not a shard set"):
-        read_manifest(out)
-    again = build_shards(small_shards.eval_source, small_shards.tokenizer, out, max_docs_per_shard=100,
-                         progress=False)
-    assert again["shards"] == good["shards"] and verify_shard_set(out) == []
+    with pytest.raises(UsageError, match="a shard set is already there; pass --force"):
+        build_shards(small_shards.eval_source, small_shards.tokenizer, out, progress=False)
+    with pytest.raises(DataError, match=r"bad\.txt:401: invalid UTF-8"):
+        build_shards(bad, small_shards.tokenizer, out, max_docs_per_shard=100, progress=False, strict=True,
+                     force=True)
+    assert read_manifest(out)["shards"] == good["shards"] and verify_shard_set(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "set"]       # no staging left behind
+    again = build_shards(small_shards.eval_source, small_shards.tokenizer, out, max_docs_per_shard=50,
+                         progress=False, force=True)
+    assert len(again["shards"]) == 8 and verify_shard_set(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "set"]
 
 
 def test_truncated_shard(tmp_path, small_shards, capsys):
     d = _copy(small_shards, tmp_path)
     p = d / "shard-000002.tar"
     p.write_bytes(p.read_bytes()[:5000])
-    assert cli.main(["inspect", "--verify", str(d)]) == 1
+    assert cli.main(["inspect", "--verify", str(d)]) == 4
     assert "shard-000002.tar" in capsys.readouterr().err
     m = read_manifest(d)
     with pytest.raises(CorruptShardError, match=r"shard-000002\.tar: truncated"):
@@ -128,7 +133,7 @@ def test_hash_mismatch_and_skip_bad_shards(tmp_path, small_shards, caplog):
 def test_missing_shard_file(tmp_path, small_shards, capsys):
     d = _copy(small_shards, tmp_path)
     (d / "shard-000001.tar").unlink()
-    assert cli.main(["inspect", "--verify", str(d)]) == 1
+    assert cli.main(["inspect", "--verify", str(d)]) == 4
     assert "shard-000001.tar: shard missing" in capsys.readouterr().err
 
 
@@ -144,7 +149,7 @@ def test_tokenizer_mismatch(tmp_path, small_shards, capsys):
         check_tokenizer(d, vocab_size=8000)
     check_tokenizer(d, tokenizer=small_shards.tokenizer, vocab_size=4000)
     shutil.copyfile(other, d / "tokenizer.model")  # the set's own model replaced
-    assert cli.main(["inspect", "--verify", str(d)]) == 1
+    assert cli.main(["inspect", "--verify", str(d)]) == 4
     assert "tokenizer mismatch" in capsys.readouterr().err
 
 
@@ -168,7 +173,7 @@ def test_manifest_errors_name_the_field(tmp_path, small_shards):
 
 
 def test_fast_tar_index_equals_the_general_parser(small_shards):
-    from data_pipeline.shards import _index_members_fast, iter_tar_members
+    from data_pipeline.tario import _index_members_fast, iter_tar_members
 
     buf = (small_shards.dir / "shard-000000.tar").read_bytes()
     fast = _index_members_fast(buf)
@@ -177,3 +182,41 @@ def test_fast_tar_index_equals_the_general_parser(small_shards):
     assert [s for n, s, _ in members if n.endswith(".ids")] == fast[0].tolist()
     assert [z for n, _, z in members if n.endswith(".wwm")] == fast[3].tolist()
     assert _index_members_fast(buf[:len(buf) // 2]) is None   # truncated: the general path reports it
+
+
+def test_documents_blob_is_byte_for_byte_what_the_writer_adds(tmp_path):
+    from data_pipeline.tario import ShardWriter, documents_blob
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 700, 40)
+    ids = rng.integers(5, 60000, int(lengths.sum())).astype(np.uint16)
+    marks = (rng.random(len(ids)) < 0.5).astype(np.uint8)
+    keys = np.cumsum(rng.integers(1, 5, 40))
+    one = ShardWriter(tmp_path / "a", np.uint16, 10 ** 9)
+    (tmp_path / "a").mkdir()
+    pos = 0
+    for k, n in zip(keys.tolist(), lengths.tolist()):
+        one.num_docs_total = k
+        one.add(ids[pos:pos + n], marks[pos:pos + n])
+        pos += n
+    one.close_shard()
+    blob, sizes = documents_blob(keys, ids, lengths, marks)
+    data = (tmp_path / "a" / "shard-000000.tar").read_bytes()
+    assert data[:len(blob)] == blob.tobytes() and sizes.sum() == len(blob)
+    with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tf:              # the standard reader agrees
+        assert [m.name for m in tf.getmembers()][:2] == [f"{keys[0]:010d}.ids", f"{keys[0]:010d}.wwm"]
+    # cut into the same shards as add() one by one (keys 0, 1, ...: add()'s own numbering)
+    blob, sizes = documents_blob(np.arange(40), ids, lengths, marks)
+    many = ShardWriter(tmp_path / "b", np.uint16, 3000, max_docs_per_shard=7)
+    (tmp_path / "b").mkdir()
+    many.add_blob(blob[:sizes[:13].sum()], sizes[:13], lengths[:13] * 2, lengths[:13])   # in two parts
+    many.add_blob(blob[sizes[:13].sum():], sizes[13:], lengths[13:] * 2, lengths[13:])
+    many.close_shard()
+    each = ShardWriter(tmp_path / "c", np.uint16, 3000, max_docs_per_shard=7)
+    (tmp_path / "c").mkdir()
+    pos = 0
+    for n in lengths.tolist():
+        each.add(ids[pos:pos + n], marks[pos:pos + n])
+        pos += n
+    each.close_shard()
+    assert many.entries == each.entries and len(each.entries) > 5

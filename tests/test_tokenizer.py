@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.corpus import read_documents
+from data_pipeline.errors import DataError, UsageError
 from data_pipeline.tokenizer import SPECIAL_IDS, Tokenizer, train_tokenizer
 
 
@@ -43,7 +44,7 @@ def test_bpe_option_and_too_small_vocab(tmp_path, peoples_daily):
                             input_sentence_size=200)
     tk = Tokenizer(model)
     assert tk.sp.GetPieceSize() <= 3000 and tk.decode(tk.encode(texts[0])) == texts[0]
-    with pytest.raises(ValueError, match="vocab_size: 300 is smaller than the characters"):
+    with pytest.raises(UsageError, match="vocab_size: 300 is smaller than the characters"):
         train_tokenizer(texts, tmp_path / "small", vocab_size=300, num_threads=2)
     with pytest.raises(ValueError, match="model_type"):
         train_tokenizer(texts, tmp_path / "x", vocab_size=3000, model_type="wordpiece")
@@ -51,14 +52,32 @@ def test_bpe_option_and_too_small_vocab(tmp_path, peoples_daily):
 
 def test_jieba_missing_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "jieba", None)  # as if not installed
-    with pytest.raises(ImportError, match="pip install jieba"):
+    with pytest.raises(UsageError, match="pip install jieba"):
         train_tokenizer(["中文"], tmp_path / "j", vocab_size=1000, jieba=True)
 
 
 def test_not_a_model(tmp_path):
     bad = tmp_path / "bad.model"
     bad.write_bytes(b"not a model")
-    with pytest.raises(ValueError, match="bad.model: not a SentencePiece model"):
+    with pytest.raises(DataError, match="bad.model: not a SentencePiece model"):
         Tokenizer(bad)
-    with pytest.raises(FileNotFoundError, match="missing.model"):
+    with pytest.raises(DataError, match="missing.model: no such file"):
         Tokenizer(tmp_path / "missing.model")
+
+
+def test_batch_encoding_and_word_marks_equal_the_per_document_ones(small_shards, reviews):
+    from data_pipeline.corpus import read_documents
+
+    tk = Tokenizer(small_shards.tokenizer)
+    docs = list(read_documents(small_shards.source, limit=300)) + list(read_documents(reviews[0], limit=300))
+    docs.append(type(docs[0])("𠀀龘 Hello World123 [SEP]", None))          # byte fallback, ASCII runs
+    texts = [d.text for d in docs]
+    ids, lengths = tk.encode_flat(texts)
+    marks = tk.word_marks_flat(ids, lengths, texts, [d.words for d in docs])
+    assert any(d.words for d in docs) and any(d.words is None for d in docs)
+    pos = 0
+    for d, n in zip(docs, lengths.tolist()):
+        assert ids[pos:pos + n].tolist() == tk.encode(d.text).tolist()
+        assert marks[pos:pos + n].tolist() == tk.word_marks(d.text, ids[pos:pos + n], d.words).tolist()
+        pos += n
+    assert pos == len(ids)

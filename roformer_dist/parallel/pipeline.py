@@ -25,14 +25,14 @@ copies, then sharded), so any layout starts from exactly the weights of the 1-pr
 from __future__ import annotations
 
 import copy
+import functools
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from roformer_dist.model import IGNORE_INDEX, RoFormerForMaskedLM
-from roformer_dist.parallel.tensor import (VocabParallelEmbedding, copy_to_tp, parallelize_layer, shard_head_bias,
-                                           vocab_parallel_loss, vocab_range)
-from roformer_dist.rotary import RotaryCache
+from roformer_dist.model import RoFormerForMaskedLM, RoFormerMLMHead, masked_lm_loss, rotary_cache, select_predicted
+from roformer_dist.parallel.tensor import (VocabParallelEmbedding, parallelize_layer, vocab_parallel_bias,
+                                           vocab_parallel_decode, vocab_parallel_loss, vocab_range)
 
 CHECKPOINTABLE = ["PipeLayer"]
 
@@ -45,9 +45,7 @@ class VocabPipe(nn.Module):
         self.embeddings = copy.deepcopy(model.embeddings)
         self.embeddings.word_embeddings = VocabParallelEmbedding(model.embeddings.word_embeddings, tp_rank,
                                                                  tp_size, group)
-        head = copy.deepcopy(model.head)
-        shard_head_bias(head, tp_rank, tp_size)
-        self.bias = head.bias
+        self.bias = vocab_parallel_bias(model.head.bias, tp_rank, tp_size)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -69,9 +67,7 @@ class PipeLayer(nn.Module):
     def __init__(self, model: RoFormerForMaskedLM, index: int, tp_rank: int, tp_size: int, group):
         super().__init__()
         self.layer = parallelize_layer(copy.deepcopy(model.layers[index]), tp_rank, tp_size, group)
-        c = model.config
-        self.rotary = (RotaryCache(c.hidden_size // c.num_attention_heads, c.max_position_embeddings)
-                       if c.position_embedding == "rotary" else None)
+        self.rotary = rotary_cache(model.config)
 
     def forward(self, inputs):
         hidden, attention_mask, labels = inputs
@@ -93,19 +89,18 @@ class HeadPipe(nn.Module):
         self.norm = copy.deepcopy(model.head.norm)
         self.act = model.head.act
 
+    transform = RoFormerMLMHead.transform  # the head's own code, on this copy of its dense / act / norm
+
     def forward(self, inputs):
         hidden, _, labels = inputs
-        return self.norm(self.act(self.dense(hidden))), labels
+        return self.transform(hidden), labels
 
 
 def decode(vocab: VocabPipe, inputs):
     """Tied decoder on the predicted positions: (h, labels) -> (logits (N, V_local), target (N,))."""
     h, labels = inputs
-    labels = labels.reshape(-1)
-    index = (labels != IGNORE_INDEX).nonzero().squeeze(1)
-    h = h.reshape(-1, h.shape[-1]).index_select(0, index)
-    logits = F.linear(copy_to_tp(h, vocab.embeddings.word_embeddings.group), vocab.weight, vocab.bias)
-    return logits, labels.index_select(0, index)
+    h, target = select_predicted(h, labels)
+    return vocab_parallel_decode(h, vocab.weight, vocab.bias, vocab.embeddings.word_embeddings.group), target
 
 
 class MLMLoss:
@@ -116,17 +111,14 @@ class MLMLoss:
     (the trainer's fault-injection hook)."""
 
     def __init__(self, vocab_start: int, group):
-        self.vocab_start, self.group = vocab_start, group
+        self.criterion = functools.partial(vocab_parallel_loss, vocab_start=vocab_start, group=group)
         self.records: list[tuple[float, float, int]] = []
         self.inject_nan = False
         self.__name__ = "MLMLoss"
 
     def __call__(self, outputs, _labels) -> torch.Tensor:
         logits, target = outputs
-        if target.numel() == 0:
-            loss, accuracy = logits.float().sum() * 0.0, torch.zeros(())
-        else:
-            loss, accuracy = vocab_parallel_loss(logits.float(), target, self.vocab_start, self.group)
+        loss, accuracy = masked_lm_loss(logits, target, self.criterion)
         if self.inject_nan:
             loss = loss * float("nan")
         self.records.append((float(loss.detach()), float(accuracy) * target.numel(), target.numel()))

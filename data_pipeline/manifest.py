@@ -1,0 +1,262 @@
+"""The shard-set manifest: reading and validating it, and checking it against its tokenizer.
+
+``manifest.json`` (format 1) describes a shard set::
+
+    format        1
+    tokenizer     {path: "tokenizer.model" (relative to the set) or null, sha256: hex or null}
+    vocab_size    pieces of the tokenizer (the model's embedding rows)
+    special_ids   {pad: 0, unk: 1, cls: 2, sep: 3, mask: 4}
+    dtype         "uint16" (vocab_size <= 65536) or "uint32": the token ids in the shards
+    wwm           true when the shards carry word-start marks (.wwm members)
+    num_docs, num_tokens   totals over the shards
+    shards        [{name: shard-NNNNNN.tar, num_docs, num_tokens, sha256}, ...]
+
+A manifest is only written once every shard it lists is complete (atomically, last), and a set is
+only moved into place once its manifest exists (:class:`data_pipeline.atomic.StagedDir`).
+
+Checks, each raising :class:`~data_pipeline.errors.DataError` naming the file and field:
+:func:`read_manifest` (structure, types, totals), :func:`check_tokenizer` (the tokenizer file
+against the manifest: sha256, vocabulary size, special ids, dtype) and
+:func:`check_training_data` (what the trainer runs before it builds a model: the training set,
+the eval set against it, the model's vocabulary size and the checkpoint's tokenizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+from .errors import DataError, UsageError
+from .source import ShardSource, UrlError
+from .tokenizer import SPECIAL_IDS, SPECIAL_TOKENS, sha256_file
+
+__all__ = ["FORMAT_VERSION", "MANIFEST", "SHARD_NAME", "read_manifest", "parse_manifest", "tokenizer_path",
+           "read_tokenizer", "check_tokenizer", "check_training_data", "as_source", "dtype_for"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_NAME = re.compile(r"^shard-\d{6,}\.tar$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def as_source(location) -> ShardSource:
+    return location if isinstance(location, ShardSource) else ShardSource(location)
+
+
+def dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _field_error(path, key: str, expected: str, got) -> DataError:
+    return DataError(f"{path}: field {key!r}: expected {expected}, got {got!r}")
+
+
+def read_manifest(location) -> dict:
+    """Read and validate the manifest of a shard set (directory, URL prefix or ShardSource)."""
+    src = as_source(location)
+    where = src.child(MANIFEST)
+    if not src.is_url:
+        if not src.location.is_dir():
+            raise DataError(f"{src}: not a shard set (no such directory)")
+        if not (src.location / MANIFEST).is_file():
+            raise DataError(f"{src}: not a shard set (no {MANIFEST}; make one with `roformer-data prepare` "
+                            f"or `roformer-data shards`)")
+    try:
+        raw = src.read(MANIFEST, "manifest")
+    except UrlError as e:
+        raise DataError(f"{src}: not a readable shard set ({e})") from None
+    except OSError as e:
+        raise DataError(f"{where}: cannot read ({e.strerror})") from None
+    return parse_manifest(raw, where)
+
+
+def parse_manifest(raw: bytes | str, path) -> dict:
+    """Validate manifest JSON; DataError naming ``path`` and the field."""
+    try:
+        m = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(m, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(m).__name__}")
+
+    def req(key, types, expected):
+        if key not in m:
+            raise DataError(f"{path}: missing field {key!r} ({expected})")
+        if not isinstance(m[key], types) or (isinstance(m[key], bool) and types is int):
+            raise _field_error(path, key, expected, m[key])
+        return m[key]
+
+    if req("format", int, f"format version {FORMAT_VERSION}") != FORMAT_VERSION:
+        raise _field_error(path, "format", f"format version {FORMAT_VERSION}", m["format"])
+    tok = req("tokenizer", dict, "an object {path, sha256}")
+    for k in ("path", "sha256"):
+        if k not in tok or not (tok[k] is None or isinstance(tok[k], str)):
+            raise _field_error(path, f"tokenizer.{k}", "a string (or null for a synthetic set)", tok.get(k))
+    if tok["sha256"] is not None and not _HEX64.match(tok["sha256"]):
+        raise _field_error(path, "tokenizer.sha256", "64 lowercase hex digits", tok["sha256"])
+    vocab = req("vocab_size", int, "a positive integer")
+    if vocab <= 0:
+        raise _field_error(path, "vocab_size", "a positive integer", vocab)
+    sp = req("special_ids", dict, "an object {pad, unk, cls, sep, mask}")
+    for k in SPECIAL_IDS:
+        if not isinstance(sp.get(k), int) or not 0 <= sp[k] < vocab:
+            raise _field_error(path, f"special_ids.{k}", f"an id in [0, {vocab})", sp.get(k))
+    dtype = req("dtype", str, "'uint16' or 'uint32'")
+    if dtype not in ("uint16", "uint32"):
+        raise _field_error(path, "dtype", "'uint16' or 'uint32'", dtype)
+    if dtype == "uint16" and vocab > 1 << 16:
+        raise _field_error(path, "dtype", f"uint32 for vocab_size {vocab}", dtype)
+    m.setdefault("wwm", False)
+    if not isinstance(m["wwm"], bool):
+        raise _field_error(path, "wwm", "true or false", m["wwm"])
+    shards = req("shards", list, "a non-empty list of shard entries")
+    if not shards:
+        raise _field_error(path, "shards", "a non-empty list of shard entries", shards)
+    names = set()
+    for i, s in enumerate(shards):
+        key = f"shards[{i}]"
+        if not isinstance(s, dict):
+            raise _field_error(path, key, "an object {name, num_docs, num_tokens, sha256}", s)
+        if not isinstance(s.get("name"), str) or not SHARD_NAME.match(s["name"]):
+            raise _field_error(path, f"{key}.name", "a file name like shard-000000.tar", s.get("name"))
+        if s["name"] in names:
+            raise _field_error(path, f"{key}.name", "a unique name", s["name"])
+        names.add(s["name"])
+        for k in ("num_docs", "num_tokens"):
+            if not isinstance(s.get(k), int) or isinstance(s.get(k), bool) or s[k] < 0:
+                raise _field_error(path, f"{key}.{k}", "a non-negative integer", s.get(k))
+        if not isinstance(s.get("sha256"), str) or not _HEX64.match(s["sha256"]):
+            raise _field_error(path, f"{key}.sha256", "64 lowercase hex digits", s.get("sha256"))
+    for k in ("num_docs", "num_tokens"):
+        total = sum(s[k] for s in shards)
+        if req(k, int, "a non-negative integer") != total:
+            raise _field_error(path, k, f"the sum over shards ({total})", m[k])
+    return m
+
+
+# --------------------------------------------------------------------------- the tokenizer of a set
+
+
+def tokenizer_path(shard_dir, manifest: dict) -> Optional[Path]:
+    """The tokenizer model of a local shard set (its manifest path is relative to the set, or absolute)."""
+    p = manifest["tokenizer"]["path"]
+    return None if p is None else (Path(str(shard_dir)) / p)
+
+
+def read_tokenizer(location, manifest: dict) -> Optional[bytes]:
+    """The bytes of the set's own tokenizer model (None for a set made without one)."""
+    src = as_source(location)
+    rel = manifest["tokenizer"]["path"]
+    if rel is None:
+        return None
+    where = f"{src.child(MANIFEST)}: field 'tokenizer.path'"
+    try:
+        return src.read(rel, "tokenizer")
+    except FileNotFoundError:
+        raise DataError(f"{where}: the tokenizer model {src.child(rel)} is missing") from None
+    except UrlError as e:
+        raise DataError(f"{where}: {e}") from None
+    except OSError as e:
+        raise DataError(f"{where}: cannot read the tokenizer model {src.child(rel)} ({e.strerror})") from None
+
+
+def model_facts(model: bytes, name: str) -> tuple[int, dict]:
+    """(vocabulary size, {special: id as the model has it}) of a serialized SentencePiece model."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(model)
+    except (RuntimeError, OSError) as e:
+        raise DataError(f"tokenizer {name}: not a SentencePiece model ({e})") from None
+    return sp.GetPieceSize(), {k: sp.PieceToId(tok) for k, tok in SPECIAL_TOKENS.items()}
+
+
+def check_tokenizer(location, manifest: Optional[dict] = None, *, tokenizer: str | os.PathLike | None = None,
+                    sha256: Optional[str] = None, vocab_size: Optional[int] = None) -> None:
+    """DataError unless the set's tokenizer and manifest agree, naming the disagreeing field.
+
+    Without ``tokenizer``/``sha256`` the set's own model is checked: its sha256 against
+    ``tokenizer.sha256``, its size against ``vocab_size``, its special-token ids against
+    ``special_ids``. With ``tokenizer`` (a model file) or ``sha256``, that tokenizer must be the one
+    the set was made with. ``vocab_size``: what a model expects (``vocab_size mismatch`` otherwise).
+    """
+    src = as_source(location)
+    manifest = manifest if manifest is not None else read_manifest(src)
+    mpath = src.child(MANIFEST)
+    want = manifest["tokenizer"]["sha256"]
+    name = tokenizer
+    if tokenizer is not None:
+        sha256 = sha256_file(tokenizer)
+    elif sha256 is None and manifest["tokenizer"]["path"] is not None:
+        model = read_tokenizer(src, manifest)
+        name = src.child(manifest["tokenizer"]["path"])
+        sha256 = hashlib.sha256(model).hexdigest()
+        if want is not None and sha256 != want:
+            raise DataError(f"{mpath}: field 'tokenizer.sha256': tokenizer mismatch: the shards were made with a "
+                            f"tokenizer of sha256 {want[:16]}..., but {name} has sha256 {sha256[:16]}...")
+        size, ids = model_facts(model, str(name))
+        if size != manifest["vocab_size"]:
+            raise DataError(f"{mpath}: field 'vocab_size' is {manifest['vocab_size']}, but the tokenizer {name} has "
+                            f"{size} pieces (the manifest was edited or belongs to another tokenizer)")
+        for key, got in ids.items():
+            if manifest["special_ids"][key] != got:
+                raise DataError(f"{mpath}: field 'special_ids.{key}' is {manifest['special_ids'][key]}, but the "
+                                f"tokenizer {name} has {SPECIAL_TOKENS[key]} at id {got}")
+        if manifest["dtype"] != dtype_for(size):
+            raise DataError(f"{mpath}: field 'dtype' is {manifest['dtype']!r}, expected {dtype_for(size)!r} for "
+                            f"{size} pieces")
+    if sha256 is not None and want is not None and sha256 != want:
+        raise DataError(f"{mpath}: field 'tokenizer.sha256': tokenizer mismatch: the shards were made with a "
+                        f"tokenizer of sha256 {want[:16]}..., but {name or 'the given tokenizer'} has sha256 "
+                        f"{sha256[:16]}...")
+    if vocab_size is not None and vocab_size != manifest["vocab_size"]:
+        raise DataError(f"{mpath}: vocab_size mismatch: the shards have vocab_size {manifest['vocab_size']}, "
+                        f"the model expects {vocab_size}")
+
+
+def check_training_data(shards, eval_shards=None, *, model_vocab_size: Optional[int] = None,
+                        checkpoint_tokenizer_sha256: Optional[str] = None) -> dict:
+    """The checks made before training starts; returns the training set's manifest.
+
+    Each set's manifest against its own tokenizer (:func:`check_tokenizer`); the eval set against
+    the training set (tokenizer sha256, vocab_size, special_ids, dtype), the model's vocabulary size
+    (None = take it from the manifest) and the tokenizer recorded in the checkpoint being resumed.
+    Each error names the config key and the manifest field that disagrees.
+    """
+    if not shards:
+        raise UsageError("data.shards: no training shard set given (a directory or URL made by "
+                         "`roformer-data prepare`)")
+    try:
+        m = read_manifest(shards)
+        check_tokenizer(shards, m)
+    except DataError as e:
+        raise DataError(f"data.shards: {e}") from None
+    vocab, sha = m["vocab_size"], m["tokenizer"]["sha256"]
+    if model_vocab_size is not None and model_vocab_size != vocab:
+        raise UsageError(f"model.vocab_size: {model_vocab_size} differs from the shard manifest's vocab_size "
+                         f"{vocab} ({as_source(shards).child(MANIFEST)}); use model.vocab_size=auto")
+    if eval_shards:
+        try:
+            ev = read_manifest(eval_shards)
+            check_tokenizer(eval_shards, ev)
+        except DataError as e:
+            raise DataError(f"data.eval_shards: {e}") from None
+        where = as_source(eval_shards).child(MANIFEST)
+        if ev["tokenizer"]["sha256"] != sha:
+            a, b = ev["tokenizer"]["sha256"], sha
+            raise DataError(f"data.eval_shards: {where}: field 'tokenizer.sha256' is {a and a[:16]}..., data.shards' "
+                            f"is {b and b[:16]}...: the eval set was made with another tokenizer")
+        for key in ("vocab_size", "special_ids", "dtype"):
+            if ev[key] != m[key]:
+                raise DataError(f"data.eval_shards: {where}: field {key!r} is {ev[key]!r}, data.shards' is "
+                                f"{m[key]!r}")
+    if checkpoint_tokenizer_sha256 and checkpoint_tokenizer_sha256 != sha:
+        raise DataError(f"data.shards: tokenizer sha256 {sha and sha[:12]} differs from the checkpoint's "
+                        f"{checkpoint_tokenizer_sha256[:12]}; resuming on shards of another tokenizer would "
+                        "scramble the vocabulary")
+    return m
