@@ -19,22 +19,12 @@ On this machine 4 ranks share 2 cores, so step times compare layouts only roughl
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-import warnings
-from pathlib import Path
 
-import _common as C  # noqa: E402  (puts the checkout on sys.path)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 
 import torch  # noqa: E402
-
-from multiproc import run_distributed  # noqa: E402  (tests/multiproc.py: N gloo ranks)
 
 
 def parse_args(argv=None):
@@ -54,26 +44,18 @@ def parse_args(argv=None):
 
 
 def make_config(a, tensor: int, pipeline: int):
-    from roformer_dist.config import load_config
-
-    return load_config(None, [f"model={a.model}", f"model.vocab_size={a.vocab}", "model.hidden_dropout_prob=0.0",
-                              "model.attention_probs_dropout_prob=0.0", "deepspeed.zero_stage=1",
-                              f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}",
-                              f"dist.world_size={a.ranks}", "optim.warmup_steps=0",
-                              f"curriculum.stages=[{{name: s, seq_len: {a.seq}, global_batch_size: {a.global_batch}, "
-                              f"steps: {a.steps}, micro_batch_size: {a.micro_batch}}}]"])
+    return C.stage_config(model=a.model, vocab=a.vocab, ranks=a.ranks, seq=a.seq, global_batch=a.global_batch,
+                          micro_batch=a.micro_batch, steps=a.steps,
+                          overrides=("deepspeed.zero_stage=1", f"parallel.tensor={tensor}", f"parallel.pipeline={pipeline}"))
 
 
 def batches(a, dp_rank: int, dp_size: int):
     per_step = a.global_batch // a.micro_batch
     for step in range(10**6):
         for i in range(dp_rank, per_step, dp_size):
-            g = torch.Generator().manual_seed(1000 * step + i)
-            ids = torch.randint(5, a.vocab, (a.micro_batch, a.seq), generator=g)
-            masked = torch.rand(a.micro_batch, a.seq, generator=g) < 0.15
-            yield {"input_ids": torch.where(masked, torch.full_like(ids, 4), ids),
-                   "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
-                   "labels": torch.where(masked, ids, torch.full_like(ids, -100))}
+            ids, labels = C.random_mlm_batch(a.vocab, a.micro_batch, a.seq, seed=1000 * step + i)
+            yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
+                   "labels": labels}
 
 
 def param_bytes(module: torch.nn.Module) -> int:
@@ -88,14 +70,10 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 
 def run_layout(rank: int, world_size: int, a, tensor: int, pipeline: int) -> dict:
-    import deepspeed
-
     from roformer_dist.model import RoFormerForMaskedLM
     from roformer_dist.parallel import build_parallel_engine
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(a.threads)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    C.init_rank(a.threads)
     cfg = make_config(a, tensor, pipeline)
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(cfg.model)
@@ -119,7 +97,7 @@ def main(argv=None) -> None:
     results = {}
     for layout in a.layouts:
         t, p = (int(x) for x in layout.split("x"))
-        per_rank = run_distributed(run_layout, world_size=a.ranks, args=(a, t, p), timeout=900)
+        per_rank = C.run_distributed(run_layout, world_size=a.ranks, args=(a, t, p), timeout=900)
         results[layout] = per_rank
         print(f"tensor {t} x pipeline {p} x data {a.ranks // (t * p)}: "
               f"{max(r['param_bytes'] for r in per_rank) / 2**20:.2f} MiB params/rank, "

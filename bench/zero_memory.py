@@ -10,8 +10,9 @@ every rank measures the tensors its engine actually holds:
                 ``fp16_partitioned_groups_flat``)
     grads       ``p.grad``, ZeRO's averaged gradients (``averaged_gradients``, ``grads_in_partition``,
                 ZeRO-3's ``grad_partitions_flat_buffer``) and any ``.grad`` of the fp32 partitions
-    optimizer   fp32 master partitions (``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``)
-                + the inner optimizer's state (Adam moments, step)
+    optimizer   fp32 master weights or their partitions (``single_partition_of_fp32_groups`` /
+                ``fp32_partitioned_groups_flat``; ZeRO-0 in bf16: ``fp32_groups``) + the inner
+                optimizer's state (Adam moments, step)
 
 Tensors are counted by *storage* (a view into a flat buffer counts the buffer once; a storage that two
 categories share is counted in the first: params, grads, optimizer). Note: DeepSpeed 0.19.8's ZeRO-3
@@ -32,34 +33,26 @@ tokens/s per rank = micro-batch x seq_len x accumulation / median step time of t
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-import warnings
-from pathlib import Path
 
-import _common as C  # noqa: E402  (puts the checkout on sys.path)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 
 import torch  # noqa: E402
-
-from multiproc import run_distributed  # noqa: E402  (tests/multiproc.py: N gloo ranks, failures propagate)
 
 CATEGORIES = ("params", "grads", "optimizer")
 
 # Attributes of DeepSpeed's optimizer wrappers by category (stage 1/2: DeepSpeedZeroOptimizer; stage 3:
-# DeepSpeedZeroOptimizer_Stage3; stage 0 + bf16: BF16_Optimizer)
+# DeepSpeedZeroOptimizer_Stage3; stage 0 + bf16: FP16_UnfusedOptimizer (``fp32_groups``: its fp32 master
+# copies) or BF16_Optimizer)
 ZERO_ATTRS = {
     "params": ("bit16_groups_flat", "fp16_partitioned_groups_flat", "lp_param_buffer",
                "parallel_partitioned_bit16_groups", "bf16_groups_flat", "bf16_partitioned_groups"),
     "grads": ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients_flat",
               "fp32_groups_gradients", "fp32_groups_actual_gradients_flat", "fp32_groups_gradient_flat_partition"),
-    "optimizer": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"),
+    "optimizer": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                  "fp32_groups"),
 }
 BUFFER_ATTRS = ("ipg_buckets",)
 
@@ -119,8 +112,8 @@ def measure_model_state(engine) -> dict:
     ledger = _Ledger()
     module_params = list(engine.module.parameters())
     opt = engine.optimizer
-    zero = opt if hasattr(opt, "optimizer") and any(hasattr(opt, a) for attrs in ZERO_ATTRS.values()
-                                                     for a in attrs) else None
+    # any DeepSpeed wrapper around the torch optimizer (every tensor it holds is counted or listed as "other")
+    zero = opt if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer) else None
     inner = zero.optimizer if zero is not None else opt
 
     ledger.add("params", (p.data for p in module_params))
@@ -166,34 +159,17 @@ def measure_model_state(engine) -> dict:
 # ----------------------------------------------------------------------------------------- one stage
 
 def make_config(a, zero_stage: int):
-    from roformer_dist.config import load_config
-
-    gbs = a.micro_batch * a.ranks
-    return load_config(None, [f"model={a.model}", f"model.vocab_size={a.vocab}", "model.hidden_dropout_prob=0.0",
-                              "model.attention_probs_dropout_prob=0.0", f"deepspeed.zero_stage={zero_stage}",
-                              f"deepspeed.precision={a.precision}",
-                              f"dist.world_size={a.ranks}", "optim.warmup_steps=0", "optim.lr=1e-4",
-                              f"curriculum.stages=[{{name: s, seq_len: {a.seq}, global_batch_size: {gbs}, "
-                              f"steps: {a.steps}, micro_batch_size: {a.micro_batch}}}]"])
-
-
-def batch(a, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(5, a.vocab, (a.micro_batch, a.seq), generator=g)
-    masked = torch.rand(a.micro_batch, a.seq, generator=g) < 0.15
-    labels = torch.where(masked, ids, torch.full_like(ids, -100))
-    return torch.where(masked, torch.full_like(ids, 4), ids), labels
+    return C.stage_config(model=a.model, vocab=a.vocab, ranks=a.ranks, seq=a.seq, global_batch=a.micro_batch * a.ranks,
+                          micro_batch=a.micro_batch, steps=a.steps,
+                          overrides=(f"deepspeed.zero_stage={zero_stage}", f"deepspeed.precision={a.precision}",
+                                     "optim.lr=1e-4"))
 
 
 def run_stage(rank: int, world_size: int, a, zero_stage: int) -> dict:
-    import deepspeed
-
     from roformer_dist.engine import build_engine
     from roformer_dist.model import RoFormerForMaskedLM
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(a.threads)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    C.init_rank(a.threads)
     cfg = make_config(a, zero_stage)
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(cfg.model)
@@ -205,7 +181,7 @@ def run_stage(rank: int, world_size: int, a, zero_stage: int) -> dict:
         torch.distributed.barrier()
         t0 = time.perf_counter()
         for micro in range(gas):
-            ids, labels = batch(a, rank, step * gas + micro)
+            ids, labels = C.random_mlm_batch(a.vocab, a.micro_batch, a.seq, seed=1000 * (step * gas + micro) + rank)
             loss = engine(input_ids=ids, labels=labels).loss
             engine.backward(loss)
             if step == a.steps - 1 and micro == gas - 1:
@@ -224,7 +200,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     results = {}
     for stage in a.stages:
-        per_rank = run_distributed(run_stage, world_size=a.ranks, args=(a, stage), timeout=900)
+        per_rank = C.run_distributed(run_stage, world_size=a.ranks, args=(a, stage), timeout=900)
         results[stage] = per_rank
         r0 = per_rank[0]
         print(f"ZeRO-{stage}: rank0 {r0['mem']['total'] / 2**20:.2f} MiB, {r0['tokens_per_step'] / r0['step_s']:.0f} "
@@ -237,18 +213,23 @@ def main(argv=None) -> None:
     for stage, per_rank in results.items():
         worst = max(per_rank, key=lambda r: r["mem"]["total"])["mem"]
         tps = statistics.mean(r["tokens_per_step"] / r["step_s"] for r in per_rank)
-        rows.append([f"ZeRO-{stage}", worst["params"] / 2**20, worst["grads"] / 2**20, worst["optimizer"] / 2**20,
-                     worst["total"] / 2**20, worst["total"] / (16 * n), worst["buffers"] / 2**20, tps,
-                     per_rank[0]["losses"][-1]])
+        rows.append([f"ZeRO-{stage}", worst["params"] / n, worst["grads"] / n, worst["optimizer"] / n,
+                     worst["total"] / n, worst["total"] / (16 * n), worst["total"] / 2**20, worst["buffers"] / 2**20,
+                     tps, per_rank[0]["losses"][-1]])
         if worst["other"]:
             print(f"ZeRO-{stage} other tensors held by the optimizer (not in total): {worst['other']}")
-    C.print_table(["stage", "params MiB", "grads MiB", "optim MiB", "total MiB", "x 16B/param",
+    C.print_table(["stage", "params B/p", "grads B/p", "optim B/p", "total B/p", "x 16 B/p", "total MiB",
                    "comm buckets MiB", "tok/s/rank", "last loss"], rows)
+    print("B/p: bytes per model parameter held by one rank; 16 B/p = standard mixed precision on one device "
+          "(2 + 2 bf16 weights and gradients, 4 fp32 master weights, 8 Adam moments)")
     if 0 in results and 3 in results:
         z0 = max(r["mem"]["total"] for r in results[0])
         z3 = max(r["mem"]["total"] for r in results[3])
-        print(f"ZeRO-3 / ZeRO-0 model-state bytes per rank = {z3 / z0:.3f} (goal <= 0.55)")
-        C.emit("zero_memory", z3, z0, "bytes", z0 / z3, ranks=a.ranks, model=a.model,
+        print(f"ZeRO-3 / ZeRO-0 model-state bytes per rank = {z3 / z0:.3f}; ZeRO-3 holds {z3 / n:.2f} B/p = "
+              f"{z3 / (16 * n):.3f} of 16 B/p")
+        C.emit("zero_memory", z3, z0, "bytes", z0 / z3, ranks=a.ranks, model=a.model, precision=a.precision,
+               bytes_per_param={f"zero{s}": round(max(r["mem"]["total"] for r in pr) / n, 3)
+                                for s, pr in results.items()},
                tokens_per_s_per_rank={f"zero{s}": round(statistics.mean(r["tokens_per_step"] / r["step_s"]
                                                                          for r in pr), 1)
                                       for s, pr in results.items()})

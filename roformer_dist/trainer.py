@@ -352,8 +352,10 @@ class Trainer:
                 batch = next(it)
                 if i % self.dp_size == self.dp_rank:
                     sums += self.runner.eval_step(batch)
-            if dist.get_world_size() > 1:
+            if dist.get_world_size() > 1:  # on the engine's device: NCCL reduces no CPU tensors
+                sums = sums.to(self.engine.device)
                 dist.all_reduce(sums)
+                sums = sums.cpu()
             out[f"eval/loss_{length}"] = sums[0].item() / max(1.0, sums[2].item())
             out[f"eval/mlm_acc_{length}"] = sums[1].item() / max(1.0, sums[2].item())
         own = st.seq_len if st.seq_len in lengths else lengths[0]
@@ -434,10 +436,12 @@ class Trainer:
         s, st = self.state, at.stage
         toks_per_s = stats.num_tokens / dt if dt > 0 else 0.0
         loss = None if stats.nonfinite else stats.loss
+        # time: when the step ended (Unix seconds); step_time_s: the runner's share of it (data + compute +
+        # communication), so that the loop's own cost is time[i] - time[i - 1] - step_time_s[i]
         rec = {"step": s.step, "loss": loss, "mlm_acc": stats.mlm_acc, "lr": lr, "seq_len": st.seq_len,
                "stage": st.name, "samples": stats.num_samples, "global_batch": self.runner.global_batch_size,
                "accumulation": self.runner.accumulation_steps, "tokens_seen": s.tokens_seen,
-               "skipped": stats.nonfinite}
+               "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(dt, 5)}
         self.metrics.step_record(rec)
         if not self.policy.log(s.step):
             return

@@ -202,6 +202,10 @@ def test_nan_loss_is_skipped_and_counted(small_shards, tmp_path):
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in recs] == [False, False, True, False, False]
     assert recs[2]["loss"] is None
+    # every record says when its step ended and how long the runner took (bench/e2e.py times steps by them)
+    times = [r["time"] for r in recs]
+    assert all(b > a for a, b in zip(times, times[1:]))
+    assert all(0 < r["step_time_s"] <= b - a + 1e-3 for r, a, b in zip(recs[1:], times, times[1:]))
     # the skipped step changed nothing: weights after step 3 equal weights after step 2
     ref = tmp_path / "ref"
     cfg2 = make_cfg(small_shards, ref, STAGES_1, "trainer.stop_at_step=2")

@@ -11,6 +11,11 @@ stage's tensor rank 0, tokens and samples by the first stage's), then summed ove
 all-reduce (``StepStats.to_tensor`` / ``from_tensor``). A stop request of any rank travels in the same
 all-reduce, so every rank learns at the same step that the job stops.
 
+Without pipeline parallelism the statistics stay on the engine's device while the micro-batches run
+(no ``.item()``: on a GPU every one would wait for the kernels queued so far) and are read once, after
+that all-reduce; the all-reduce runs on the engine's device too (NCCL has no CPU tensors), before the
+last ``engine.step()``, because ZeRO-0 must know there whether any rank saw a non-finite loss.
+
 Without pipeline parallelism the engine is a plain ``DeepSpeedEngine`` whose module keeps the
 model's ``forward`` / ``MaskedLMOutput`` (tensor-parallel or not); with it, a ``PipelineEngine``
 driven by ``train_batch`` (DeepSpeed runs forward, backward and the optimizer step of all
@@ -193,12 +198,15 @@ class ParallelRunner:
             return False
         return self.dims.is_last_stage if what == "loss" else self.dims.is_first_stage
 
-    def _finish(self, stats: StepStats) -> StepStats:
-        """Keep what this rank reports, sum over the job (the step's one all-reduce)."""
-        t = stats.keep_only(loss=self._reporting("loss"), data=self._reporting("data")).to_tensor()
+    def _reduce(self, t: torch.Tensor) -> StepStats:
+        """Keep what this rank reports of ``t`` (StepStats fields, float64, on the engine's device), sum
+        over the job (the step's one all-reduce), read it (the step's one device -> host copy)."""
+        mask = StepStats(*([1] * len(fields(StepStats)))).keep_only(loss=self._reporting("loss"),
+                                                                    data=self._reporting("data"))
+        t = t * mask.to_tensor().to(t.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t)
-        return StepStats.from_tensor(t)
+        return StepStats.from_tensor(t.cpu())
 
     def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False) -> StepStats:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
@@ -207,29 +215,28 @@ class ParallelRunner:
         stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)
-            return self._finish(stats)
+            return self._reduce(stats.to_tensor().to(self.engine.device))
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         engine.train()
+        micro = []  # one StepStats tensor per micro-batch (its loss and accuracy fields), on the device
         for i in range(gas):
             batch = next(batches)
             out = engine(**_on(batch, engine.device))
             loss = out.loss * float("nan") if inject_nan else out.loss
-            stats.add_micro_batch(loss.item(), float(out.accuracy) * int(out.num_predicted), int(out.num_predicted))
-            stats.num_tokens += int(batch["attention_mask"].sum())
+            stats.num_tokens += int(batch["attention_mask"].sum())  # the loader's CPU tensors: no device sync
             stats.num_samples += batch["input_ids"].shape[0]
+            micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted))
             engine.backward(loss)
             if i < gas - 1:
                 engine.step()
-        nonfinite = torch.tensor([float(stats.num_nonfinite)], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(nonfinite)
-        if nonfinite.item() > 0 and self.cfg.deepspeed.zero_stage == 0:
+        stats = self._reduce(stats.to_tensor().to(engine.device) + torch.stack(micro).sum(0))
+        if stats.nonfinite and self.cfg.deepspeed.zero_stage == 0:
             # ZeRO 1-3 detect the non-finite gradients themselves and skip; stage 0 does not.
             for p in engine.module.parameters():
                 p.grad = None
         engine.step()
-        return self._finish(stats)
+        return stats
 
     def _pipeline_train(self, batches, stats: StepStats, inject_nan: bool) -> None:
         engine = self.engine
@@ -303,6 +310,21 @@ class ParallelRunner:
         path, _ = self.engine.load_checkpoint(ckpt_root, tag=tag)
         if path is None:
             raise CheckpointError(f"{ckpt_root}/{tag}: DeepSpeed found no model state to load on this rank")
+
+
+_FIELDS = [f.name for f in fields(StepStats)]
+
+
+def _micro_batch_stats(loss: torch.Tensor, accuracy: torch.Tensor, num_predicted: torch.Tensor) -> torch.Tensor:
+    """What :meth:`StepStats.add_micro_batch` adds for one micro-batch, as a float64 StepStats tensor on
+    the loss's device, computed without reading anything back to the host."""
+    finite = torch.isfinite(loss)
+    k = num_predicted.to(torch.float64)
+    zero = torch.zeros_like(k)
+    values = {"loss_sum": torch.where(finite, loss, 0.0).to(torch.float64), "num_micro_batches": torch.ones_like(k),
+              "num_correct": accuracy.to(torch.float64) * k, "num_predicted": k,
+              "num_nonfinite": (~finite).to(torch.float64)}
+    return torch.stack([values.get(name, zero) for name in _FIELDS])
 
 
 def _on(batch: dict, device) -> dict:

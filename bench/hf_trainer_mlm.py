@@ -1,0 +1,129 @@
+"""The Hugging Face side of ``bench/e2e.py``: MLM pretraining of ``transformers.RoFormerForMaskedLM`` with
+the HF ``Trainer``, written the way its users write it, and launched the way they launch it:
+
+    torchrun --nproc_per_node 2 bench/hf_trainer_mlm.py --data DIR --model MODEL_DIR --seq 128 \
+        --micro-batch 16 --steps 24 [--deepspeed ZERO2.json] --out times.json
+
+Nothing of roformer-dist is imported here: the inputs are files that ``bench/e2e.py`` writes:
+
+    DIR/packed_<seq>.npy      int64 [N, seq]: the shard set's documents packed by our loader into
+                              ``[CLS] ... [SEP]`` sequences of ``seq`` tokens (unmasked; 0 = [PAD])
+    DIR/tokenizer/            the same SentencePiece vocabulary as an HF fast tokenizer (its special
+                              ids: [PAD] 0, [MASK] etc. as in the shards), for the collator
+    MODEL_DIR/config.json     ``RoFormerConfig`` of the ``small`` preset (hidden 256, 4 layers, 4 heads,
+                              FFN 1024, vocabulary 8000, dropout 0.1 / 0.1), eager attention (the only
+                              one HF's RoFormer has); freshly initialised weights
+
+The configuration (every value the comparison depends on):
+
+- data: an in-memory dataset of the packed sequences (what ``datasets`` + ``group_texts`` give an HF
+  user), shuffled by the Trainer's ``DistributedSampler``; ``DataCollatorForLanguageModeling(mlm=True,
+  mlm_probability=0.15)`` with its 80 % [MASK] / 10 % random / 10 % kept; ``dataloader_num_workers=0``
+  (the default).
+- ``TrainingArguments``: ``use_cpu=True``, ``ddp_backend="gloo"`` (without ``--deepspeed``),
+  ``per_device_train_batch_size`` = ``--micro-batch``, ``gradient_accumulation_steps`` =
+  ``--accumulation``, ``max_steps`` = ``--steps``, ``learning_rate`` / ``warmup_steps`` /
+  ``lr_scheduler_type="linear"``, ``weight_decay=0.01`` (HF leaves biases and LayerNorm out, as we do),
+  ``adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-6``, ``max_grad_norm=1.0``, ``optim`` left at its
+  default (``adamw_torch_fused``: torch AdamW, fused kernel), ``save_strategy="no"``,
+  ``eval_strategy="no"``, ``logging_steps=10`` (console), ``report_to="none"``, ``disable_tqdm=True``,
+  ``seed=1234``, ``dataloader_drop_last=True``; everything else at its default.
+- ``--deepspeed FILE``: HF's DeepSpeed integration with that JSON (``bench/e2e.py`` writes ZeRO-2 with
+  the knobs roformer-train uses: contiguous gradients, no overlap, reduce-scatter, default buckets; no
+  optimizer or scheduler section, so the Trainer's AdamW and schedule are used; batch sizes and
+  clipping ``"auto"``, filled from the arguments above); launched by ``torchrun`` as well, with
+  ``DS_ACCELERATOR=cpu``.
+- threads: torchrun sets ``OMP_NUM_THREADS=1`` per rank when it starts more than one (its default).
+
+Timing: a ``TrainerCallback`` notes ``time.time()`` at the end of every optimizer step on every rank;
+rank 0 writes ``--out`` (JSON: the process start, the Trainer's creation, the step end times, and
+this rank's peak RSS) when training ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+START = time.time()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import (AutoTokenizer, DataCollatorForLanguageModeling, RoFormerConfig,  # noqa: E402
+                          RoFormerForMaskedLM, Trainer, TrainerCallback, TrainingArguments)
+
+
+class PackedSequences(torch.utils.data.Dataset):
+    """[N, seq] token ids (0 = padding) -> {input_ids, attention_mask} examples."""
+
+    def __init__(self, ids: np.ndarray, pad_id: int):
+        self.ids = torch.from_numpy(ids)
+        self.mask = (self.ids != pad_id).long()
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
+
+
+class StepTimes(TrainerCallback):
+    """Wall time at the end of every optimizer step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.time())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="directory written by bench/e2e.py")
+    p.add_argument("--model", type=Path, required=True, help="directory with the RoFormerConfig (config.json)")
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True, help="sequences per rank per forward")
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (HF's integration)")
+    p.add_argument("--out", type=Path, required=True, help="JSON with the step times (rank 0)")
+    p.add_argument("--output-dir", type=Path, default=None, help="the Trainer's output_dir (default: next to --out)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(str(a.data / "tokenizer"))
+    dataset = PackedSequences(np.load(a.data / f"packed_{a.seq}.npy"), tokenizer.pad_token_id)
+    config = RoFormerConfig.from_pretrained(str(a.model))
+    model = RoFormerForMaskedLM(config)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
+    args = TrainingArguments(
+        output_dir=str(a.output_dir or a.out.parent / "hf_output"),
+        use_cpu=True, ddp_backend=None if a.deepspeed else "gloo", deepspeed=a.deepspeed,
+        per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.accumulation,
+        max_steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup, lr_scheduler_type="linear",
+        weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-6, max_grad_norm=1.0,
+        save_strategy="no", eval_strategy="no", logging_steps=10, report_to="none", disable_tqdm=True,
+        seed=a.seed, dataloader_drop_last=True)
+    timer = StepTimes()
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[timer])
+    created = time.time()
+    trainer.train()
+    if args.process_index == 0:
+        out = {"start": START, "trainer_created": created, "step_end": timer.times,
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "world_size": args.world_size, "optim": str(args.optim), "deepspeed": bool(a.deepspeed),
+               "threads": torch.get_num_threads(), "pid": os.getpid()}
+        a.out.write_text(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
