@@ -183,6 +183,21 @@ def prepare(cfg, args=None) -> dict:
     return paths
 
 
+def check_run_matches_data(run_dir: Path, shards: Path) -> None:
+    """Exit with advice when run_dir holds checkpoints of another tokenizer (a run of an older demo)."""
+    from data_pipeline.shards import read_manifest
+    from roformer_dist import checkpoint as ckpt
+
+    found = ckpt.find_resume(run_dir / "checkpoints")
+    if found is None:
+        return
+    old = ckpt.load_trainer_state(found.dir, 0).get("tokenizer_sha256")
+    new = read_manifest(shards)["tokenizer"]["sha256"]
+    if old and old != new:
+        sys.exit(f"demo: {run_dir} holds a run on shards of another tokenizer (an earlier demo); start over with: "
+                 "python -m roformer_dist.demo --fresh  (or make demo ARGS=--fresh)")
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -314,6 +329,7 @@ def main(argv=None) -> int:
     stages = cfg.curriculum.stages
     print(f"== 2/5 pretraining ({cfg.dist.world_size} ranks, ZeRO-{cfg.deepspeed.zero_stage}, curriculum "
           f"{' -> '.join(str(s.seq_len) for s in stages)})", flush=True)
+    check_run_matches_data(run_dir, paths["train"])
     run([*module_cmd("roformer_dist.train_cli"), "--config", args.config, *args.overrides])
     t2 = time.monotonic()
     print("== 3/5 evaluation: eval loss beside the unigram baseline", flush=True)

@@ -19,6 +19,8 @@ Exit status: 0, 2 bad arguments, 4 data missing or inconsistent, 5 unusable chec
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -88,7 +90,8 @@ def load_model(c: Checkpoint):
     from roformer_dist.hf import model_from_state_dict
 
     try:
-        model_cfg, sd = load_consolidated_weights(c.dir)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's consolidation prints per tensor group
+            model_cfg, sd = load_consolidated_weights(c.dir)
         model = model_from_state_dict(model_cfg, sd)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"{c.dir}: cannot load the model weights: {e}") from None
