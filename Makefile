@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
-## the demo: People's Daily 1998 -> tokenizer + shards -> 2-rank ZeRO-2 curriculum run -> eval -> HF export
+## the demo: People's Daily 1998 + reviews -> tokenizer + shards -> 2-rank ZeRO-2 curriculum run -> eval beside
+## the unigram baseline -> HF export -> sentiment fine-tuning vs random init vs n-gram baseline (ARGS=--fresh: start over)
 demo: venv
-	$(BIN)/python -m roformer_dist.demo
+	$(BIN)/python -m roformer_dist.demo $(ARGS)
 
 ## the debug experiment: a tiny model, 2 ranks, three stages, on shards of 2000 lines of People's Daily
 DEBUG_DATA := data/debug

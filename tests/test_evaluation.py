@@ -1,0 +1,198 @@
+"""Baselines and evaluation: the unigram model against an independent count, eval independent of the
+data-parallel size, ``roformer-eval``'s errors, and the rotary-vs-absolute ablation end to end
+(real roformer-train runs, real TensorBoard events, the length-generalisation report)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from roformer_dist.config import load_config, replace
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = ROOT / "configs" / "experiments" / "debug.yaml"
+SPECIAL = {0, 1, 2, 3, 4}
+
+
+def debug_cfg(shards, *overrides):
+    cfg = load_config(DEBUG, [f"data.shards={shards.dir}", f"data.eval_shards={shards.eval_dir}", *overrides])
+    return replace(cfg, **{"model.vocab_size": shards.vocab_size})
+
+
+def tar_token_counts(shard_dir: Path) -> Counter:
+    """Token ids of every .ids member, read with the standard library's tarfile (not our reader)."""
+    counts = Counter()
+    for tar in sorted(shard_dir.glob("shard-*.tar")):
+        with tarfile.open(tar) as tf:
+            for member in tf.getmembers():
+                if member.name.endswith(".ids"):
+                    counts.update(np.frombuffer(tf.extractfile(member).read(), "<u2").tolist())
+    return counts
+
+
+def test_unigram_counts_equal_an_independent_count(small_shards):
+    from roformer_dist.baselines import count_tokens
+
+    u = count_tokens(small_shards.dir)
+    expected = tar_token_counts(small_shards.dir)
+    assert u.num_shards_counted == u.num_shards == len(list(small_shards.dir.glob("shard-*.tar")))
+    for token_id in range(small_shards.vocab_size):
+        want = 0 if token_id in SPECIAL else expected.get(token_id, 0)
+        assert u.counts[token_id] == want, token_id
+    probs = np.exp(u.log_probs)
+    assert probs[sorted(SPECIAL)].sum() == 0 and probs.sum() == pytest.approx(1.0, abs=1e-9)
+
+
+def test_unigram_count_stops_at_the_cap_on_whole_shards(small_shards):
+    from data_pipeline.shards import read_manifest
+    from roformer_dist.baselines import count_tokens
+
+    sizes = {e["num_tokens"] for e in read_manifest(small_shards.dir)["shards"]}
+    one = count_tokens(small_shards.dir, max_tokens=1)
+    assert one.num_shards_counted == 1 and one.num_tokens in sizes   # no special ids in stored documents
+    assert count_tokens(small_shards.dir, max_tokens=1).counts.tolist() == one.counts.tolist()  # seeded
+    two = count_tokens(small_shards.dir, max_tokens=one.num_tokens + 1)
+    assert two.num_shards_counted == 2
+    with pytest.raises(ValueError, match="max_tokens"):
+        count_tokens(small_shards.dir, max_tokens=0)
+
+
+def test_baselines_at_the_eval_positions(small_shards):
+    """Unigram cross-entropy and most-frequent-token accuracy, recomputed by hand on the same batches."""
+    from roformer_dist.evaluation import Evaluator, eval_loader
+
+    cfg = debug_cfg(small_shards, "data.eval_batches=3")
+    counts = tar_token_counts(small_shards.dir)
+    for s in SPECIAL:
+        counts.pop(s, None)
+    total, predictable = sum(counts.values()), small_shards.vocab_size - len(SPECIAL)
+    top = max(sorted(counts), key=lambda t: counts[t])
+    nll, hits, n = 0.0, 0, 0
+    it = iter(eval_loader(cfg, 256))
+    for _ in range(3):
+        for t in next(it)["labels"].flatten().tolist():
+            if t != -100:
+                nll -= math.log((counts.get(t, 0) + 1) / (total + predictable))
+                hits += t == top
+                n += 1
+    calls = []
+
+    def no_model(batch):
+        calls.append(batch["input_ids"].shape)
+        return torch.zeros(3, dtype=torch.float64)
+
+    r = Evaluator(cfg).evaluate_length(256, no_model)
+    assert r["unigram_loss"] == pytest.approx(nll / n, rel=1e-9)
+    assert r["most_frequent_acc"] == pytest.approx(hits / n, rel=1e-12)
+    assert len(calls) == 3 and calls[0][1] == 256
+
+
+def test_eval_does_not_depend_on_the_data_parallel_size(small_shards):
+    """Replicas split the eval batches; their summed result equals one process's, and each replica
+    runs the same number of forwards (an odd batch count makes one replica discard a forward)."""
+    from roformer_dist.evaluation import Evaluator, model_eval_step
+    from roformer_dist.model import RoFormerForMaskedLM
+
+    cfg = debug_cfg(small_shards, "data.eval_batches=3")
+    torch.manual_seed(0)
+    model = RoFormerForMaskedLM(cfg.model).eval()
+    step = model_eval_step(model)
+    one = Evaluator(cfg).evaluate_length(128, step)
+    parts, forwards = [], []
+    for rank in range(2):
+        count = [0]
+
+        def counted(batch, count=count):
+            count[0] += 1
+            return step(batch)
+
+        Evaluator(cfg).evaluate_length(128, counted, dp_rank=rank, dp_size=2, reduce=lambda s: parts.append(s.clone()))
+        forwards.append(count[0])
+    total = parts[0] + parts[1]
+    assert forwards == [2, 2]
+    assert int(total[2]) == one["predicted"] > 0
+    assert total[0].item() / total[2].item() == pytest.approx(one["loss"], rel=1e-6)
+    assert total[1].item() / total[2].item() == pytest.approx(one["mlm_acc"], rel=1e-9)
+
+
+def test_eval_cli_explains_bad_input(tmp_path, capsys):
+    from roformer_dist.eval_cli import main
+
+    assert main([str(tmp_path / "missing")]) == 5
+    assert "no such checkpoint" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 5
+    assert "not a roformer-dist checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "empty"), "--lengths", "128,100"])
+    assert e.value.code == 2 and "100 is not a positive multiple of 8" in capsys.readouterr().err
+
+
+def test_length_notes():
+    from roformer_dist.eval_cli import length_note
+
+    assert length_note("rotary", 512, 512, 1536) == (True, "")
+    assert length_note("rotary", 2048, 512, 1536)[0] is True
+    ok, note = length_note("absolute", 1024, 512, 1536)
+    assert ok and "512..1023 untrained" in note
+    ok, note = length_note("absolute", 2048, 512, 1536)
+    assert not ok and "1536" in note
+
+
+TINY_STAGES = ("curriculum.stages=[{name: a, seq_len: 128, global_batch_size: 4, steps: 2}, "
+               "{name: b, seq_len: 256, global_batch_size: 4, steps: 2}, "
+               "{name: c, seq_len: 512, global_batch_size: 4, steps: 2, eval_lengths: [128, 512]}]")
+
+
+@pytest.mark.slow
+def test_ablation_and_length_generalisation_end_to_end(small_shards, tmp_path):
+    """bench/ablation.py: two real 2-rank ZeRO-2 runs in one TensorBoard logdir, the per-eval-step
+    table, and roformer-eval's report (one row per length) reproducing the trainer's own eval."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    from roformer_dist.metrics import read_scalars
+
+    out = tmp_path / "abl"
+    cmd = [sys.executable, str(ROOT / "bench" / "ablation.py"), "--config", str(DEBUG), "--out", str(out),
+           "--lengths", "128,512,1024", f"data.shards={small_shards.dir}",
+           f"data.eval_shards={small_shards.eval_dir}", "data.eval_batches=3", "trainer.eval_every=0",
+           "trainer.save_every=0", "trainer.log_every=1", TINY_STAGES]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    runs = EventMultiplexer().AddRunsFromDirectory(str(out)).Runs()
+    assert {"rotary/tb", "absolute/tb"} <= set(runs)
+    report = json.loads((out / "ablation.json").read_text())
+    tb = {enc: read_scalars(out / enc / "tb") for enc in ("rotary", "absolute")}
+    assert [r["step"] for r in report["eval_steps"]] == [2, 4, 6]
+    assert [r["seq_len"] for r in report["eval_steps"]] == [128, 256, 512]
+    for row in report["eval_steps"]:
+        for enc in ("rotary", "absolute"):
+            assert row[enc] == pytest.approx(dict(tb[enc]["eval/loss"])[row["step"]], abs=1e-6)
+    final = report["final"]
+    assert summary["absolute_minus_rotary"] == pytest.approx(final["absolute"] - final["rotary"], abs=1e-4)
+    assert "eval/unigram_loss_512" in tb["rotary"] and "eval/most_frequent_acc_128" in tb["rotary"]
+    assert "unigram" in (out / "rotary" / "logs" / "rank0.log").read_text()
+
+    for enc in ("rotary", "absolute"):
+        rows = report["lengths"][enc]["rows"]
+        assert [r["length"] for r in rows] == [128, 512, 1024]
+        assert report["lengths"][enc]["trained_max_len"] == 512
+        # at a length the trainer evaluated, one process over the consolidated weights gives its number
+        at512 = rows[1]
+        assert at512["loss"] == pytest.approx(tb[enc]["eval/loss_512"][-1][1], abs=2e-5)
+        assert at512["unigram_loss"] == pytest.approx(tb[enc]["eval/unigram_loss_512"][-1][1], abs=1e-6)
+    rot, ab = report["lengths"]["rotary"]["rows"][2], report["lengths"]["absolute"]["rows"][2]
+    assert rot["loss"] is not None and "beyond the trained length 512" in rot["note"]
+    assert ab["loss"] is None and "not run" in ab["note"]   # the debug model has 512 position rows
+    assert "absolute positions end at 512" in proc.stdout
