@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -65,14 +64,14 @@ class UnigramModel:
         return int(self.counts.argmax())
 
 
-def count_tokens(shard_dir: str | os.PathLike, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0) -> UnigramModel:
-    """Count token ids of a shard set (at most ``max_tokens``: whole shards in a seeded order)."""
-    from data_pipeline.shards import read_manifest, read_shard
+def count_tokens(shards: str | os.PathLike, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0) -> UnigramModel:
+    """Count token ids of a shard set, a directory or a URL prefix (at most ``max_tokens``: whole shards
+    in a seeded order)."""
+    from data_pipeline.shards import load_shard, read_manifest
 
     if max_tokens <= 0:
         raise ValueError(f"max_tokens: expected a positive integer, got {max_tokens}")
-    shard_dir = Path(shard_dir)
-    m = read_manifest(shard_dir)
+    m = read_manifest(shards)
     entries = m["shards"]
     order = np.arange(len(entries))
     if m["num_tokens"] > max_tokens:
@@ -80,8 +79,7 @@ def count_tokens(shard_dir: str | os.PathLike, max_tokens: int = DEFAULT_MAX_TOK
     counts = np.zeros(int(m["vocab_size"]), np.int64)
     read = 0
     for i in order:
-        entry = entries[int(i)]
-        data = read_shard(shard_dir / entry["name"], m["dtype"], entry)
+        data = load_shard(shards, m, int(i))
         if data.num_docs:
             # token ids of every document (the shard buffer also holds tar headers between them)
             ids = np.concatenate([data.tokens[s:s + n] for s, n in zip(data.tok_start, data.lengths)])
