@@ -118,6 +118,18 @@ class StopFlag:
         self._previous = {}
 
 
+def ignore_late_stop_signals() -> None:
+    """For a process whose run is complete: ignore SIGUSR2 and SIGTERM until it exits.
+
+    A time limit or preemption that comes after the last save has nothing left to save. Without this, a
+    signal that arrives while the process tears down (Python puts the default action back for its own
+    handlers at exit; torch and gloo take a moment to close) kills it, and SLURM records a finished job
+    as FAILED."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux /proc; empty elsewhere)."""
     out, todo = [], [pid]

@@ -33,7 +33,7 @@ from roformer_dist.faults import NO_FAULTS, Faults
 from roformer_dist.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.policies import LoopPolicy, Stop
 from roformer_dist.resume_check import check_compatible
-from roformer_dist.stop import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, StopFlag
+from roformer_dist.stop import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, StopFlag, ignore_late_stop_signals
 from roformer_dist.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
 
 __all__ = ["run_rank", "Trainer", "DistEnv", "init_distributed", "resolve_data", "EXIT_DONE", "EXIT_REQUEUE",
@@ -519,6 +519,8 @@ def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[F
     finally:
         if lock is not None:
             lock.release()
+    if code == EXIT_DONE:
+        ignore_late_stop_signals()
     if own_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

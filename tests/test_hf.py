@@ -158,6 +158,37 @@ def test_absolute_positions_have_no_hf_equivalent():
         H.state_dict_to_hf(model.state_dict(), cfg)
 
 
+def test_absolute_positions_equal_hf_bert():
+    """The ablation's baseline (``position_embedding=absolute``) is BERT: same logits as transformers'
+    BertForMaskedLM with our weights, padding mask included."""
+    cfg = tiny(position_embedding="absolute", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    ours = RoFormerForMaskedLM(cfg).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sd = ours.state_dict()
+    mapped = H.state_dict_to_hf(sd, dataclasses.replace(cfg, position_embedding="rotary"))
+    bert_sd = {k.replace("roformer.", "bert.", 1): v for k, v in mapped.items() if "embed_positions" not in k}
+    bert_sd["bert.embeddings.position_embeddings.weight"] = sd["embeddings.position_embeddings.weight"]
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
+        max_position_embeddings=64, type_vocab_size=3, hidden_act=cfg.hidden_act, layer_norm_eps=cfg.layer_norm_eps,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=cfg.pad_token_id)).eval()
+    missing, unexpected = bert.load_state_dict(bert_sd, strict=False)
+    assert not unexpected and all("position_ids" in k or "token_type_ids" in k for k in missing), (missing, unexpected)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, VOCAB, (2, 30), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 21:] = 0
+    types = (torch.arange(30) >= 15).long().expand(2, -1)
+    with torch.no_grad():
+        a = ours(ids, mask, types).logits
+        b = bert(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    torch.testing.assert_close(a[0], b[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(a[1, :21], b[1, :21], atol=2e-5, rtol=2e-5)
+
+
 def test_state_dict_mapping_names_missing_key():
     cfg = tiny()
     sd = RoFormerForMaskedLM(cfg).state_dict()

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -301,3 +302,35 @@ def test_a_bug_is_a_traceback_not_bad_config(monkeypatch, small_shards, tmp_path
     with pytest.raises(ValueError, match="an internal bug"):
         train_cli.main(["--config", str(Path(__file__).parent.parent / "configs/experiments/debug.yaml"),
                         *cli_overrides(small_shards, tmp_path / "run")])
+
+
+def _run_then_report_signals(rank, world_size, cfg):
+    from roformer_dist.trainer import run_rank
+
+    code = run_rank(cfg)
+    return code, {s: signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGUSR2, signal.SIGTERM)}
+
+
+def test_a_completed_run_ignores_late_stop_signals(small_shards, tmp_path):
+    """A time-limit or preemption signal after the last save has nothing to save: it must not kill the
+    rank while it tears down (SLURM would record the finished job as FAILED)."""
+    from multiproc import run_distributed
+
+    cfg = make_cfg(small_shards, tmp_path / "run", "trainer.stop_at_step=1")
+    (code, ignored), _ = run_distributed(_run_then_report_signals, world_size=2, args=(cfg,), timeout=300)
+    assert code == EXIT_DONE and all(ignored.values()), ignored
+
+    # what that buys, for real: USR2 sent from outside, every 0.2 ms, over the exit of a process whose run is
+    # complete (without the call, one lands after Python put the default action back: killed, status 140)
+    script = ("import os, subprocess, sys, time\n"
+              "from roformer_dist.stop import StopFlag, ignore_late_stop_signals\n"
+              "StopFlag.install()\n"
+              "ignore_late_stop_signals()\n"
+              "storm = 'import os, sys, time\\nwhile True:\\n    os.kill(int(sys.argv[1]), 12)\\n    time.sleep(0.0002)'\n"
+              "subprocess.Popen([sys.executable, '-c', storm, str(os.getpid())],\n"
+              "                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+              "time.sleep(0.3)\n"
+              "sys.exit(0)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
