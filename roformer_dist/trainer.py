@@ -29,6 +29,7 @@ from roformer_dist import checkpoint as ckpt
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, replace, save_config, to_dict, validate
 from roformer_dist.curriculum import lr_at, stage_at, total_steps
 from roformer_dist.errors import CheckpointError, DataError, StorageError
+from roformer_dist.evaluation import Evaluator
 from roformer_dist.faults import NO_FAULTS, Faults
 from roformer_dist.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.policies import LoopPolicy, Stop
@@ -175,6 +176,8 @@ class Trainer:
         self.elastic = False
         self.last_good: Optional[int] = None
         """The last step whose update was applied (for the non-finite stop's message)."""
+        self.evaluator = Evaluator(cfg) if cfg.data.eval_shards else None
+        """Keeps the unigram counts (read at the first eval) and each length's baselines."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -330,12 +333,8 @@ class Trainer:
         """Loss and MLM accuracy at each eval length of the current stage, with the unigram and
         most-frequent-token baselines at the same predicted positions (:mod:`roformer_dist.evaluation`).
         The result does not depend on the world size."""
-        from roformer_dist.evaluation import Evaluator
-
-        if not self.cfg.data.eval_shards:
+        if self.evaluator is None:
             return {}
-        if getattr(self, "evaluator", None) is None:
-            self.evaluator = Evaluator(self.cfg)  # keeps the unigram counts and per-length baselines
         reduce = self._all_reduce_on_device if dist.get_world_size() > 1 else None
         return self.evaluator.evaluate_stage(self.stages[self.stage_index], self.runner.eval_step, self.dp_rank,
                                              self.dp_size, reduce, step=self.state.step)
