@@ -27,15 +27,21 @@ def _original(batch):
     return [row[m.bool()].numpy() for row, m in zip(ids, batch["attention_mask"])]
 
 
+def _distinct_docs(seed: int, count: int, lengths: tuple[int, int]) -> list[np.ndarray]:
+    """``count`` documents of seeded random lengths in [lengths), ids counting up from 5: no id repeats."""
+    rng = np.random.default_rng(seed)
+    docs, nxt = [], 5
+    for _ in range(count):
+        n = int(rng.integers(*lengths))
+        docs.append(np.arange(nxt, nxt + n))
+        nxt += n
+    return docs
+
+
 @pytest.fixture(scope="module")
 def unique_set(tmp_path_factory):
     """8 shards of documents whose token ids are all distinct: a token names its document."""
-    rng = np.random.default_rng(0)
-    docs, nxt = [], 5
-    for _ in range(64):
-        n = int(rng.integers(5, 150))
-        docs.append(np.arange(nxt, nxt + n))
-        nxt += n
+    docs = _distinct_docs(seed=0, count=64, lengths=(5, 150))
     d = tmp_path_factory.mktemp("unique")
     write_shard_set(docs, d, vocab_size=60000, max_docs_per_shard=8)
     return d, np.concatenate(docs)
@@ -135,12 +141,7 @@ def test_elastic_resume_two_ranks_to_one_covers_the_epoch_exactly_once(unique_se
 @pytest.fixture(scope="module")
 def one_shard(tmp_path_factory):
     """One shard of 48 documents whose token ids are all distinct."""
-    rng = np.random.default_rng(1)
-    docs, nxt = [], 5
-    for _ in range(48):
-        n = int(rng.integers(3, 90))
-        docs.append(np.arange(nxt, nxt + n))
-        nxt += n
+    docs = _distinct_docs(seed=1, count=48, lengths=(3, 90))
     d = tmp_path_factory.mktemp("one_shard")
     write_shard_set(docs, d, vocab_size=60000)
     return d, np.concatenate(docs)
