@@ -1,5 +1,6 @@
 """roformer-finetune: one short epoch end to end on real product reviews, reloadable best model, the
 pretrained vs from-scratch start, sentence pairs from tsv, the native path for models HF cannot express,
+mean pooling,
 the naive Bayes baseline against a direct evaluation of its formula, clear errors on bad input, torchrun."""
 
 from __future__ import annotations
@@ -181,6 +182,65 @@ def test_native_backend_for_a_model_hf_cannot_express(small_shards, sentiment, t
         pred = [int(model(**tok(r["sentence"], truncation=True, max_length=48, return_tensors="pt")).argmax(-1))
                 for r in rows]
     assert np.mean(np.equal(pred, [r["label"] for r in rows])) == pytest.approx(res["best_dev_accuracy"])
+
+
+def test_mean_pooling_reads_only_real_tokens():
+    """The mean-pooled classifier gives an example the same logits alone and padded inside a batch
+    (padding would shift a mean that counted it), and [CLS] pooling reads position 0 only."""
+    from roformer_dist.finetune.models import NativeClassifier, pool
+
+    torch.manual_seed(0)
+    model = NativeClassifier(tiny_config(50), num_labels=3, pooling="mean").eval()
+    short, long = torch.tensor([[2, 7, 8, 3]]), torch.tensor([[2, 9, 10, 11, 12, 13, 3]])
+    batch = torch.zeros(2, 7, dtype=torch.long)
+    batch[0, :4], batch[1] = short[0], long[0]
+    mask = (batch != 0).long()
+    with torch.no_grad():
+        together = model(batch, mask, torch.zeros_like(batch))
+        alone = model(short, torch.ones_like(short), torch.zeros_like(short))
+        unmasked = model(batch, None, torch.zeros_like(batch))
+    torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-5)
+    assert (unmasked[0] - alone[0]).abs().max() > 1e-4  # the padding does change an unmasked mean
+    h = torch.randn(2, 5, 4)
+    m = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+    torch.testing.assert_close(pool(h, m, "mean")[0], h[0, :2].mean(0))
+    torch.testing.assert_close(pool(h, m, "cls"), h[:, 0])
+
+
+def test_mean_pooling_end_to_end_from_an_hf_export(tiny_export, sentiment, tmp_path):
+    """--pooling mean on an HF export: our encoder starts from the export's weights (from scratch: not),
+    the best model is classifier.pt with its pooling, reloaded with the same accuracy; results.json holds
+    the last epoch beside the best one."""
+    from roformer_dist.finetune.models import load_native_classifier
+
+    start = transformers.AutoModelForMaskedLM.from_pretrained(tiny_export).roformer.embeddings.word_embeddings.weight
+    for name, extra in (("pre", []), ("scratch", ["--from-scratch"])):
+        # seed 1: the export itself was initialised from seed 0, as our encoder would be
+        res = run(args(tiny_export, sentiment, tmp_path / name, "--pooling", "mean", "--lr", "1e-30", "--seed", "1",
+                       *extra))
+        assert (res["backend"], res["pooling"]) == ("native", "mean")
+        model, _ = load_native_classifier(tmp_path / name / "best")
+        assert model.pooling == "mean"
+        diff = (model.encoder.embeddings.word_embeddings.weight - start).abs().max()
+        assert (diff < 1e-6) if name == "pre" else (diff > 1e-3)
+
+    res = run(args(tiny_export, sentiment, tmp_path / "ft", "--pooling", "mean", "--lr", "1e-3", "--epochs", "2"))
+    assert (res["last_dev_accuracy"], res["last_dev_macro_f1"]) == (res["epochs"][-1]["dev_accuracy"],
+                                                                    res["epochs"][-1]["dev_macro_f1"])
+    model, tok = load_native_classifier(tmp_path / "ft" / "best")
+    rows = [json.loads(x) for x in (sentiment / "dev.jsonl").read_text(encoding="utf-8").splitlines()]
+    with torch.no_grad():
+        pred = [int(model(**tok(r["sentence"], truncation=True, max_length=48, return_tensors="pt")).argmax(-1))
+                for r in rows]
+    assert np.mean(np.equal(pred, [r["label"] for r in rows])) == pytest.approx(res["best_dev_accuracy"])
+
+
+def test_mean_pooling_needs_a_roformer(sentiment, tmp_path, capsys):
+    transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64).save_pretrained(tmp_path / "bert")
+    code = main(args(tmp_path / "bert", sentiment, tmp_path / "o", "--pooling", "mean"))
+    err = capsys.readouterr().err
+    assert code == EXIT_CHECKPOINT and "--pooling mean needs a RoFormer model" in err and "'bert'" in err, err
 
 
 def test_ngram_baseline_is_multinomial_naive_bayes(sentiment, tmp_path, capsys):

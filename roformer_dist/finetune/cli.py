@@ -3,14 +3,17 @@
     roformer-finetune --model runs/demo/hf --train train.jsonl --dev dev.jsonl --out runs/sst
     roformer-finetune --model runs/demo/checkpoints --train ... --dev ... --out ...       # a training checkpoint
     roformer-finetune --model runs/demo/hf --from-scratch ...       # same architecture, random initialisation
+    roformer-finetune --model runs/demo/hf --pooling mean ...       # head on the mean state, not [CLS]
     roformer-finetune --baseline ngram --train ... --dev ... --out ...   # naive Bayes on character 1-2-grams
 
 Input: jsonl ``{"sentence", "label"}`` / ``{"sentence1", "sentence2", "label"}`` or tsv with a header row
 (see roformer_dist/finetune/data.py). Prints dev accuracy and macro-F1 after every epoch and, last,
-``dev accuracy X.XXXX  macro-F1 Y.YYYY  (best epoch N)``. Writes OUT_DIR/results.json, OUT_DIR/best/ (the
-best epoch's model with its tokenizer: HF format, loadable with AutoModelForSequenceClassification and
-AutoTokenizer) and OUT_DIR/tb/ (TensorBoard: train/loss, train/lr, dev/accuracy, dev/macro_f1). An
-existing OUT_DIR is reused: those three are replaced.
+``dev accuracy X.XXXX  macro-F1 Y.YYYY  (best epoch N)``. Writes OUT_DIR/results.json (every epoch's
+record; the best epoch and the last one), OUT_DIR/best/ (the best epoch's model with its tokenizer: HF
+format, loadable with AutoModelForSequenceClassification and AutoTokenizer; with --pooling mean or a model
+HF cannot express, classifier.pt for roformer_dist.finetune.models.load_native_classifier) and OUT_DIR/tb/
+(TensorBoard: train/loss, train/lr, dev/accuracy, dev/macro_f1). An existing OUT_DIR is reused: those
+three are replaced.
 
 Exit status: 0 done, 2 bad flags (ConfigError), 4 bad input files (DataError), 5 model or checkpoint
 missing or unreadable (CheckpointError).
@@ -41,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (results.json, best/, tb/)")
     p.add_argument("--from-scratch", action="store_true",
                    help="the same architecture from random initialisation (what pretraining buys)")
+    p.add_argument("--pooling", choices=["cls", "mean"], default="cls",
+                   help="what the classification head reads: cls, the [CLS] state (HF's "
+                        "RoFormerForSequenceClassification; best/ in HF format); mean, the mean of the non-padding "
+                        "states (better after MLM-only pretraining, which never trains the [CLS] output; our "
+                        "encoder, best/classifier.pt)")
     p.add_argument("--baseline", choices=["ngram"], default=None,
                    help="ngram: multinomial naive Bayes on character unigrams + bigrams (add-one smoothing)")
     p.add_argument("--epochs", type=int, default=3)
@@ -99,6 +107,7 @@ def _results(task, labels, train, dev, records, *, truncated, model, from_scratc
     return {"task": task, "num_labels": len(labels), "labels": list(labels), "train_examples": len(train),
             "dev_examples": len(dev), "truncated": truncated, "epochs": records, "best_epoch": best["epoch"],
             "best_dev_accuracy": best["dev_accuracy"], "best_dev_macro_f1": best["dev_macro_f1"],
+            "last_dev_accuracy": records[-1]["dev_accuracy"], "last_dev_macro_f1": records[-1]["dev_macro_f1"],
             "model": model, "from_scratch": from_scratch, "baseline": baseline, **extra}
 
 
@@ -178,7 +187,7 @@ def _train_and_report(args, train, dev, labels, out: Path, dist, device) -> dict
     say = print if dist.main else (lambda *_: None)
     _quiet_transformers()
     clf = load_classifier(args.model, labels, from_scratch=args.from_scratch, seed=args.seed,
-                          tokenizer=args.tokenizer)
+                          tokenizer=args.tokenizer, pooling=args.pooling)
     if args.max_length > clf.max_positions:
         raise ConfigError(f"--max-length {args.max_length}: the model has {clf.max_positions} positions")
     say(f"model: {describe(clf)}{' (from scratch: random initialisation)' if args.from_scratch else ''}")
@@ -194,7 +203,7 @@ def _train_and_report(args, train, dev, labels, out: Path, dist, device) -> dict
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
     common = dict(truncated=truncated, model=str(args.model), from_scratch=args.from_scratch, baseline=None,
-                  extra={"backend": clf.backend, "max_length": args.max_length, "lr": args.lr,
+                  extra={"backend": clf.backend, "pooling": args.pooling, "max_length": args.max_length, "lr": args.lr,
                          "batch_size": args.batch_size, "seed": args.seed})
     records: list[dict] = []
 

@@ -6,12 +6,14 @@
 - a training checkpoint (``step_XXXXXXXX/``, ``checkpoints/`` or a run directory) or a roformer-dist
   weights file: the weights go into ``transformers.RoFormerForSequenceClassification`` in memory, with the
   tokenizer of the run's shard set (or ``--tokenizer``).
-A model HF's RoFormer cannot express (``attention`` other than softmax, absolute positions) is trained
-as our own encoder with the same classification head (``NativeClassifier``) and saved as
-``classifier.pt`` instead of HF files.
+A model HF's RoFormer cannot express (``attention`` other than softmax, absolute positions), and any
+model with ``pooling="mean"``, is trained as our own encoder with the same classification head
+(``NativeClassifier``) and saved as ``classifier.pt`` instead of HF files.
 
-The classification head (HF's RoFormerClassificationHead): the [CLS] state -> dropout -> dense -> act ->
-dropout -> linear to the labels.
+The classification head (HF's RoFormerClassificationHead): the pooled state -> dropout -> dense -> act ->
+dropout -> linear to the labels. The pooled state is the [CLS] state (``pooling="cls"``, HF's choice) or
+the mean of the states of the non-padding tokens (``pooling="mean"``). MLM pretraining never puts a loss
+on the [CLS] output (it is never masked), so for an MLM-only encoder the mean is the better start.
 """
 
 from __future__ import annotations
@@ -28,21 +30,38 @@ from torch import nn
 
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 
-__all__ = ["Classifier", "NativeClassifier", "load_classifier", "load_native_classifier", "NATIVE_FILE"]
+__all__ = ["Classifier", "NativeClassifier", "load_classifier", "load_native_classifier", "pool", "NATIVE_FILE",
+           "POOLINGS"]
 
 NATIVE_FILE = "classifier.pt"
 NATIVE_FORMAT = "roformer-dist-classifier"
+POOLINGS = ("cls", "mean")
+
+
+def pool(hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], pooling: str) -> torch.Tensor:
+    """(B, S, H) encoder states -> (B, H): the [CLS] state, or the mean over positions where the mask is 1."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling != "mean":
+        raise ConfigError(f"pooling: got {pooling!r}, expected one of {', '.join(POOLINGS)}")
+    if attention_mask is None:
+        return hidden.mean(1)
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
 class NativeClassifier(nn.Module):
-    """Our encoder (any ModelConfig model.py supports) + HF RoFormer's classification head."""
+    """Our encoder (any ModelConfig model.py supports) + HF RoFormer's classification head on the pooled state."""
 
-    def __init__(self, cfg, num_labels: int):
+    def __init__(self, cfg, num_labels: int, pooling: str = "cls"):
         super().__init__()
         from roformer_dist.model import RoFormerForMaskedLM, _activation
 
+        if pooling not in POOLINGS:
+            raise ConfigError(f"pooling: got {pooling!r}, expected one of {', '.join(POOLINGS)}")
         self.config = cfg
         self.num_labels = num_labels
+        self.pooling = pooling
         self.encoder = RoFormerForMaskedLM(cfg)
         del self.encoder.head  # the MLM head is not used: encode() gives the hidden states
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
@@ -61,7 +80,7 @@ class NativeClassifier(nn.Module):
                                   f"unexpected {unexpected[:5]}")
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
-        h = self.encoder.encode(input_ids, attention_mask, token_type_ids)[:, 0]  # (B, hidden): [CLS]
+        h = pool(self.encoder.encode(input_ids, attention_mask, token_type_ids), attention_mask, self.pooling)
         return self.out_proj(self.dropout(self.act(self.dense(self.dropout(h)))))
 
 
@@ -87,7 +106,7 @@ class Classifier:
         """Write the model and its tokenizer to the (empty) directory ``out``."""
         if self.backend == "native":
             payload = {"format": NATIVE_FORMAT, "version": 1, "model_config": _asdict(self.model.config),
-                       "num_labels": self.model.num_labels, "labels": list(self.labels),
+                       "num_labels": self.model.num_labels, "pooling": self.model.pooling, "labels": list(self.labels),
                        "state_dict": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}}
             torch.save(payload, out / NATIVE_FILE)
         else:
@@ -113,7 +132,7 @@ def load_native_classifier(path: str | os.PathLike) -> tuple[NativeClassifier, A
             raise ValueError(f"format {obj.get('format')!r}")
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path / NATIVE_FILE}: not a roformer-finetune classifier ({e})") from None
-    model = NativeClassifier(ModelConfig(**obj["model_config"]), obj["num_labels"])
+    model = NativeClassifier(ModelConfig(**obj["model_config"]), obj["num_labels"], obj.get("pooling", "cls"))
     model.load_state_dict(obj["state_dict"])
     return model.eval(), load_hf_tokenizer(path)
 
@@ -123,14 +142,16 @@ def _label_maps(labels: list) -> dict:
             "label2id": {str(x): i for i, x in enumerate(labels)}}
 
 
-def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Optional[str]) -> Classifier:
+def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Optional[str], pooling: str) -> Classifier:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from roformer_dist.hf_tokenizer import TOKENIZER_FILES, load_hf_tokenizer
 
     try:
         config = AutoConfig.from_pretrained(str(path), num_labels=len(labels), **_label_maps(labels))
-        if from_scratch:
+        if pooling == "mean":
+            model = _native_from_hf(path, config, len(labels), from_scratch)
+        elif from_scratch:
             model = AutoModelForSequenceClassification.from_config(config)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(path), config=config)
@@ -148,7 +169,21 @@ def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Option
         else:
             _write_sp_tokenizer(out, tok_src, max_pos)
 
-    return Classifier(model, tok, "transformers", f"HF export {path}", max_pos, write_tokenizer, labels)
+    backend = "native" if pooling == "mean" else "transformers"
+    return Classifier(model, tok, backend, f"HF export {path}", max_pos, write_tokenizer, labels)
+
+
+def _native_from_hf(path: Path, config, num_labels: int, from_scratch: bool) -> NativeClassifier:
+    """Our encoder with the weights of the HF RoFormer in ``path`` (mean pooling has no HF class)."""
+    from roformer_dist.hf import from_hf_pretrained, model_config_from_hf
+
+    if config.model_type != "roformer":
+        raise CheckpointError(f"--model {path}: --pooling mean needs a RoFormer model, this one is "
+                              f"{config.model_type!r} (use --pooling cls)")
+    model = NativeClassifier(model_config_from_hf(config), num_labels, "mean")
+    if not from_scratch:
+        model.load_encoder(from_hf_pretrained(path).state_dict())
+    return model
 
 
 def _write_sp_tokenizer(out: Path, source: Path, max_pos: int) -> None:
@@ -157,7 +192,8 @@ def _write_sp_tokenizer(out: Path, source: Path, max_pos: int) -> None:
     write_tokenizer_files(out, source / "tokenizer.model" if source.is_dir() else source, max_pos)
 
 
-def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scratch: bool) -> Classifier:
+def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scratch: bool,
+               pooling: str) -> Classifier:
     from roformer_dist.hf import check_exportable, hf_config_from, state_dict_to_hf
     from roformer_dist.hf_tokenizer import load_hf_tokenizer
 
@@ -167,10 +203,14 @@ def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scra
     def write_tokenizer(out: Path) -> None:
         _write_sp_tokenizer(out, sp_model, max_pos)
 
-    try:
-        check_exportable(cfg)
-    except ConfigError as why:
-        model = NativeClassifier(cfg, len(labels))
+    why = "--pooling mean" if pooling == "mean" else None
+    if why is None:
+        try:
+            check_exportable(cfg)
+        except ConfigError as e:
+            why = str(e)
+    if why is not None:
+        model = NativeClassifier(cfg, len(labels), pooling)
         if not from_scratch:
             model.load_encoder(sd)
         return Classifier(model, tok, "native", f"{what} (native: {why})", max_pos, write_tokenizer, labels)
@@ -191,9 +231,11 @@ def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scra
 
 
 def load_classifier(spec: str, labels: list, *, from_scratch: bool, seed: int,
-                    tokenizer: Optional[str] = None) -> Classifier:
+                    tokenizer: Optional[str] = None, pooling: str = "cls") -> Classifier:
     """The classifier for ``--model spec`` (see the module docstring); head (and, with ``from_scratch``,
     every weight) initialised from ``seed``."""
+    if pooling not in POOLINGS:
+        raise ConfigError(f"--pooling: got {pooling!r}, expected one of {', '.join(POOLINGS)}")
     from roformer_dist.hf_export import find_tokenizer, load_training_checkpoint, source_from_checkpoint
 
     path = Path(spec)
@@ -201,7 +243,7 @@ def load_classifier(spec: str, labels: list, *, from_scratch: bool, seed: int,
         raise CheckpointError(f"--model {path}: no such file or directory")
     torch.manual_seed(seed)
     if path.is_dir() and (path / "config.json").is_file():
-        return _from_hf_dir(path, labels, from_scratch, tokenizer)
+        return _from_hf_dir(path, labels, from_scratch, tokenizer, pooling)
     weights = path / "model.pt" if path.is_dir() and (path / "model.pt").is_file() else path
     if weights.is_file():
         from roformer_dist.convert_cli import _resolve_vocab, load_weights
@@ -212,7 +254,7 @@ def load_classifier(spec: str, labels: list, *, from_scratch: bool, seed: int,
             raise DataError(f"--model {weights}: a weights file names no tokenizer; pass --tokenizer "
                             "<shard set or tokenizer.model>")
         sp_model, _ = find_tokenizer(tokenizer, None)
-        return _from_ours(cfg, sd, f"weights file {weights}", sp_model, labels, from_scratch)
+        return _from_ours(cfg, sd, f"weights file {weights}", sp_model, labels, from_scratch, pooling)
     tc = load_training_checkpoint(path)
     source = source_from_checkpoint(tc)
     sp_model, jieba = find_tokenizer(tokenizer, source)
@@ -222,12 +264,13 @@ def load_classifier(spec: str, labels: list, *, from_scratch: bool, seed: int,
     what = f"training checkpoint {tc.dir} (step {tc.trainer.get('step')})"
     if jieba:
         what += " [jieba-trained tokenizer: encoded without jieba]"
-    return _from_ours(tc.model_config, tc.state_dict, what, sp_model, labels, from_scratch)
+    return _from_ours(tc.model_config, tc.state_dict, what, sp_model, labels, from_scratch, pooling)
 
 
 def describe(clf: Classifier) -> str:
     n = sum(p.numel() for p in clf.model.parameters())
-    return f"{clf.description}; {clf.backend} model, {n:,} parameters, {len(clf.labels)} labels"
+    pooling = getattr(clf.model, "pooling", "cls")
+    return f"{clf.description}; {clf.backend} model, {n:,} parameters, {len(clf.labels)} labels, {pooling} pooling"
 
 
 def write_json(path: Path, obj) -> None:
