@@ -80,6 +80,18 @@ def dev_predictions(model, tokenizer, data: Path, max_length: int = 48):
             [r["label"] for r in rows]
 
 
+def native_accuracy(best: Path, data: Path, max_length: int = 48) -> float:
+    """Dev accuracy of a classifier.pt model reloaded with load_native_classifier, example by example."""
+    from roformer_dist.finetune.models import load_native_classifier
+
+    model, tok = load_native_classifier(best)
+    rows = [json.loads(x) for x in (data / "dev.jsonl").read_text(encoding="utf-8").splitlines()]
+    with torch.no_grad():
+        pred = [int(model(**tok(r["sentence"], truncation=True, max_length=max_length, return_tensors="pt"))
+                    .argmax(-1)) for r in rows]
+    return float(np.mean(np.equal(pred, [r["label"] for r in rows])))
+
+
 def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path, capsys):
     """The command: results.json (the contract), the last line, TensorBoard, and a best model that
     AutoModelForSequenceClassification + AutoTokenizer reload with the same accuracy."""
@@ -167,8 +179,6 @@ def test_sentence_pairs_from_tsv(tiny_export, sentiment, tmp_path):
 def test_native_backend_for_a_model_hf_cannot_express(small_shards, sentiment, tmp_path):
     """Absolute positions (no HF RoFormer equivalent): our encoder with the same head, saved as
     classifier.pt, reloaded with the same predictions."""
-    from roformer_dist.finetune.models import load_native_classifier
-
     cfg = tiny_config(small_shards.vocab_size, position_embedding="absolute")
     torch.manual_seed(0)
     save_weights(tmp_path / "abs.pt", cfg, RoFormerForMaskedLM(cfg).state_dict())
@@ -176,12 +186,7 @@ def test_native_backend_for_a_model_hf_cannot_express(small_shards, sentiment, t
                    "--lr", "1e-3"))
     assert res["backend"] == "native"
     assert {"classifier.pt", "tokenizer.json", "tokenizer.model"} <= {p.name for p in (tmp_path / "ft" / "best").iterdir()}
-    model, tok = load_native_classifier(tmp_path / "ft" / "best")
-    rows = [json.loads(x) for x in (sentiment / "dev.jsonl").read_text(encoding="utf-8").splitlines()]
-    with torch.no_grad():
-        pred = [int(model(**tok(r["sentence"], truncation=True, max_length=48, return_tensors="pt")).argmax(-1))
-                for r in rows]
-    assert np.mean(np.equal(pred, [r["label"] for r in rows])) == pytest.approx(res["best_dev_accuracy"])
+    assert native_accuracy(tmp_path / "ft" / "best", sentiment) == pytest.approx(res["best_dev_accuracy"])
 
 
 def test_mean_pooling_reads_only_real_tokens():
@@ -227,12 +232,7 @@ def test_mean_pooling_end_to_end_from_an_hf_export(tiny_export, sentiment, tmp_p
     res = run(args(tiny_export, sentiment, tmp_path / "ft", "--pooling", "mean", "--lr", "1e-3", "--epochs", "2"))
     assert (res["last_dev_accuracy"], res["last_dev_macro_f1"]) == (res["epochs"][-1]["dev_accuracy"],
                                                                     res["epochs"][-1]["dev_macro_f1"])
-    model, tok = load_native_classifier(tmp_path / "ft" / "best")
-    rows = [json.loads(x) for x in (sentiment / "dev.jsonl").read_text(encoding="utf-8").splitlines()]
-    with torch.no_grad():
-        pred = [int(model(**tok(r["sentence"], truncation=True, max_length=48, return_tensors="pt")).argmax(-1))
-                for r in rows]
-    assert np.mean(np.equal(pred, [r["label"] for r in rows])) == pytest.approx(res["best_dev_accuracy"])
+    assert native_accuracy(tmp_path / "ft" / "best", sentiment) == pytest.approx(res["best_dev_accuracy"])
 
 
 def test_mean_pooling_needs_a_roformer(sentiment, tmp_path, capsys):
