@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=["cls", "mean"], default="cls",
                    help="what the classification head reads: cls, the [CLS] state (HF's "
                         "RoFormerForSequenceClassification; best/ in HF format); mean, the mean of the non-padding "
-                        "states (better after MLM-only pretraining, which never trains the [CLS] output; our "
-                        "encoder, best/classifier.pt)")
+                        "states (MLM pretraining trains every token's output, never the [CLS] one; our encoder, "
+                        "best/classifier.pt)")
     p.add_argument("--baseline", choices=["ngram"], default=None,
                    help="ngram: multinomial naive Bayes on character unigrams + bigrams (add-one smoothing)")
     p.add_argument("--epochs", type=int, default=3)
@@ -203,8 +203,8 @@ def _train_and_report(args, train, dev, labels, out: Path, dist, device) -> dict
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
     common = dict(truncated=truncated, model=str(args.model), from_scratch=args.from_scratch, baseline=None,
-                  extra={"backend": clf.backend, "pooling": args.pooling, "max_length": args.max_length, "lr": args.lr,
-                         "batch_size": args.batch_size, "seed": args.seed})
+                  extra={"backend": clf.backend, "pooling": args.pooling, "max_length": args.max_length,
+                         "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed})
     records: list[dict] = []
 
     def on_epoch(rec: dict) -> None:  # results.json after every epoch: a long run shows its progress

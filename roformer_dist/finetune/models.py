@@ -13,7 +13,7 @@ model with ``pooling="mean"``, is trained as our own encoder with the same class
 The classification head (HF's RoFormerClassificationHead): the pooled state -> dropout -> dense -> act ->
 dropout -> linear to the labels. The pooled state is the [CLS] state (``pooling="cls"``, HF's choice) or
 the mean of the states of the non-padding tokens (``pooling="mean"``). MLM pretraining never puts a loss
-on the [CLS] output (it is never masked), so for an MLM-only encoder the mean is the better start.
+on the [CLS] output (it is never masked): the mean reads only outputs that pretraining trained.
 """
 
 from __future__ import annotations
@@ -57,8 +57,6 @@ class NativeClassifier(nn.Module):
         super().__init__()
         from roformer_dist.model import RoFormerForMaskedLM, _activation
 
-        if pooling not in POOLINGS:
-            raise ConfigError(f"pooling: got {pooling!r}, expected one of {', '.join(POOLINGS)}")
         self.config = cfg
         self.num_labels = num_labels
         self.pooling = pooling
@@ -106,7 +104,8 @@ class Classifier:
         """Write the model and its tokenizer to the (empty) directory ``out``."""
         if self.backend == "native":
             payload = {"format": NATIVE_FORMAT, "version": 1, "model_config": _asdict(self.model.config),
-                       "num_labels": self.model.num_labels, "pooling": self.model.pooling, "labels": list(self.labels),
+                       "num_labels": self.model.num_labels, "pooling": self.model.pooling,
+                       "labels": list(self.labels),
                        "state_dict": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}}
             torch.save(payload, out / NATIVE_FILE)
         else:
