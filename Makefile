@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 ## the demo: People's Daily 1998 + reviews -> tokenizer + shards -> 2-rank ZeRO-2 curriculum run -> eval beside
 ## the unigram baseline -> HF export -> sentiment fine-tuning vs random init vs n-gram baseline (ARGS=--fresh: start over)
 demo: venv
-	$(BIN)/python -m roformer_dist.demo $(ARGS)
+	$(BIN)/python -m roformer_dist.cli.demo $(ARGS)
 
 ## the debug experiment: a tiny model, 2 ranks, three stages, on shards of 2000 lines of People's Daily
 DEBUG_DATA := data/debug

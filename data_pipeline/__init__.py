@@ -7,9 +7,11 @@ URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (prepar
 tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.loader`
 (``ShardLoader``), :mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``).
 
-The pipeline does not import roformer_dist or launcher. One exception, lazily and only there:
-``roformer-data prepare --cluster/--slurm`` imports ``launcher.prepare`` to submit its tasks
-through submitit with the cluster profiles of ``roformer-submit``.
+The pipeline imports nothing of roformer_dist or launcher (a checked contract: ``lint-imports``).
+``roformer-data prepare|shards --tasks N`` runs its tasks through a runner handed to
+:func:`.cli.main`: the ``roformer-data`` console script is ``launcher.prepare.main``, which hands it
+submitit and the cluster profiles of ``roformer-submit``. :mod:`.errors` holds the project's error
+protocol (every error class carries its exit status) and ``run_command``, the one CLI runner.
 """
 
 __all__ = ["ShardLoader", "read_manifest", "check_tokenizer", "CorruptShardError", "DataError", "UsageError"]

@@ -42,11 +42,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             tmp.unlink()
         except OSError:
             pass
+        if (isinstance(e, OSError) and e.errno is not None and e.filename in (None, str(tmp))
+                and not hasattr(type(e), "exit_status")):  # a plain OS error: name the target, not the temporary
+            raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
         raise
     fsync_dir(path.parent)
     return path
@@ -97,8 +100,10 @@ class StagedDir:
     replaced by one rename; an existing one is exchanged with it in one step where the kernel
     can (``renameat2``), else renamed aside first; the old content is then deleted. :meth:`abort`
     removes the staging directory and any parent directories this object created, so a failed
-    build leaves nothing behind. Used as a context manager it aborts on any exception; the
-    caller commits.
+    build leaves nothing behind. Used as a context manager it aborts on any exception (an OS error
+    that names no file is re-raised naming ``out``); the caller commits.
+    The one directory swap of the project: shard sets, HF exports, fine-tuned models, universal
+    checkpoints.
     """
 
     def __init__(self, out: str | os.PathLike):
@@ -173,3 +178,6 @@ class StagedDir:
     def __exit__(self, etype, value, tb) -> None:
         if etype is not None or not self.done:
             self.abort()
+        if (isinstance(value, OSError) and value.errno is not None and not value.filename
+                and not hasattr(type(value), "exit_status")):  # e.g. a full disk inside a library's writer
+            raise OSError(value.errno, value.strerror or os.strerror(value.errno), str(self.out)) from None

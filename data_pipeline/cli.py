@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_DATA, EXIT_FAILED, EXIT_OK, EXIT_USAGE, DataError, TaskError, UsageError
+from .errors import EXIT_DATA, EXIT_OK, UsageError, run_command
 
 log = logging.getLogger("roformer-data")
 
@@ -201,6 +201,9 @@ def _cluster(args, tokenizer) -> int:
 
     if args.tasks < 1:
         raise UsageError(f"--tasks: expected a positive number, got {args.tasks}")
+    if args.run_tasks is None:
+        raise UsageError("--tasks: preparing over tasks needs the cluster runner of the launcher; run the "
+                         "roformer-data command (launcher.prepare.main), not data_pipeline.cli directly")
     mode = args.cluster or ("slurm" if _has_sbatch() else "local")
     spec = cluster.Spec.from_args(args)
     t0 = time.time()
@@ -217,9 +220,7 @@ def _cluster(args, tokenizer) -> int:
                         "documents are not cut)", args.tasks, len(tasks))
         for t in tasks:
             print(f"task {t.index + 1}/{len(tasks)}: {t.describe()}")
-        from launcher.prepare import run_tasks  # lazily: the pipeline's core does not import launcher
-
-        run_tasks(mode, spec, tasks, stage.path, args)
+        args.run_tasks(mode, spec, tasks, stage.path, args)
         m = cluster.merge(stage.path, tasks)
         stage.commit()
     for w in m["_stats"].warnings():
@@ -278,8 +279,10 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
-EPILOG = ("exit status: 0 done, 1 a cluster task failed (killed, out of memory, ...), 2 usage (bad flags; --out holds a shard set and --force is not given, or cannot be "
-          "written), 4 data error (unreadable or empty corpus, damaged or inconsistent shard set, unreachable URL)")
+EPILOG = ("exit status: 0 done, 1 a cluster task failed (killed, out of memory, ...), 2 usage (bad flags; --out holds "
+          "a shard set and --force is not given, or cannot be written), 4 data error (unreadable or empty corpus, "
+          "damaged or inconsistent shard set, unreachable URL), 74 the disk filled up while writing (nothing "
+          "half-written is kept)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,24 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
+def main(argv=None, run_tasks=None) -> int:
+    """``roformer-data``. ``run_tasks(mode, spec, tasks, staging, args)`` runs the tasks of ``--tasks N``
+    (the launcher passes its submitit runner: :func:`launcher.prepare.main`); without it ``--tasks`` is
+    refused, so that this package needs nothing above it."""
     args = build_parser().parse_args(argv)
+    args.run_tasks = run_tasks
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.fn(args)
-    except DataError as e:
-        print(f"roformer-data {args.cmd}: data error: {e}", file=sys.stderr)
-        return EXIT_DATA
-    except (UsageError, ValueError, ImportError) as e:
-        print(f"roformer-data {args.cmd}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except TaskError as e:
-        print(f"roformer-data {args.cmd}: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"roformer-data {args.cmd}: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    return run_command(f"roformer-data {args.cmd}", lambda: args.fn(args),
+                       interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .atomic import atomic_write_text
+from .atomic import atomic_write_bytes, atomic_write_text
 from .corpus import CorpusStats, InputRange, detect_format, expand_inputs, read_documents, splittable
 from .errors import DataError
 from .manifest import MANIFEST, parse_manifest
@@ -123,7 +123,7 @@ def sample_texts(spec: Spec, num_docs: int) -> tuple[CorpusStats, Iterator[str]]
 
 def copy_tokenizer(tokenizer, into: Path) -> Path:
     dst = Path(into) / TOKENIZER
-    shutil.copyfile(tokenizer, dst)
+    atomic_write_bytes(dst, Path(tokenizer).read_bytes())
     return dst
 
 

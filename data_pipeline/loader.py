@@ -57,7 +57,6 @@ __all__ = ["ShardLoader", "deal", "epoch_shard_order", "slot_sequences", "slot_b
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 2
-READABLE_FORMATS = (1, 2)
 
 
 def shard_sizes(manifest: dict) -> list[tuple[int, int]]:
@@ -475,15 +474,15 @@ class ShardLoader:
                 "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}}
 
     def load_state_dict(self, state) -> None:
-        """Resume from ``state_dict()`` output (format 2, or format 1 of earlier versions): exactly with
+        """Resume from ``state_dict()`` output (format 2): exactly with
         the same slot layout; with another (world size, worker count) by the elastic rule, which needs
         every old rank's state (pass the list of them, or :func:`merge_states` of them) and logs a
         warning."""
         state = merge_states(state)
         where = "loader state"
-        if state.get("format") not in READABLE_FORMATS:
-            raise DataError(f"{where}: field 'format': expected one of {READABLE_FORMATS}, got "
-                            f"{state.get('format')!r} (saved by a newer version?)")
+        if state.get("format") != STATE_FORMAT:
+            raise DataError(f"{where}: field 'format': expected {STATE_FORMAT}, got {state.get('format')!r} "
+                            "(saved by another version?)")
         if state.get("shard_set") != self._shard_set:
             raise DataError(f"{where}: field 'shard_set': saved for another shard set "
                             f"({state.get('shard_set')}), this loader reads {self.shard_dir} ({self._shard_set})")
@@ -491,8 +490,7 @@ class ShardLoader:
             raise DataError(f"{where}: field 'seed': saved with seed {state.get('seed')}, the loader has "
                             f"seed {self.seed}")
         self._stop_active()
-        docs = [d for d, _ in self.shard_sizes]
-        saved = {g: SlotState.from_dict(s, docs) for g, s in state["slots"].items()}
+        saved = {g: SlotState.from_dict(s) for g, s in state["slots"].items()}
         old_total = state["dp_size"] * state["slots_per_rank"]
         mine = [str(g) for g in self._my_slots()]
         if old_total == self.total_slots:

@@ -20,6 +20,10 @@ from typing import Optional
 
 import numpy as np
 
+IGNORE_INDEX = -100
+"""The label of a position that is not predicted (what torch's cross-entropy ignores by default); the
+one definition, used by the model, the baselines and fine-tuning."""
+
 __all__ = ["sample_keys", "hash_uniform_bits", "mask_tokens"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -113,7 +117,7 @@ def mask_tokens(input_ids: np.ndarray, attention_mask: np.ndarray, keys: np.ndar
     kind = (h >> np.uint64(24)) & np.uint64(0xFFFF)                  # next 16 bits: 80/10/10
     to_mask = chosen & (kind < np.uint64(int(0.8 * 65536)))
     to_random = chosen & ~to_mask & (kind < np.uint64(int(0.9 * 65536)))
-    labels = np.where(chosen, input_ids, -100)
+    labels = np.where(chosen, input_ids, IGNORE_INDEX)
     out = np.where(to_mask, mask_id, input_ids)
     if to_random.any():
         allowed = np.flatnonzero(~special[:vocab_size])

@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from .atomic import StagedDir, atomic_write_text
+from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
 from .corpus import CorpusStats, check_inputs, iter_records, to_documents
 from .errors import DataError, UsageError
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
@@ -234,7 +233,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     if tokenizer_in_set is not None:
         model_path = out_dir / tokenizer_in_set
         if Path(tokenizer).resolve() != model_path.resolve():
-            shutil.copyfile(tokenizer, model_path)
+            atomic_write_bytes(model_path, Path(tokenizer).read_bytes())  # names model_path on a full disk
         tok_entry = {"path": tokenizer_in_set, "sha256": sha256_file(model_path)}
     else:
         model_path = Path(tokenizer)

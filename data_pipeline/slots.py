@@ -73,13 +73,9 @@ class SlotState:
                 "doc": self.doc, "offset": self.offset, "sample": self.sample}
 
     @classmethod
-    def from_dict(cls, d: dict, shard_docs: Sequence[int]) -> "SlotState":
-        """Read a saved slot state: this format (``pieces``), or format 1 (``shards``: whole shards,
-        whose documents were counted from the shard's first, the same as a whole-shard piece)."""
-        if "pieces" in d:
-            pieces = [Piece(*map(int, p)) for p in d["pieces"]]
-        else:
-            pieces = [Piece(int(i), 0, int(shard_docs[int(i)])) for i in d["shards"]]
+    def from_dict(cls, d: dict) -> "SlotState":
+        """Read a saved slot state (:meth:`to_dict`)."""
+        pieces = [Piece(*map(int, p)) for p in d["pieces"]]
         return cls(int(d["epoch"]), pieces, int(d["cursor"]), int(d["doc"]), int(d["offset"]), int(d["sample"]))
 
 

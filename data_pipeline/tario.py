@@ -248,7 +248,7 @@ def _tar_header(name: str, size: int) -> bytes:
     hdr = bytearray(_HDR_TEMPLATE)
     hdr[0:len(nb)] = nb
     hdr[124:136] = sb
-    hdr[148:156] = b"%06o\0 " % (_HDR_BASE_SUM - 256 + 256 + sum(nb) + sum(sb))
+    hdr[148:156] = b"%06o\0 " % (_HDR_BASE_SUM + sum(nb) + sum(sb))
     return bytes(hdr)
 
 

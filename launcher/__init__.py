@@ -8,5 +8,5 @@
   ``cancel`` and ``--wait``.
 - ``launcher.cli``: ``roformer-submit``.
 
-The launcher knows the trainer only through ``roformer_dist.trainer.run_rank`` and the config.
+The launcher knows the trainer only through ``roformer_dist.train.entry.run_rank`` and the config.
 """

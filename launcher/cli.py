@@ -34,8 +34,11 @@ from pathlib import Path
 
 from launcher import profiles, slurm
 from launcher.profiles import JobFlags
+from roformer_dist.config import save_config
+from roformer_dist.errors import ConfigError, run_command
+from roformer_dist.runtime.runlock import RunLock
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 6
+EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 6
 SUBCOMMANDS = ("status", "cancel", "logs")
 
 
@@ -84,12 +87,8 @@ def _say(msg: str) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    try:
-        cfg = profiles.resolve(args.config, args.overrides, _flags(args))
-        profiles.check_data(cfg)
-    except ValueError as e:
-        print(f"roformer-submit: config error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    cfg = profiles.resolve(args.config, args.overrides, _flags(args))
+    profiles.check_data(cfg)
     cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
     run_dir = Path(cfg.run_dir)
     logs = run_dir / "logs"
@@ -110,17 +109,9 @@ def submit(args: argparse.Namespace) -> int:
         print(f"roformer-submit: {busy}", file=sys.stderr)
         return EXIT_LOCKED
 
-    from roformer_dist.config import save_config
-    from roformer_dist.errors import RunLockedError
-    from roformer_dist.runlock import RunLock
-
     logs.mkdir(parents=True, exist_ok=True)
-    try:
-        with RunLock(run_dir):  # not while a run holds it: its config.yaml must not change under it
-            save_config(cfg, run_dir / "config.yaml")
-    except RunLockedError as e:
-        print(f"roformer-submit: {e}", file=sys.stderr)
-        return EXIT_LOCKED
+    with RunLock(run_dir):  # not while a run holds it: its config.yaml must not change under it
+        save_config(cfg, run_dir / "config.yaml")
     job = _submit(cfg, cluster, logs)
     _record(run_dir, job.job_id, cluster)
     print(f"job_id: {job.job_id}", flush=True)
@@ -207,7 +198,7 @@ def _wait_slurm(job_id: str, run_dir: Path) -> int:
 def _last_job(run_dir: Path) -> dict:
     path = run_dir / "logs" / "jobs.jsonl"
     if not path.exists():
-        raise ValueError(f"{run_dir}: no job was submitted for this run directory ({path} missing)")
+        raise ConfigError(f"{run_dir}: no job was submitted for this run directory ({path} missing)")
     return json.loads(path.read_text().splitlines()[-1])
 
 
@@ -293,23 +284,19 @@ def run_subcommand(argv: list[str]) -> int:
         p.add_argument("-n", "--lines", type=int, default=50, help="lines from the end (default 50)")
     args = p.parse_args(argv[1:])
     run_dir = args.run_dir.resolve()
-    try:
-        if argv[0] == "status":
-            return status(run_dir)
-        if argv[0] == "cancel":
-            return cancel(run_dir)
-        return logs(run_dir, args.rank, args.lines)
-    except ValueError as e:
-        print(f"roformer-submit {argv[0]}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    if argv[0] == "status":
+        return status(run_dir)
+    if argv[0] == "cancel":
+        return cancel(run_dir)
+    return logs(run_dir, args.rank, args.lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
-        return run_subcommand(argv)
-    parser = build_parser()
-    return submit(parser.parse_intermixed_args(argv))
+        return run_command(f"roformer-submit {argv[0]}", lambda: run_subcommand(argv))
+    args = build_parser().parse_intermixed_args(argv)
+    return run_command("roformer-submit", lambda: submit(args))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
 from roformer_dist.config import Config
+from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
 
 
 def _master_port(job_id: str) -> int:
@@ -86,12 +87,12 @@ class TrainJob(submitit.helpers.Checkpointable):
               f"local rank {os.environ['LOCAL_RANK']}), master {os.environ['MASTER_ADDR']}:"
               f"{os.environ['MASTER_PORT']}, restart {os.environ.get('SLURM_RESTART_COUNT', '0')}",
               file=sys.stderr, flush=True)
-        from roformer_dist import trainer
+        from roformer_dist.train.entry import run_rank  # torch and DeepSpeed: only in the job
 
-        code = trainer.run_rank(self.cfg)
-        if code == trainer.EXIT_DONE:
+        code = run_rank(self.cfg)
+        if code == EXIT_DONE:
             return {"run_dir": self.cfg.run_dir, "rank": env.global_rank, "status": "done"}
-        if code == trainer.EXIT_REQUEUE:
+        if code == EXIT_REQUEUE:
             self._requeue(env, started)
         raise RuntimeError(f"the trainer stopped with exit status {code} on rank {env.global_rank} "
                            f"(see {self.cfg.run_dir}/logs/rank{env.global_rank}.log)")

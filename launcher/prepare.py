@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import submitit
 from data_pipeline import cluster
 from data_pipeline.errors import DataError, TaskError, UsageError
 
-__all__ = ["PrepareTask", "run_tasks", "slurm_parameters"]
+__all__ = ["PrepareTask", "run_tasks", "slurm_parameters", "main"]
 
 PROGRESS_EVERY_S = 10.0
 
@@ -143,3 +144,14 @@ def _check(job, task, n: int) -> None:
         pass
     raise TaskError(f"task {task.index + 1}/{n} (job {job.job_id}, state {job.state}) failed: {line}\n"
                     f"end of its log:\n{log_tail}")
+
+
+def main(argv=None) -> int:
+    """``roformer-data``: the data pipeline's command with this module's cluster runner for ``--tasks``."""
+    from data_pipeline.cli import main as data_main
+
+    return data_main(argv, run_tasks=run_tasks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,7 @@ from typing import Optional
 
 from data_pipeline.source import is_url
 from roformer_dist.config import Config, load_config, replace
+from roformer_dist.errors import ConfigError
 
 # Written into the sbatch script before srun: `scancel --signal=USR2 --full` (and some preemption setups)
 # also signal the batch shell, whose default action on SIGUSR2 is to die and end the job (measured here).
@@ -59,19 +60,19 @@ def parse_mem_gb(text: str) -> int:
             t = t[: -len(suffix)]
             break
     if not t.isdigit():
-        raise ValueError(f"slurm.mem_gb: --mem expects whole gigabytes per node such as 64G, got {text!r}")
+        raise ConfigError(f"slurm.mem_gb: --mem expects whole gigabytes per node such as 64G, got {text!r}")
     return int(t)
 
 
 def resolve(config: str, overrides: list[str], flags: JobFlags) -> Config:
-    """Load, apply profile/overrides/flags, fix the job's world size, validate. ValueError names the key."""
+    """Load, apply profile/overrides/flags, fix the job's world size, validate. ConfigError names the key."""
     items = ([f"slurm={flags.profile}"] if flags.profile else []) + list(overrides) + flags.overrides()
     cfg = load_config(config, items)
     s = cfg.slurm
     tasks = s.tasks_per_node
     if s.gpus_per_node > 0:
         if flags.tasks_per_node is not None and flags.tasks_per_node != s.gpus_per_node:
-            raise ValueError(f"slurm.tasks_per_node: {flags.tasks_per_node} tasks per node with "
+            raise ConfigError(f"slurm.tasks_per_node: {flags.tasks_per_node} tasks per node with "
                              f"slurm.gpus_per_node {s.gpus_per_node}; the launcher runs one rank per GPU")
         tasks = s.gpus_per_node
     world = s.nodes * tasks
@@ -89,9 +90,9 @@ def check_data(cfg: Config) -> None:
     URL is checked by the job when it starts (a ``pipe:`` command may only work on the compute nodes)."""
     for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
         if key == "data.shards" and not value:
-            raise ValueError("data.shards: no training shard set given")
+            raise ConfigError("data.shards: no training shard set given")
         if value and not is_url(value) and not (Path(value) / "manifest.json").is_file():
-            raise ValueError(f"{key}: {value} is not a shard set (no manifest.json; make one with "
+            raise ConfigError(f"{key}: {value} is not a shard set (no manifest.json; make one with "
                              "`roformer-data prepare`)")
 
 

@@ -90,10 +90,10 @@ class ModelConfig:
     position_embedding: PositionEmbedding = "rotary"
     """rotary (RoFormer) | absolute (the BERT baseline, learned absolute positions)."""
     rotary_backend: RotaryBackend = "auto"
-    """auto | reference | compiled | triton | apex | flash_attn (see roformer_dist/rotary.py)."""
+    """auto | reference | compiled | triton | apex | flash_attn (see roformer_dist/nn/rotary.py)."""
     attention: AttentionKind = "softmax"
     """softmax (scaled dot-product, O(S^2)) | linear (the paper's section 3.3: feature map elu(x)+1,
-    rotary on the feature maps, O(S) time and memory; see roformer_dist/attention.py)."""
+    rotary on the feature maps, O(S) time and memory; see roformer_dist/nn/attention.py)."""
 
 
 @dataclass(frozen=True)
@@ -316,14 +316,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is Union:
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, key)
-            except ValueError as e:
-                errors.append(str(e))
+            except ValueError:
+                continue
         names = " or ".join(_type_name(a) for a in args)
         raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if origin is tuple:
@@ -450,10 +449,22 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
-        if not prefix:
+        if cls is Config:
             value = _expand_preset(name, value)
         kwargs[name] = _coerce(value, hints[name], key)
     return cls(**kwargs)
+
+
+def build(cls: type, data: Any, where: str = "", error: type[Exception] = ConfigError) -> Any:
+    """A dataclass of this module from a plain mapping (a YAML file, a saved config, the model config of
+    a weights file), every value checked against its field's type. The one builder of these types:
+    a :class:`ConfigError` names the key; with ``where`` (a file) the error is ``error`` and names it."""
+    try:
+        return _build(cls, data)
+    except ConfigError as e:
+        if not where:
+            raise
+        raise error(f"{where}: {e}") from None
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -514,16 +525,8 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: list[str] =
     return cfg
 
 
-REMOVED_KEYS = {"data": ("shuffle_buffer_docs",)}
-"""Keys that configs saved by earlier versions (in run_dir/config.yaml and checkpoints) may carry."""
-
-
 def from_dict(data: dict) -> Config:
     """A saved config (``to_dict`` output, e.g. from a checkpoint) -> validated ``Config``."""
-    data = dict(data)
-    for section, keys in REMOVED_KEYS.items():
-        if isinstance(data.get(section), dict):
-            data[section] = {k: v for k, v in data[section].items() if k not in keys}
     cfg = _build(Config, data)
     validate(cfg)
     return cfg

@@ -1,7 +1,10 @@
 """Error classes and exit statuses of roformer-dist's commands.
 
-Each class is an error that is ours to explain: the commands print its message (no traceback) and
-exit with its status. Any other exception is a bug and shows its traceback (exit status 1).
+Each class is an error that is ours to explain and carries its exit status (``exit_status``): every
+command runs through :func:`run_command` (defined with the data pipeline's errors, the lowest layer),
+which prints its message on one line (no traceback) and exits with its status. An OS error that only
+a write can cause (ENOSPC, EDQUOT, EROFS) is reported the same way with status 74. Any other
+exception is a bug and shows its traceback (exit status 1).
 
     ConfigError      2   a config key, a flag or a combination is invalid (named in the message)
     DataError        4   corpus / shard set / tokenizer missing, damaged or inconsistent
@@ -20,11 +23,11 @@ from __future__ import annotations
 
 import errno as _errno
 
-from data_pipeline.errors import DataError
+from data_pipeline.errors import EXIT_INTERRUPTED, EXIT_STORAGE, DataError, exit_status, run_command
 
 __all__ = ["ConfigError", "DataError", "CheckpointError", "RunLockedError", "StorageError", "EXIT_DONE",
            "EXIT_BUG", "EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_DATA", "EXIT_CHECKPOINT", "EXIT_LOCKED",
-           "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status"]
+           "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status", "run_command"]
 
 EXIT_DONE = 0
 EXIT_BUG = 1  # an unexpected exception: its traceback is shown
@@ -33,9 +36,8 @@ EXIT_NONFINITE = 3
 EXIT_DATA = 4
 EXIT_CHECKPOINT = 5
 EXIT_LOCKED = 6
-EXIT_STORAGE = 74  # EX_IOERR
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved because of a stop signal; run again to continue
-EXIT_ABORTED = 130  # 128 + SIGINT: a second Ctrl-C
+EXIT_ABORTED = EXIT_INTERRUPTED  # 128 + SIGINT: a second Ctrl-C
 
 EXIT_STATUS_HELP = """exit status:
   0    done
@@ -54,17 +56,25 @@ EXIT_STATUS_HELP = """exit status:
 class ConfigError(ValueError):
     """An invalid config key, value or combination; the message names the key."""
 
+    exit_status = EXIT_CONFIG
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing or damaged files, another model or layout)."""
+
+    exit_status = EXIT_CHECKPOINT
 
 
 class RunLockedError(RuntimeError):
     """The run directory is held by another run; the message names the holder."""
 
+    exit_status = EXIT_LOCKED
+
 
 class StorageError(OSError):
     """Writing to the run directory failed for a reason of the filesystem (ENOSPC, EROFS, EACCES...)."""
+
+    exit_status = EXIT_STORAGE
 
     @classmethod
     def from_os_error(cls, error: OSError, doing: str) -> "StorageError":
@@ -88,18 +98,3 @@ class StorageError(OSError):
 
     def __str__(self) -> str:
         return self.args[0] if self.args else super().__str__()
-
-
-def exit_status(error: BaseException) -> int | None:
-    """The exit status for one of our errors, None for anything else (a bug: show the traceback)."""
-    if isinstance(error, ConfigError):
-        return EXIT_CONFIG
-    if isinstance(error, DataError):
-        return EXIT_DATA
-    if isinstance(error, CheckpointError):
-        return EXIT_CHECKPOINT
-    if isinstance(error, RunLockedError):
-        return EXIT_LOCKED
-    if isinstance(error, StorageError):
-        return EXIT_STORAGE
-    return None

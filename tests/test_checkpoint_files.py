@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from roformer_dist import checkpoint as ckpt
+from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.config import load_config, to_dict
 from roformer_dist.errors import CheckpointError, StorageError
-from roformer_dist.trainer_state import TrainCounters, TrainerState
+from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState
 
 DEBUG = Path(__file__).resolve().parent.parent / "configs" / "experiments" / "debug.yaml"
 WORLD = 2
@@ -49,7 +49,7 @@ def payload(step, rank=0):
                         rank=rank, config=to_dict(cfg), tokenizer_sha256="ab" * 32, stage_index=0)
 
 
-class OtherRank(ckpt.Comm):
+class OtherRank(ckpt.LocalComm):
     """Rank 0's barriers; at the one after the trainer states, rank 1's state is there as well."""
 
     def __init__(self, ckpt_dir: Path, step: int):

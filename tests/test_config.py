@@ -137,13 +137,13 @@ def test_micro_batch_from_token_budget():
 
 
 def test_cli_rejects_unknown_key_before_spawning():
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.train_cli", "--config", str(DEBUG), "no_such.key=1"],
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.train", "--config", str(DEBUG), "no_such.key=1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "no_such" in r.stderr
 
 
 def test_cli_help_lists_usage():
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.train_cli", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.train", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--config" in r.stdout

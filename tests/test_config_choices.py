@@ -58,8 +58,8 @@ def test_choice_values_are_converted_to_the_choices_type():
 
 
 def test_dispatch_tables_cover_exactly_the_choices():
-    from roformer_dist.model import ACTIVATIONS
-    from roformer_dist.rotary import BACKENDS
+    from roformer_dist.nn.model import ACTIVATIONS
+    from roformer_dist.nn.rotary import BACKENDS
 
     assert tuple(ACTIVATIONS) == C.choices(C.HiddenAct)
     assert BACKENDS == C.choices(C.RotaryBackend)
@@ -67,7 +67,7 @@ def test_dispatch_tables_cover_exactly_the_choices():
 
 
 def test_model_checks_its_config_with_the_validator():
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     with pytest.raises(ConfigError, match="model.attention"):
         RoFormerForMaskedLM(C.ModelConfig(vocab_size=10, hidden_size=8, num_attention_heads=2,
@@ -78,7 +78,7 @@ def test_model_checks_its_config_with_the_validator():
 
 def test_layout_rules_live_in_validate_layout():
     """topology's Layout and the tensor-parallel wrapper use the config's rules (ConfigError, key named)."""
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.parallel.tensor import TensorParallelMLM
     from roformer_dist.parallel.topology import Layout
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from roformer_dist.config import OptimConfig, StageConfig, load_config
-from roformer_dist.curriculum import lr_at, stage_at, stage_boundaries, total_steps
+from roformer_dist.train.curriculum import lr_at, stage_at, stage_boundaries, total_steps
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,7 @@ def test_read_only_output_fails_before_the_tokenizer_is_trained(tmp_path, corpus
     else a directory without write permission."""
     ro = tmp_path / "ro"
     ro.mkdir()
-    cmd = [sys.executable, "-m", "data_pipeline.cli", *_prepare("--input", str(corpus), "--out", str(ro / "set"))]
+    cmd = [sys.executable, "-m", "launcher.prepare", *_prepare("--input", str(corpus), "--out", str(ro / "set"))]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if os.geteuid() == 0 and shutil.which("unshare"):
         script = f"mount -t tmpfs -o ro,size=1m tmpfs {ro} && exec \"$@\""
@@ -169,10 +169,10 @@ def test_manifest_that_disagrees_with_its_tokenizer(made_set, tmp_path, capsys):
 
 
 def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
-    """What the trainer runs before it builds a model (roformer_dist.trainer.resolve_data)."""
+    """What the trainer runs before it builds a model (roformer_dist.train.data.resolve_data)."""
     from roformer_dist.config import load_config
     from roformer_dist.errors import ConfigError
-    from roformer_dist.trainer import resolve_data
+    from roformer_dist.train.data import resolve_data
 
     debug = ROOT / "configs" / "experiments" / "debug.yaml"
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", f"data.eval_shards={small_shards.eval_dir}"])
@@ -253,7 +253,7 @@ def test_corrupt_shard_is_a_data_error_for_the_loader_and_inspect(made_set, tmp_
 def test_roformer_train_exit_statuses_for_data_problems(made_set, small_shards, tmp_path, capsys):
     """roformer-train refuses before any rank starts: 4 for a manifest that disagrees with its tokenizer,
     2 for a model.vocab_size that disagrees with the data."""
-    from roformer_dist.train_cli import main as train_main
+    from roformer_dist.cli.train import main as train_main
 
     debug = str(ROOT / "configs" / "experiments" / "debug.yaml")
     d = _copy(made_set, tmp_path)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sentiment_split_is_deduplicated_disjoint_balanced_and_seeded(reviews):
-    from roformer_dist.demo import read_reviews, sentiment_split
+    from roformer_dist.cli.demo import read_reviews, sentiment_split
 
     pos_path, neg_path = reviews
     pos, neg = read_reviews(pos_path), read_reviews(neg_path)
@@ -48,9 +48,9 @@ def test_downstream_reuses_a_result_only_for_the_same_command_line(small_shards,
     import torch
 
     from roformer_dist.config import ModelConfig
-    from roformer_dist.demo import build_parser, downstream, read_reviews, sentiment_split, write_jsonl
-    from roformer_dist.hf_export import ExportSource, export_hf_repository
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.cli.demo import build_parser, downstream, read_reviews, sentiment_split, write_jsonl
+    from roformer_dist.hf.export import ExportSource, export_hf_repository
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -21,10 +21,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from roformer_dist.config import ModelConfig  # noqa: E402
-from roformer_dist.convert_cli import save_weights  # noqa: E402
+from roformer_dist.checkpoint.weights import save_weights  # noqa: E402
 from roformer_dist.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA  # noqa: E402
-from roformer_dist.finetune import main, run  # noqa: E402
-from roformer_dist.model import RoFormerForMaskedLM  # noqa: E402
+from roformer_dist.cli.finetune import main  # noqa: E402
+from roformer_dist.finetune.run import run  # noqa: E402
+from roformer_dist.nn.model import RoFormerForMaskedLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_KEYS = {"task", "num_labels", "labels", "train_examples", "dev_examples", "truncated", "epochs",
@@ -41,7 +42,7 @@ def tiny_config(vocab_size: int, **kw) -> ModelConfig:
 @pytest.fixture(scope="module")
 def tiny_export(small_shards, tmp_path_factory):
     """A tiny (untrained) RoFormer with the small shards' tokenizer, exported as an HF repository."""
-    from roformer_dist.hf_export import ExportSource, export_hf_repository
+    from roformer_dist.hf.export import ExportSource, export_hf_repository
 
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(tiny_config(small_shards.vocab_size))
@@ -113,7 +114,7 @@ def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path, capsys)
     # reviews longer than 48 tokens are truncated and counted, naming the file
     assert res["truncated"] > 0 and re.search(r"train\.jsonl: \d+ of 40 examples are longer", stdout)
 
-    from roformer_dist.metrics import read_scalars
+    from roformer_dist.train.metrics import read_scalars
 
     scalars = read_scalars(out / "tb")
     assert scalars["dev/accuracy"] == [(1, pytest.approx(ep["dev_accuracy"]))]
@@ -127,10 +128,10 @@ def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path, capsys)
 
 
 def test_console_entry_point():
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.finetune", "--help"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.finetune", "--help"], cwd=ROOT, capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert r.returncode == 0 and "--baseline" in r.stdout and "results.json" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.finetune", "--baseline", "ngram", "--train", "x.jsonl",
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.finetune", "--baseline", "ngram", "--train", "x.jsonl",
                         "--dev", "y.jsonl", "--out", "o"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert r.returncode == EXIT_DATA and "x.jsonl: no such file" in r.stderr
@@ -158,7 +159,7 @@ def test_pretrained_start_and_from_scratch(tiny_export, sentiment, tmp_path):
 def test_sentence_pairs_from_tsv(tiny_export, sentiment, tmp_path):
     from roformer_dist.finetune.data import read_examples
     from roformer_dist.finetune.train import encode
-    from roformer_dist.hf_tokenizer import load_hf_tokenizer
+    from roformer_dist.hf.tokenizer import load_hf_tokenizer
 
     rows = [json.loads(x) for x in (sentiment / "train.jsonl").read_text(encoding="utf-8").splitlines()]
     tsv = ["sentence1\tsentence2\tlabel"] + [f"{a['sentence'][:20]}\t{b['sentence'][:20]}\t{'same' if a['label'] == b['label'] else 'diff'}"
@@ -323,9 +324,9 @@ def _two_ranks(rank, world_size, model, data, out):
 def test_under_torchrun_two_ranks_train_one_model(tiny_export, sentiment, tmp_path):
     """WORLD_SIZE 2 (as torchrun sets it): DDP over gloo, each rank half of the batches; both ranks end
     with the same metrics and rank 0 alone writes the outputs."""
-    from multiproc import run_distributed
+    from roformer_dist.testing import run_distributed
 
-    from roformer_dist.metrics import read_scalars
+    from roformer_dist.train.metrics import read_scalars
 
     results = run_distributed(_two_ranks, world_size=2, args=(tiny_export, sentiment, tmp_path / "ft"),
                               timeout=300)

@@ -59,7 +59,7 @@ def test_training_step_of_the_script_is_a_valid_config():
     """The bf16 / ZeRO-2 / NCCL run: its overrides load and validate (at the 2 ranks of a 2-GPU machine)."""
     from roformer_dist.config import load_config
 
-    (train,) = [c for c in script_python_commands() if c[:2] == ["-m", "roformer_dist.train_cli"]]
+    (train,) = [c for c in script_python_commands() if c[:2] == ["-m", "roformer_dist.cli.train"]]
     assert train[2] == "--config"
     cfg = load_config(ROOT / train[3], train[4:])
     assert (cfg.deepspeed.precision, cfg.deepspeed.zero_stage, cfg.dist.backend) == ("bf16", 2, "nccl")
@@ -67,7 +67,7 @@ def test_training_step_of_the_script_is_a_valid_config():
 
 
 def test_backend_check_dry_run_on_cpu():
-    from roformer_dist.rotary import triton_available
+    from roformer_dist.nn.rotary import triton_available
 
     if not triton_available():
         pytest.skip("triton is not installed (the `dev` extra has it)")

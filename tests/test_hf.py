@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from roformer_dist import hf as H  # noqa: E402
+from roformer_dist.hf import convert as H  # noqa: E402
 from roformer_dist.config import ModelConfig  # noqa: E402
-from roformer_dist.convert_cli import load_weights, save_weights  # noqa: E402
-from roformer_dist.convert_cli import main as convert_main  # noqa: E402
+from roformer_dist.checkpoint.weights import load_weights, save_weights  # noqa: E402
+from roformer_dist.cli.convert import main as convert_main  # noqa: E402
 from roformer_dist.errors import EXIT_CHECKPOINT, EXIT_CONFIG  # noqa: E402
-from roformer_dist.model import RoFormerForMaskedLM  # noqa: E402
+from roformer_dist.nn.model import RoFormerForMaskedLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97
@@ -202,7 +202,7 @@ def test_state_dict_mapping_names_missing_key():
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "roformer_dist.convert_cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "roformer_dist.cli.convert", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

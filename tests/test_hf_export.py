@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 
 from data_pipeline.corpus import normalize, read_documents  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer  # noqa: E402
-from roformer_dist.convert_cli import main as convert_main  # noqa: E402
-from roformer_dist.convert_cli import save_weights  # noqa: E402
+from roformer_dist.cli.convert import main as convert_main  # noqa: E402
+from roformer_dist.checkpoint.weights import save_weights  # noqa: E402
 from roformer_dist.errors import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA  # noqa: E402
-from roformer_dist.hf_tokenizer import agreement, load_hf_tokenizer  # noqa: E402
+from roformer_dist.hf.tokenizer import agreement, load_hf_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -33,7 +33,7 @@ def trained(small_shards, tmp_path_factory):
     """A 4-step, 1-rank run of the debug model on the small People's Daily shards (real roformer-train)."""
     run = tmp_path_factory.mktemp("hf_export") / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.train_cli", "--config",
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.train", "--config",
                         str(ROOT / "configs" / "experiments" / "debug.yaml"), f"data.shards={small_shards.dir}",
                         f"data.eval_shards={small_shards.eval_dir}", f"run_dir={run}", "dist.world_size=1",
                         "curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 4}]",
@@ -54,10 +54,10 @@ def exported(trained):
 
 @pytest.fixture(scope="module")
 def our_model(trained):
-    from roformer_dist.checkpoint import load_consolidated_weights
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
-    cfg, sd = load_consolidated_weights(trained / "checkpoints" / "step_00000004")
+    cfg, sd = load_checkpoint_weights(trained / "checkpoints" / "step_00000004")
     model = RoFormerForMaskedLM(cfg)
     model.load_state_dict(sd)
     return model.eval()
@@ -155,7 +155,7 @@ def test_bpe_tokenizer_too(small_shards, reviews, tmp_path):
     """roformer-data can train BPE SentencePiece models: tokenizer.json is then a BPE with SentencePiece's
     merge order, again equal to our pipeline on real reviews and the hostile strings."""
     from data_pipeline.tokenizer import train_tokenizer
-    from roformer_dist.hf_tokenizer import build_fast_tokenizer
+    from roformer_dist.hf.tokenizer import build_fast_tokenizer
 
     model = train_tokenizer((d.text for d in read_documents(small_shards.source)), tmp_path / "bpe",
                             vocab_size=4000, model_type="bpe", num_threads=1)
@@ -202,7 +202,7 @@ def test_failed_export_leaves_nothing(trained, exported, tmp_path, capsys, peopl
 
     # a failure after the weights and the tokenizer are written (in the model card) leaves no trace,
     # and an existing export being replaced with --force is kept as it was
-    import roformer_dist.model_card as card
+    import roformer_dist.hf.model_card as card
 
     def broken(*a, **k):
         raise OSError("disk full")
@@ -217,7 +217,7 @@ def test_failed_export_leaves_nothing(trained, exported, tmp_path, capsys, peopl
 
 def test_export_errors_are_clear(trained, tmp_path, capsys):
     from roformer_dist.config import ModelConfig
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     missing = tmp_path / "nope" / "step_00000001"
     assert convert_main(["to-hf", "--checkpoint", str(missing), "--out", str(tmp_path / "o")]) == EXIT_CHECKPOINT
@@ -270,13 +270,13 @@ def test_jieba_style_tokenizer_is_exported_with_a_warning(trained, small_shards,
         pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
         control_symbols=[SPECIAL_TOKENS[k] for k in ("cls", "sep", "mask")], user_defined_symbols=["\u2581"],
         pretokenization_delimiter="\t", minloglevel=2, num_threads=1)
-    from roformer_dist.checkpoint import load_consolidated_weights
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
 
-    cfg, sd = load_consolidated_weights(trained / "checkpoints" / "step_00000004")
+    cfg, sd = load_checkpoint_weights(trained / "checkpoints" / "step_00000004")
     vocab = Tokenizer(tmp_path / "wsp.model").vocab_size
     import dataclasses
 
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     cfg = dataclasses.replace(cfg, vocab_size=vocab)
     save_weights(tmp_path / "w.pt", cfg, RoFormerForMaskedLM(cfg).state_dict())
@@ -298,7 +298,7 @@ def test_run_directory_export_is_reproducible(exported, trained, small_shards, t
     a, b = _tree(tmp_path / "hf"), _tree(exported)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         assert a[name] == b[name], name
-    code = ("import sys; from roformer_dist.hf_tokenizer import build_fast_tokenizer; "
+    code = ("import sys; from roformer_dist.hf.tokenizer import build_fast_tokenizer; "
             "sys.stdout.write(build_fast_tokenizer(sys.argv[1]).to_str())")
     outs = {subprocess.run([sys.executable, "-c", code, str(small_shards.tokenizer)], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed), check=True).stdout
@@ -309,7 +309,7 @@ def test_run_directory_export_is_reproducible(exported, trained, small_shards, t
 def test_finetune_from_the_training_checkpoint(trained, tmp_path, reviews):
     """roformer-finetune on the checkpoint directory itself: the encoder is our trained one, and the
     best model reloads with AutoModelForSequenceClassification + AutoTokenizer."""
-    from roformer_dist.finetune import run
+    from roformer_dist.finetune.run import run
 
     lines = [(t, 1) for t in reviews[0].read_text(encoding="utf-8").splitlines()[:24]] + \
             [(t, 0) for t in reviews[1].read_text(encoding="utf-8").splitlines()[:24]]
@@ -321,9 +321,9 @@ def test_finetune_from_the_training_checkpoint(trained, tmp_path, reviews):
                "--max-length", "64", "--no-progress", "--lr", "1e-30", "--threads", "1"])
     assert res["backend"] == "transformers" and res["train_examples"] == 24 and res["truncated"] > 0
     best = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ft" / "best")
-    from roformer_dist.checkpoint import load_consolidated_weights
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
 
-    _, sd = load_consolidated_weights(trained / "checkpoints" / "step_00000004")
+    _, sd = load_checkpoint_weights(trained / "checkpoints" / "step_00000004")
     # lr 1e-30: the encoder is still the pretrained one
     torch.testing.assert_close(best.roformer.embeddings.word_embeddings.weight,
                                sd["embeddings.word_embeddings.weight"], rtol=0, atol=1e-6)

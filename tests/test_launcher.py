@@ -213,7 +213,7 @@ def test_submit_refuses_a_run_dir_held_by_a_running_run(shard_stub, tmp_path, fa
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("the running run's config\n")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom roformer_dist.runlock import RunLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom roformer_dist.runtime.runlock import RunLock\n"
                                f"RunLock({str(run_dir)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)"],
                               env=env, stdout=subprocess.PIPE, text=True)
     try:

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import test_model
-from roformer_dist import attention as A
-from roformer_dist import rotary as R
+from roformer_dist.nn import attention as A
+from roformer_dist.nn import rotary as R
 from roformer_dist.config import ModelConfig
-from roformer_dist.model import RoFormerForMaskedLM
+from roformer_dist.nn.model import RoFormerForMaskedLM
 from test_model import VOCAB, batch, make
 
 
@@ -200,7 +200,7 @@ def test_linear_model_stops_and_resumes_exactly(small_shards, tmp_path):
     consolidates into a linear-attention model."""
     from test_trainer import assert_traces_equal, make_cfg, trace, train
 
-    from roformer_dist.checkpoint import load_consolidated_weights
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
 
     common = ("curriculum.stages=[{name: a, seq_len: 128, global_batch_size: 8, steps: 3}, "
               "{name: b, seq_len: 256, global_batch_size: 8, steps: 3}]",
@@ -213,7 +213,7 @@ def test_linear_model_stops_and_resumes_exactly(small_shards, tmp_path):
     assert trace(run, "seq_len") == [128] * 3 + [256] * 3
     assert_traces_equal(trace(ref), trace(run), tol=0.0)
 
-    mcfg, sd = load_consolidated_weights(run / "checkpoints" / "step_00000006")
+    mcfg, sd = load_checkpoint_weights(run / "checkpoints" / "step_00000006")
     assert mcfg.attention == "linear"
     model = RoFormerForMaskedLM(mcfg)
     model.load_state_dict(sd, strict=False)  # strict=False: the consolidated dict may hold tied copies

@@ -7,7 +7,7 @@ import torch
 
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import write_shard_set
-from multiproc import run_distributed
+from roformer_dist.testing import run_distributed
 
 KEYS = ("input_ids", "attention_mask", "token_type_ids", "labels")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import DistributedTestError, run_distributed
+from roformer_dist.testing import DistributedTestError, run_distributed
 
 
 def _all_reduce(rank, world_size):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multiproc import run_distributed
+from roformer_dist.testing import run_distributed
 
 VOCAB = 101  # odd: the tensor ranks hold 51 and 50 vocabulary rows
 SEQ, GLOBAL_BATCH, MICRO = 16, 8, 2
@@ -54,7 +54,7 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
     """Train ``steps`` steps in ``layout`` = (tensor, pipeline); returns (losses, accuracies)."""
     import deepspeed
 
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.parallel import build_parallel_engine
 
     torch.set_num_threads(1)
@@ -70,8 +70,8 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
     losses, accs = [], []
     for _ in range(steps):
         out = runner.train_step(it)
-        losses.append(out["loss"])
-        accs.append(out["mlm_acc"])
+        losses.append(out.loss)
+        accs.append(out.mlm_acc)
     ev = runner.eval_step(micro_batch(99, 0))
     torch.distributed.all_reduce(ev)
     if save_dir is not None:
@@ -82,8 +82,8 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
 def _reference_state(steps):
     """The 1-process model after ``steps`` steps of plain PyTorch AdamW (the same math as DeepSpeed's
     engine in fp32) and its trace: the ground truth every layout is compared with."""
-    from roformer_dist.engine import param_groups
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.parallel.engine import param_groups
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     cfg = make_cfg()
     torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_check_layout_names_the_key():
 
 
 def test_shard_merge_roundtrip():
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.parallel.tensor import merge_shards, shard_tensor
 
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def test_shard_merge_roundtrip():
 
 
 def _tp_vs_unsharded(rank, world_size, attention="softmax"):
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.parallel import Layout, ParallelDims, parallelize
     from roformer_dist.parallel.tensor import shard_tensor
 
@@ -230,7 +230,7 @@ def test_pipeline2_x_data2_zero1_matches_data2(reference, data2):
 def test_tensor2_x_pipeline2_matches_one_process_resumes_and_consolidates(reference, tmp_path: Path):
     """4 ranks as tensor 2 x pipeline 2: the 1-process trace; stop after 3 steps + resume in fresh
     processes continues it; the consolidated checkpoint gives the 1-process model's logits."""
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.parallel import Layout, consolidate_state_dict
 
     ref_model, ref_losses = reference

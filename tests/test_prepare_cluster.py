@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline import cli
+from launcher import prepare as cli
 from data_pipeline.errors import EXIT_DATA
 from data_pipeline.manifest import read_manifest
 from data_pipeline.shards import load_shard, verify_shard_set
@@ -120,7 +120,7 @@ def test_slurm_job_array_merges_into_the_single_process_set(corpus_dir, tmp_path
         pytest.skip(problem)
     out = tmp_path / "set"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "data_pipeline.cli", *_prepare(corpus_dir, out, "--slurm", "--profile",
+    p = subprocess.run([sys.executable, "-m", "launcher.prepare", *_prepare(corpus_dir, out, "--slurm", "--profile",
                                                                           "local", "--tasks", "2", "--time", "10")],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import DistributedTestError
-from roformer_dist import checkpoint as ckpt
+from roformer_dist.testing import DistributedTestError
+from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.errors import EXIT_ABORTED, EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_LOCKED, EXIT_STORAGE
-from roformer_dist.runlock import HOLDER_FILE
-from roformer_dist.stop import EXIT_DONE, EXIT_REQUEUE
+from roformer_dist.runtime.runlock import HOLDER_FILE
+from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
 from trainer_runs import (SCHEDULE, assert_traces_equal, children, cli_overrides, copy_run, live_group_members,
                           make_cfg, rank_pids, reference_run, run_cli, steps_done, train, trace, wait_for_group_gone,
                           wait_for_step)
@@ -293,19 +293,20 @@ def test_read_only_checkpoints_and_bad_config_paths_are_messages(small_shards, t
 
 def test_a_bug_is_a_traceback_not_bad_config(monkeypatch, small_shards, tmp_path):
     """Only our error classes become messages and statuses; any other exception propagates (exit 1)."""
-    from roformer_dist import train_cli, trainer
+    from roformer_dist.cli import train as train_cli
+    from roformer_dist.train import data as train_data
 
-    def broken(cfg, resumed):
+    def broken(cfg, resumed=None):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(trainer, "resolve_data", broken)
+    monkeypatch.setattr(train_data, "resolve_data", broken)
     with pytest.raises(ValueError, match="an internal bug"):
         train_cli.main(["--config", str(Path(__file__).parent.parent / "configs/experiments/debug.yaml"),
                         *cli_overrides(small_shards, tmp_path / "run")])
 
 
 def _run_then_report_signals(rank, world_size, cfg):
-    from roformer_dist.trainer import run_rank
+    from roformer_dist.train.entry import run_rank
 
     code = run_rank(cfg)
     return code, {s: signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGUSR2, signal.SIGTERM)}
@@ -314,7 +315,7 @@ def _run_then_report_signals(rank, world_size, cfg):
 def test_a_completed_run_ignores_late_stop_signals(small_shards, tmp_path):
     """A time-limit or preemption signal after the last save has nothing to save: it must not kill the
     rank while it tears down (SLURM would record the finished job as FAILED)."""
-    from multiproc import run_distributed
+    from roformer_dist.testing import run_distributed
 
     cfg = make_cfg(small_shards, tmp_path / "run", "trainer.stop_at_step=1")
     (code, ignored), _ = run_distributed(_run_then_report_signals, world_size=2, args=(cfg,), timeout=300)
@@ -323,7 +324,7 @@ def test_a_completed_run_ignores_late_stop_signals(small_shards, tmp_path):
     # what that buys, for real: USR2 sent from outside, every 0.2 ms, over the exit of a process whose run is
     # complete (without the call, one lands after Python put the default action back: killed, status 140)
     script = ("import os, subprocess, sys, time\n"
-              "from roformer_dist.stop import StopFlag, ignore_late_stop_signals\n"
+              "from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals\n"
               "StopFlag.install()\n"
               "ignore_late_stop_signals()\n"
               "storm = 'import os, sys, time\\nwhile True:\\n    os.kill(int(sys.argv[1]), 12)\\n    time.sleep(0.0002)'\n"

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from roformer_dist import rotary as R
+from roformer_dist.nn import rotary as R
 
 
 def naive_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -173,7 +173,7 @@ def triton_device(monkeypatch):
     if torch.cuda.is_available():
         return "cuda"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels = sys.modules.get("roformer_dist.rotary_triton")
+    kernels = sys.modules.get("roformer_dist.nn.rotary_triton")
     if kernels is not None and type(kernels.rope_kernel).__name__ != "InterpretedFunction":
         importlib.reload(kernels)  # defined earlier in this process without the interpreter
         R._triton_kernel.cache_clear()
@@ -224,7 +224,7 @@ def test_triton_accepts_any_strides(triton_device, dtype):
 def test_model_with_triton_backend_matches_reference(triton_device, attention):
     """The whole model (rotary_value on: q, k and v rotated) through the Triton kernel: loss and gradients."""
     from roformer_dist.config import ModelConfig
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     cfg = ModelConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                       intermediate_size=48, max_position_embeddings=64, hidden_dropout_prob=0.0,

@@ -15,11 +15,11 @@ import time
 import pytest
 
 from roformer_dist.errors import RunLockedError
-from roformer_dist.runlock import HOLDER_FILE, LOCK_FILE, Holder, RunLock, decide, holder_alive
+from roformer_dist.runtime.runlock import HOLDER_FILE, LOCK_FILE, Holder, RunLock, decide, holder_alive
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from roformer_dist.runlock import RunLock
+    from roformer_dist.runtime.runlock import RunLock
     lock = RunLock(sys.argv[1], use_flock=sys.argv[2] == "flock").acquire()
     print("held", flush=True)
     time.sleep(120)

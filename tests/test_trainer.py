@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from multiproc import run_distributed
+from roformer_dist.testing import run_distributed
 from roformer_dist.config import load_config
-from roformer_dist.stop import EXIT_DONE, EXIT_REQUEUE
+from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
 from trainer_runs import (DEBUG, SCHEDULE, assert_traces_equal, make_cfg, reference_run, train, trace)
 from trainer_runs import cli_overrides as _cli_overrides
 from trainer_runs import rank_pids as _rank_pids
@@ -77,7 +77,7 @@ def test_stages_keep_the_global_batch(reference):
 
 
 def test_tensorboard_has_contract_tags_and_continuous_steps(small_shards, tmp_path):
-    from roformer_dist.metrics import read_scalars
+    from roformer_dist.train.metrics import read_scalars
 
     run = tmp_path / "run"
     cfg = make_cfg(small_shards, run, "trainer.log_every=1", "trainer.stop_at_step=8")
@@ -158,7 +158,9 @@ def _loaded_weights(rank, world_size, cfg):
     """Set up a trainer (which resumes) and return the full fp32 weights it loaded."""
     import deepspeed
 
-    from roformer_dist.trainer import DistEnv, Trainer, init_distributed
+    from roformer_dist.runtime.process_group import DistEnv
+    from roformer_dist.train.entry import init_distributed
+    from roformer_dist.train.trainer import Trainer
 
     env = DistEnv.from_environ()
     init_distributed(cfg, env)
@@ -173,13 +175,13 @@ def _loaded_weights(rank, world_size, cfg):
 
 @pytest.mark.parametrize("stage, before, after", [(2, 2, 1), (3, 2, 1), (2, 1, 2)])
 def test_elastic_resume_other_world_size(small_shards, tmp_path, stage, before, after):
-    from roformer_dist.checkpoint import load_consolidated_weights
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
 
     run = tmp_path / "run"
     cfg = make_cfg(small_shards, run, STAGES_1, f"deepspeed.zero_stage={stage}", "trainer.stop_at_step=3",
                    world_size=before)
     train(cfg)
-    _, saved = load_consolidated_weights(run / "checkpoints" / "step_00000003")
+    _, saved = load_checkpoint_weights(run / "checkpoints" / "step_00000003")
     resumed = make_cfg(small_shards, run, STAGES_1, f"deepspeed.zero_stage={stage}", world_size=after)
     weights, step, elastic = run_distributed(_loaded_weights, world_size=after, args=(resumed,), timeout=300)[0]
     assert step == 3 and elastic
@@ -210,19 +212,20 @@ def test_nan_loss_is_skipped_and_counted(small_shards, tmp_path):
     ref = tmp_path / "ref"
     cfg2 = make_cfg(small_shards, ref, STAGES_1, "trainer.stop_at_step=2")
     train(cfg2)
-    from roformer_dist.checkpoint import load_consolidated_weights, load_trainer_state
+    from roformer_dist.checkpoint.store import read_trainer_state
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
 
     run3 = tmp_path / "run3"
     train(make_cfg(small_shards, run3, STAGES_1, "trainer.stop_at_step=3"), env={"ROFORMER_INJECT_NAN_AT": "3"})
-    _, w2 = load_consolidated_weights(ref / "checkpoints" / "step_00000002")
-    _, w3 = load_consolidated_weights(run3 / "checkpoints" / "step_00000003")
+    _, w2 = load_checkpoint_weights(ref / "checkpoints" / "step_00000002")
+    _, w3 = load_checkpoint_weights(run3 / "checkpoints" / "step_00000003")
     for k in w2:
         torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=0)
-    assert load_trainer_state(run3 / "checkpoints" / "step_00000003", 0)["trainer"]["nonfinite_total"] == 1
+    assert read_trainer_state(run3 / "checkpoints" / "step_00000003", 0).trainer.nonfinite_total == 1
 
 
 def test_too_many_nonfinite_losses_stop_with_checkpoint(small_shards, tmp_path):
-    from roformer_dist.stop import EXIT_NONFINITE
+    from roformer_dist.runtime.stop import EXIT_NONFINITE
 
     run = tmp_path / "run"
     cfg = make_cfg(small_shards, run, STAGES_1, "trainer.max_nonfinite_steps=2")
@@ -236,17 +239,17 @@ def test_too_many_nonfinite_losses_stop_with_checkpoint(small_shards, tmp_path):
 
 def test_to_hf_from_zero3_checkpoint_matches_our_logits(small_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from roformer_dist.checkpoint import load_consolidated_weights
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     run = tmp_path / "run"
     train(make_cfg(small_shards, run, STAGES_1, "deepspeed.zero_stage=3", "trainer.stop_at_step=2"))
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.convert_cli", "to-hf", "--checkpoint",
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.convert", "to-hf", "--checkpoint",
                         str(run / "checkpoints" / "step_00000002"), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    mcfg, sd = load_consolidated_weights(run / "checkpoints" / "step_00000002")
+    mcfg, sd = load_checkpoint_weights(run / "checkpoints" / "step_00000002")
     ours = RoFormerForMaskedLM(mcfg)
     ours.load_state_dict(sd, strict=False)
     ours.eval()
@@ -263,7 +266,7 @@ def test_tensor_x_pipeline_trains_like_one_rank_resumes_and_exports(small_shards
     """4 ranks as tensor 2 x pipeline 2 (data 1, ZeRO-1) through the trainer and a two-stage curriculum:
     the loss trace of 1 rank, stop/resume, and a consolidated HF export with the 1-rank model's logits."""
     transformers = pytest.importorskip("transformers")
-    from roformer_dist.checkpoint import load_consolidated_weights
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
 
     stages = ("curriculum.stages=[{name: a, seq_len: 128, global_batch_size: 8, steps: 2, micro_batch_size: 4}, "
               "{name: b, seq_len: 256, global_batch_size: 8, steps: 2, micro_batch_size: 2}]")
@@ -278,16 +281,16 @@ def test_tensor_x_pipeline_trains_like_one_rank_resumes_and_exports(small_shards
     assert trace(tp_pp, "seq_len") == [128, 128, 256, 256]
     assert trace(tp_pp, "accumulation") == [2, 2, 4, 4]
 
-    _, plain = load_consolidated_weights(tmp_path / "one" / "checkpoints" / "step_00000004")
-    mcfg, merged = load_consolidated_weights(tp_pp / "checkpoints" / "step_00000004")
+    _, plain = load_checkpoint_weights(tmp_path / "one" / "checkpoints" / "step_00000004")
+    mcfg, merged = load_checkpoint_weights(tp_pp / "checkpoints" / "step_00000004")
     for name, w in plain.items():
         torch.testing.assert_close(merged[name], w, rtol=0, atol=1e-4, msg=name)
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "roformer_dist.convert_cli", "to-hf", "--checkpoint",
+    r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.convert", "to-hf", "--checkpoint",
                         str(tp_pp / "checkpoints" / "step_00000004"), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     ours = RoFormerForMaskedLM(mcfg)
     ours.load_state_dict(plain, strict=False)

@@ -12,11 +12,11 @@ import torch
 
 from roformer_dist.config import load_config, replace, to_dict
 from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, CheckpointError, DataError
-from roformer_dist.faults import NO_FAULTS, Faults
+from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.parallel.runner import StepStats
-from roformer_dist.policies import LoopPolicy
-from roformer_dist.resume_check import differences
-from roformer_dist.trainer_state import FORMAT_VERSION, TrainCounters, TrainerState
+from roformer_dist.train.policies import LoopPolicy
+from roformer_dist.checkpoint.compat import differences
+from roformer_dist.checkpoint.trainer_state import FORMAT_VERSION, TrainCounters, TrainerState
 
 DEBUG = Path(__file__).resolve().parent.parent / "configs" / "experiments" / "debug.yaml"
 
@@ -126,7 +126,8 @@ class FakeMetrics:
 
 def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_FAULTS):
     """Trainer.fit over the debug curriculum with a fake runner, loader and metrics; returns (status, events)."""
-    from roformer_dist.trainer import DistEnv, Trainer
+    from roformer_dist.runtime.process_group import DistEnv
+    from roformer_dist.train.trainer import Trainer
 
     events = []
 
@@ -194,7 +195,8 @@ def test_loop_injected_nan_comes_through_the_fault_hook():
 
 
 def test_loop_nothing_to_do_when_already_at_the_end():
-    from roformer_dist.trainer import DistEnv, Trainer
+    from roformer_dist.runtime.process_group import DistEnv
+    from roformer_dist.train.trainer import Trainer
 
     t = Trainer(cfg_with("trainer.stop_at_step=4"), DistEnv(0, 1, 0))
     t.state.step = 4

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from multiproc import run_distributed
+from roformer_dist.testing import run_distributed
 from roformer_dist.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def make_cfg(shards, run_dir, *overrides, world_size=2):
 
 def _run(rank, world_size, cfg, env):
     os.environ.update(env)
-    from roformer_dist.trainer import run_rank
+    from roformer_dist.train.entry import run_rank
 
     return run_rank(cfg)
 
@@ -63,7 +63,7 @@ def assert_traces_equal(a, b, tol):
 
 def reference_run(tmp_path_factory, shards) -> Path:
     """The uninterrupted reference run, made once per session (a marker file says it is complete)."""
-    from roformer_dist.stop import EXIT_DONE
+    from roformer_dist.runtime.stop import EXIT_DONE
 
     run_dir = tmp_path_factory.getbasetemp() / "trainer_reference"
     done = run_dir / "REFERENCE_DONE"
@@ -89,7 +89,7 @@ def cli_overrides(shards, run_dir, *extra):
 
 def run_cli(overrides, env=None, prefix=(), config=DEBUG, **kw):
     """`roformer-train` (as ``python -m``) in its own process group and session, as a shell would start it."""
-    return subprocess.Popen([*prefix, sys.executable, "-m", "roformer_dist.train_cli", "--config", str(config),
+    return subprocess.Popen([*prefix, sys.executable, "-m", "roformer_dist.cli.train", "--config", str(config),
                              *overrides], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 

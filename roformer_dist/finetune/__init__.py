@@ -1,9 +1,12 @@
-"""Fine-tuning of pretrained (or fresh) RoFormer encoders for sequence classification, and an n-gram
-baseline: ``roformer-finetune`` (see :mod:`roformer_dist.finetune.cli`).
+"""Fine-tuning a pretrained (or fresh) encoder for sequence classification, and the n-gram baseline.
 
-``run(argv) -> dict`` runs the command in-process and returns the content of results.json.
+Owns: ``run.py`` (``roformer-finetune``'s parser and ``run(argv) -> dict``, the content of
+results.json), ``models.py`` (the classifier for an HF export, a checkpoint or a weights file;
+pooling), ``train.py`` (the loop; DDP under torchrun), ``data.py`` (jsonl/tsv readers), ``ngram.py``
+(naive Bayes), ``metrics.py``.
+
+May import: ``roformer_dist.hf``, ``checkpoint``, ``nn``, ``runtime``, ``config``, ``errors``,
+``data_pipeline``; transformers lazily.
+
+Start reading at ``run.py``.
 """
-
-from roformer_dist.finetune.cli import main, run
-
-__all__ = ["run", "main"]

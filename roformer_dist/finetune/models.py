@@ -18,6 +18,7 @@ on the [CLS] output (it is never masked): the mean reads only outputs that pretr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,7 +29,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from data_pipeline.atomic import atomic_write_text
+from roformer_dist.checkpoint.store import resolve
+from roformer_dist.checkpoint.weights import WEIGHTS_NAME, load_checkpoint_weights, load_weights
+from roformer_dist.config import ModelConfig, build
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
+from roformer_dist.hf.convert import (check_exportable, from_hf_pretrained, hf_config_from, model_config_from_hf,
+                                      state_dict_to_hf)
+from roformer_dist.hf.export import find_tokenizer, source_from_checkpoint
+from roformer_dist.hf.tokenizer import TOKENIZER_FILES, load_hf_tokenizer, write_tokenizer_files
+from roformer_dist.nn.model import ACTIVATIONS, RoFormerForMaskedLM
 
 __all__ = ["Classifier", "NativeClassifier", "load_classifier", "load_native_classifier", "pool", "NATIVE_FILE",
            "POOLINGS"]
@@ -55,8 +65,6 @@ class NativeClassifier(nn.Module):
 
     def __init__(self, cfg, num_labels: int, pooling: str = "cls"):
         super().__init__()
-        from roformer_dist.model import RoFormerForMaskedLM, _activation
-
         self.config = cfg
         self.num_labels = num_labels
         self.pooling = pooling
@@ -64,7 +72,7 @@ class NativeClassifier(nn.Module):
         del self.encoder.head  # the MLM head is not used: encode() gives the hidden states
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.act = _activation(cfg.hidden_act)
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.out_proj = nn.Linear(cfg.hidden_size, num_labels)
         for m in (self.dense, self.out_proj):
             nn.init.normal_(m.weight, 0.0, cfg.initializer_range)
@@ -103,7 +111,7 @@ class Classifier:
     def save(self, out: Path) -> None:
         """Write the model and its tokenizer to the (empty) directory ``out``."""
         if self.backend == "native":
-            payload = {"format": NATIVE_FORMAT, "version": 1, "model_config": _asdict(self.model.config),
+            payload = {"format": NATIVE_FORMAT, "version": 1, "model_config": dataclasses.asdict(self.model.config),
                        "num_labels": self.model.num_labels, "pooling": self.model.pooling,
                        "labels": list(self.labels),
                        "state_dict": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}}
@@ -113,17 +121,8 @@ class Classifier:
         self.write_tokenizer(out)
 
 
-def _asdict(cfg) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(cfg)
-
-
 def load_native_classifier(path: str | os.PathLike) -> tuple[NativeClassifier, Any]:
     """(model in eval mode, tokenizer) from a directory roformer-finetune saved with the native backend."""
-    from roformer_dist.config import ModelConfig
-    from roformer_dist.hf_tokenizer import load_hf_tokenizer
-
     path = Path(path)
     try:
         obj = torch.load(path / NATIVE_FILE, map_location="cpu", weights_only=True)
@@ -131,7 +130,8 @@ def load_native_classifier(path: str | os.PathLike) -> tuple[NativeClassifier, A
             raise ValueError(f"format {obj.get('format')!r}")
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path / NATIVE_FILE}: not a roformer-finetune classifier ({e})") from None
-    model = NativeClassifier(ModelConfig(**obj["model_config"]), obj["num_labels"], obj.get("pooling", "cls"))
+    cfg = build(ModelConfig, obj["model_config"], f"{path / NATIVE_FILE}: model_config", CheckpointError)
+    model = NativeClassifier(cfg, obj["num_labels"], obj["pooling"])
     model.load_state_dict(obj["state_dict"])
     return model.eval(), load_hf_tokenizer(path)
 
@@ -143,8 +143,6 @@ def _label_maps(labels: list) -> dict:
 
 def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Optional[str], pooling: str) -> Classifier:
     from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    from roformer_dist.hf_tokenizer import TOKENIZER_FILES, load_hf_tokenizer
 
     try:
         config = AutoConfig.from_pretrained(str(path), num_labels=len(labels), **_label_maps(labels))
@@ -174,8 +172,6 @@ def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Option
 
 def _native_from_hf(path: Path, config, num_labels: int, from_scratch: bool) -> NativeClassifier:
     """Our encoder with the weights of the HF RoFormer in ``path`` (mean pooling has no HF class)."""
-    from roformer_dist.hf import from_hf_pretrained, model_config_from_hf
-
     if config.model_type != "roformer":
         raise CheckpointError(f"--model {path}: --pooling mean needs a RoFormer model, this one is "
                               f"{config.model_type!r} (use --pooling cls)")
@@ -186,16 +182,11 @@ def _native_from_hf(path: Path, config, num_labels: int, from_scratch: bool) -> 
 
 
 def _write_sp_tokenizer(out: Path, source: Path, max_pos: int) -> None:
-    from roformer_dist.hf_tokenizer import write_tokenizer_files
-
     write_tokenizer_files(out, source / "tokenizer.model" if source.is_dir() else source, max_pos)
 
 
 def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scratch: bool,
                pooling: str) -> Classifier:
-    from roformer_dist.hf import check_exportable, hf_config_from, state_dict_to_hf
-    from roformer_dist.hf_tokenizer import load_hf_tokenizer
-
     max_pos = cfg.max_position_embeddings
     tok = load_hf_tokenizer(sp_model, max_pos)
 
@@ -235,35 +226,31 @@ def load_classifier(spec: str, labels: list, *, from_scratch: bool, seed: int,
     every weight) initialised from ``seed``."""
     if pooling not in POOLINGS:
         raise ConfigError(f"--pooling: got {pooling!r}, expected one of {', '.join(POOLINGS)}")
-    from roformer_dist.hf_export import find_tokenizer, load_training_checkpoint, source_from_checkpoint
-
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"--model {path}: no such file or directory")
     torch.manual_seed(seed)
     if path.is_dir() and (path / "config.json").is_file():
         return _from_hf_dir(path, labels, from_scratch, tokenizer, pooling)
-    weights = path / "model.pt" if path.is_dir() and (path / "model.pt").is_file() else path
+    weights = path / WEIGHTS_NAME if path.is_dir() and (path / WEIGHTS_NAME).is_file() else path
     if weights.is_file():
-        from roformer_dist.convert_cli import _resolve_vocab, load_weights
-
         cfg, sd = load_weights(weights)
-        cfg = _resolve_vocab(cfg, sd)
         if tokenizer is None:
             raise DataError(f"--model {weights}: a weights file names no tokenizer; pass --tokenizer "
                             "<shard set or tokenizer.model>")
         sp_model, _ = find_tokenizer(tokenizer, None)
         return _from_ours(cfg, sd, f"weights file {weights}", sp_model, labels, from_scratch, pooling)
-    tc = load_training_checkpoint(path)
-    source = source_from_checkpoint(tc)
+    found = resolve(path)
+    model_cfg, sd = load_checkpoint_weights(found)
+    source = source_from_checkpoint(found)
     sp_model, jieba = find_tokenizer(tokenizer, source)
     if sp_model is None:
-        raise DataError(f"--model {path}: the run's shard set {tc.config.data.shards!r} was not found, so there "
-                        "is no tokenizer; pass --tokenizer <shard set or tokenizer.model>")
-    what = f"training checkpoint {tc.dir} (step {tc.trainer.get('step')})"
+        raise DataError(f"--model {path}: the run's shard set {source.run_config.data.shards!r} was not found, "
+                        "so there is no tokenizer; pass --tokenizer <shard set or tokenizer.model>")
+    what = f"training checkpoint {found.dir} (step {found.step})"
     if jieba:
         what += " [jieba-trained tokenizer: encoded without jieba]"
-    return _from_ours(tc.model_config, tc.state_dict, what, sp_model, labels, from_scratch, pooling)
+    return _from_ours(model_cfg, sd, what, sp_model, labels, from_scratch, pooling)
 
 
 def describe(clf: Classifier) -> str:
@@ -273,6 +260,4 @@ def describe(clf: Classifier) -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    from data_pipeline.atomic import atomic_write_text
-
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

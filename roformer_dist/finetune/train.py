@@ -19,7 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_pipeline.atomic import StagedDir
 from roformer_dist.finetune.metrics import accuracy, macro_f1
+from roformer_dist.hf.export import share_with_group
 
 __all__ = ["Encoded", "encode", "Dist", "fit", "GROUP_BATCHES"]
 
@@ -194,18 +196,11 @@ def fit(clf, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batch_size
 
 
 def save_best(clf, out_dir: Path) -> None:
-    """Replace ``out_dir/best`` with the current model: written aside, then renamed into place."""
-    from roformer_dist.hf_export import replace_dir_atomically
-
-    tmp = out_dir / f".best.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        clf.save(tmp)
-        replace_dir_atomically(tmp, out_dir / "best")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Replace ``out_dir/best`` with the current model: built aside, then swapped into place."""
+    with StagedDir(out_dir / "best") as stage:
+        clf.save(stage.path)
+        share_with_group(stage.path)
+        stage.commit()
 
 
 def default_threads(local_world_size: int) -> int:

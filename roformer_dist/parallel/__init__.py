@@ -1,27 +1,14 @@
-"""Tensor x pipeline x data parallelism for RoFormer, applied from outside the model.
+"""Distribution around the model: DeepSpeed ZeRO and tensor x pipeline x data parallelism, applied
+from outside ``roformer_dist.nn``.
 
-    topology.py     Layout (degrees, rank -> (pp, dp, tp)), ParallelDims (groups; DeepSpeed's mpu),
-                    check_layout (config checks naming the key)
-    tensor.py       Megatron-style sharded modules, parallelize(model, dims), vocab-parallel loss
-    pipeline.py     the model as a DeepSpeed PipelineModule (tied embedding / decoder)
-    runner.py       build_parallel_engine(cfg, model, stage, world_size) -> (engine, ParallelRunner)
-    consolidate.py  merge_model_shards(shards) -> the plain model's state dict
+Owns: ``topology.py`` (``Layout``: degrees, rank -> (pp, dp, tp); ``ParallelDims``: the process groups,
+DeepSpeed's mpu; ``check_layout``), ``tensor.py`` (Megatron-style sharded modules, ``parallelize``,
+vocab-parallel loss), ``pipeline.py`` (the model as a DeepSpeed ``PipelineModule``, tied embedding and
+decoder), ``engine.py`` (the DeepSpeed config and ``build_engine``: the one place DeepSpeed is wired
+up), ``runner.py`` (``build_parallel_engine`` -> ``ParallelRunner``: one optimizer step, eval steps,
+checkpoint files through the engine), ``consolidate.py`` (merging tensor-parallel shards).
 
-``consolidate_state_dict(ckpt_dir)`` (reads a checkpoint's shard files, then merges them) belongs to the
-checkpoint layer, ``roformer_dist.checkpoint``; it is importable from here too.
+May import: ``roformer_dist.nn``, ``config``, ``errors``; deepspeed lazily.
+
+Start reading at ``runner.py``.
 """
-
-from roformer_dist.parallel.runner import ParallelRunner, build_parallel_engine
-from roformer_dist.parallel.tensor import TensorParallelMLM, parallelize
-from roformer_dist.parallel.topology import Coord, Layout, ParallelDims, check_layout
-
-__all__ = ["Coord", "Layout", "ParallelDims", "check_layout", "parallelize", "TensorParallelMLM",
-           "build_parallel_engine", "ParallelRunner", "consolidate_state_dict"]
-
-
-def __getattr__(name: str):
-    if name == "consolidate_state_dict":  # lazily: the checkpoint layer imports this package's modules
-        from roformer_dist.checkpoint import consolidate_state_dict
-
-        return consolidate_state_dict
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ import functools
 import torch
 from torch import nn
 
-from roformer_dist.model import RoFormerForMaskedLM, RoFormerMLMHead, masked_lm_loss, rotary_cache, select_predicted
+from roformer_dist.nn.model import RoFormerForMaskedLM, RoFormerMLMHead, masked_lm_loss, rotary_cache, select_predicted
 from roformer_dist.parallel.tensor import (VocabParallelEmbedding, parallelize_layer, vocab_parallel_bias,
                                            vocab_parallel_decode, vocab_parallel_loss, vocab_range)
 

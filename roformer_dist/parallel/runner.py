@@ -110,10 +110,6 @@ class StepStats:
     def stop(self) -> bool:
         return self.num_stop_requests > 0
 
-    def __getitem__(self, key: str):
-        """``stats["loss"]``: the mapping access of earlier versions (benchmarks and tests use it)."""
-        return getattr(self, key)
-
 
 def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfig, world_size: int,
                           load_universal: bool = False, partition_method: str = "type:PipeLayer"):
@@ -122,7 +118,7 @@ def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfi
 
     ``torch.distributed`` and ``deepspeed.init_distributed`` must be initialised. ``model`` must not
     be used afterwards (its modules are sharded in place or copied into pipeline stages)."""
-    from roformer_dist.engine import build_engine
+    from roformer_dist.parallel.engine import build_engine
     from roformer_dist.parallel.pipeline import build_pipeline_module
     from roformer_dist.parallel.tensor import parallelize
 

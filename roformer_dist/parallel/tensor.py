@@ -46,9 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from roformer_dist.attention import uses_dropout_rng
+from roformer_dist.nn.attention import uses_dropout_rng
 from roformer_dist.config import check_tensor_split
-from roformer_dist.model import RoFormerForMaskedLM, RoFormerLayer, RoFormerMLMHead, RoFormerSelfAttention
+from roformer_dist.nn.model import RoFormerForMaskedLM, RoFormerLayer, RoFormerMLMHead, RoFormerSelfAttention
 
 # ----------------------------------------------------------------------------- collectives
 

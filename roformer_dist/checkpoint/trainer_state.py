@@ -6,8 +6,8 @@ tokenizer's sha256 and the curriculum stage. ``to_dict`` is what ``torch.save`` 
 and tensors only, loadable with ``weights_only=True``); ``from_dict`` checks it and raises
 :class:`CheckpointError` naming the file and the field for anything unreadable.
 
-Format history: 0 = the payload of the first releases (the same fields, no ``format`` key): still
-read. 1 = adds ``format``.
+Format history: 1 = the first format (``format`` key). A payload of another version is refused
+with a message naming it.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ class TrainerState:
         """Check and convert a loaded payload; ``where`` names the file in error messages."""
         if not isinstance(data, dict):
             raise CheckpointError(f"{where}: expected a mapping, got {type(data).__name__}")
-        version = data.get("format", 0)
-        if not isinstance(version, int) or not 0 <= version <= FORMAT_VERSION:
-            raise CheckpointError(f"{where}: payload format {version!r} is not one this version reads "
-                                  f"(0..{FORMAT_VERSION}); was it written by a newer roformer-dist?")
+        version = data.get("format")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{where}: payload format {version!r} is not the one this version reads "
+                                  f"({FORMAT_VERSION}); was it written by another roformer-dist?")
         need = {"trainer": dict, "loader": dict, "rng": dict, "world_size": int, "rank": int, "config": dict,
                 "stage_index": int}
         for key, tp in need.items():

@@ -1,4 +1,4 @@
-"""Run a function in N processes joined by a gloo process group, as a test would.
+"""Helpers for tests and benches: run a function in N processes joined by a gloo process group.
 
     run_distributed(fn, world_size=2, args=(tmp_path,))
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -24,6 +23,10 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from roformer_dist.runtime.process_group import free_port
+
+__all__ = ["run_distributed", "free_port", "DistributedTestError"]
+
 # DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: keep one cache per machine.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -31,12 +34,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 class DistributedTestError(AssertionError):
     """A rank failed or timed out; the message holds its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str,

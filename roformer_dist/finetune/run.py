@@ -1,4 +1,5 @@
-"""``roformer-finetune``: fine-tune and evaluate a sequence classifier (single sentences or sentence pairs).
+"""``roformer-finetune`` (its parser and :func:`run`): fine-tune and evaluate a sequence classifier (single
+sentences or sentence pairs).
 
     roformer-finetune --model runs/demo/hf --train train.jsonl --dev dev.jsonl --out runs/sst
     roformer-finetune --model runs/demo/checkpoints --train ... --dev ... --out ...       # a training checkpoint
@@ -23,12 +24,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["build_parser", "run", "main"]
+import torch
+
+from roformer_dist.errors import ConfigError
+from roformer_dist.finetune.data import encode_labels, label_list, read_examples
+from roformer_dist.finetune.metrics import accuracy, macro_f1
+from roformer_dist.finetune.models import describe, load_classifier, write_json
+from roformer_dist.finetune.ngram import NaiveBayes
+from roformer_dist.finetune.train import Dist, default_threads, encode, fit
+from roformer_dist.runtime.process_group import DistEnv, init_process_group
+
+__all__ = ["build_parser", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
-    from roformer_dist.errors import ConfigError
-
     if args.baseline is None and not args.model:
         raise ConfigError("--model is required (an HF export, a training checkpoint or a weights file) unless "
                           "--baseline ngram")
@@ -84,22 +92,15 @@ def _check_args(args) -> None:
         raise ConfigError(f"--threads: got {args.threads}, expected >= 1")
 
 
-def _dist_setup(args, device_kind: str):
-    """Dist for this process; initialises torch.distributed when launched by torchrun with WORLD_SIZE > 1."""
-    import torch
-
-    from roformer_dist.finetune.train import Dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+def _dist_setup(device_kind: str) -> tuple[Dist, "torch.device"]:
+    """Dist for this process; joins the process group (the project's one bootstrap) when launched by
+    torchrun with WORLD_SIZE > 1."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Dist(), torch.device(device_kind if device_kind != "cuda" else "cuda:0")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_kind == "cuda":
-        torch.cuda.set_device(local_rank)
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device_kind == "cuda" else "gloo")
-    device = torch.device(f"cuda:{local_rank}") if device_kind == "cuda" else torch.device("cpu")
-    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size()), device
+    env = DistEnv.from_environ()
+    init_process_group(env, "nccl" if device_kind == "cuda" else "gloo")
+    device = torch.device(f"cuda:{env.local_rank}") if device_kind == "cuda" else torch.device("cpu")
+    return Dist(env.rank, env.world_size), device
 
 
 def _results(task, labels, train, dev, records, *, truncated, model, from_scratch, baseline, extra) -> dict:
@@ -112,11 +113,6 @@ def _results(task, labels, train, dev, records, *, truncated, model, from_scratc
 
 
 def _run_baseline(args, train, dev, labels, out: Path, say) -> dict:
-    from roformer_dist.finetune.data import encode_labels
-    from roformer_dist.finetune.metrics import accuracy, macro_f1
-    from roformer_dist.finetune.models import write_json
-    from roformer_dist.finetune.ngram import NaiveBayes
-
     t0 = time.perf_counter()
     y_train, y_dev = encode_labels(train, labels), encode_labels(dev, labels)
     pairs = lambda ds: [(e.text_a, e.text_b) for e in ds.examples]  # noqa: E731
@@ -139,8 +135,6 @@ def run(argv: Optional[list[str]] = None) -> dict:
     Raises ConfigError / DataError / CheckpointError (see the exit statuses) on bad input."""
     args = build_parser().parse_args(argv)
     _check_args(args)
-    from roformer_dist.finetune.data import label_list, read_examples
-
     train, dev = read_examples(args.train), read_examples(args.dev)
     labels = label_list(train, dev)
     out = Path(args.out)
@@ -156,15 +150,10 @@ def run(argv: Optional[list[str]] = None) -> dict:
 
 
 def _run_model(args, train, dev, labels, out: Path) -> dict:
-    import torch
-
-    from roformer_dist.errors import ConfigError
-    from roformer_dist.finetune.train import default_threads
-
     device_kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
-    dist, device = _dist_setup(args, device_kind)
+    dist, device = _dist_setup(device_kind)
     threads = args.threads or (default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
                                if dist.world_size > 1 else None)
     before = torch.get_num_threads()
@@ -177,13 +166,6 @@ def _run_model(args, train, dev, labels, out: Path) -> dict:
 
 
 def _train_and_report(args, train, dev, labels, out: Path, dist, device) -> dict:
-    import torch
-
-    from roformer_dist.errors import ConfigError
-    from roformer_dist.finetune.data import encode_labels
-    from roformer_dist.finetune.models import describe, load_classifier, write_json
-    from roformer_dist.finetune.train import encode, fit
-
     say = print if dist.main else (lambda *_: None)
     _quiet_transformers()
     clf = load_classifier(args.model, labels, from_scratch=args.from_scratch, seed=args.seed,
@@ -235,18 +217,3 @@ def _quiet_transformers() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from roformer_dist.errors import CheckpointError, ConfigError, DataError, exit_status
-
-    try:
-        run(argv)
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"roformer-finetune: error: {e}", file=sys.stderr)
-        return exit_status(e)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

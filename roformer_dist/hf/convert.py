@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from roformer_dist.config import ModelConfig
+from roformer_dist.checkpoint.weights import model_from_state_dict
+from roformer_dist.config import ModelConfig, build
 from roformer_dist.errors import ConfigError
-from roformer_dist.model import RoFormerForMaskedLM
-from roformer_dist.rotary import rotary_tables
+from roformer_dist.nn.model import RoFormerForMaskedLM
+from roformer_dist.nn.rotary import rotary_tables
 
 # HF config attribute names that equal ours one to one
 _SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -164,14 +165,7 @@ def model_config_from_hf(hf_cfg: Any, **overrides: Any) -> ModelConfig:
     if kwargs["pad_token_id"] is None:
         kwargs["pad_token_id"] = 0
     kwargs.update(position_embedding="rotary", **overrides)
-    return ModelConfig(**kwargs)
-
-
-def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> RoFormerForMaskedLM:
-    """Build our model for ``cfg`` and load ``sd`` (our keys) strictly."""
-    model = RoFormerForMaskedLM(cfg)
-    model.load_state_dict(sd, strict=True)
-    return model
+    return build(ModelConfig, kwargs)
 
 
 def from_hf_pretrained(path: str | os.PathLike, **config_overrides: Any) -> RoFormerForMaskedLM:
@@ -205,5 +199,5 @@ def to_hf_pretrained(model: RoFormerForMaskedLM, path: str | os.PathLike) -> Non
 
 
 __all__ = ["check_exportable", "state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
-           "from_hf_pretrained", "to_hf_pretrained", "to_hf_model", "model_from_state_dict",
+           "from_hf_pretrained", "to_hf_pretrained", "to_hf_model",
            "sinusoidal_table"]

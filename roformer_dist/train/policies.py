@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from roformer_dist.config import Config
-from roformer_dist.curriculum import stage_boundaries, total_steps
+from roformer_dist.train.curriculum import stage_boundaries, total_steps
 from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE
 
 

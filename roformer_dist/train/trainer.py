@@ -1,157 +1,44 @@
 """The training loop: load -> while not done: step -> log -> save -> eval -> stop.
 
-``run_rank(cfg)`` runs this process as one rank; the torch.distributed environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT) must be set by whoever started it (``roformer-train``'s spawner,
-torchrun, or the SLURM launcher). It returns ``EXIT_DONE`` when the curriculum is finished or
-``trainer.stop_at_step`` is reached, ``EXIT_REQUEUE`` after a stop signal (a complete checkpoint was
-saved; run again to continue), ``EXIT_NONFINITE`` after too many consecutive non-finite losses, and
-raises the errors of :mod:`roformer_dist.errors` (config, data, checkpoint, lock, storage) for its
-caller to report. When and what the loop logs, saves and evaluates is decided by
-:class:`~roformer_dist.policies.LoopPolicy`; the step itself is the runner's
-(:class:`~roformer_dist.parallel.runner.ParallelRunner`); files are the checkpoint layer's.
+:class:`Trainer` is one rank's run; :func:`roformer_dist.train.entry.run_rank` builds it inside the
+process group. When and what the loop logs, saves and evaluates is decided by
+:class:`~roformer_dist.train.policies.LoopPolicy`; the step itself is the runner's
+(:class:`~roformer_dist.parallel.runner.ParallelRunner`); files are the checkpoint layer's
+(:mod:`roformer_dist.checkpoint.store`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from roformer_dist import checkpoint as ckpt
-from roformer_dist.config import Config, dump_yaml, micro_batch_size, replace, save_config, to_dict, validate
-from roformer_dist.curriculum import lr_at, stage_at, total_steps
-from roformer_dist.errors import CheckpointError, DataError, StorageError
-from roformer_dist.evaluation import Evaluator
-from roformer_dist.faults import NO_FAULTS, Faults
-from roformer_dist.metrics import MetricsWriter, max_mem_gb, peak_flops
-from roformer_dist.policies import LoopPolicy, Stop
-from roformer_dist.resume_check import check_compatible
-from roformer_dist.stop import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, StopFlag, ignore_late_stop_signals
-from roformer_dist.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
+from data_pipeline.loader import ShardLoader
+from data_pipeline.shards import CorruptShardError
+from roformer_dist.checkpoint import store as ckpt
+from roformer_dist.checkpoint.compat import check_compatible
+from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
+from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
+from roformer_dist.config import Config, dump_yaml, micro_batch_size, save_config, to_dict, validate
+from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
+from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM
+from roformer_dist.parallel.runner import build_parallel_engine
+from roformer_dist.runtime.faults import NO_FAULTS, Faults
+from roformer_dist.runtime.process_group import DistEnv, TorchComm
+from roformer_dist.runtime.stop import StopFlag
+from roformer_dist.train.curriculum import lr_at, stage_at, total_steps
+from roformer_dist.train.data import data_error, resolve_data
+from roformer_dist.train.evaluation import Evaluator
+from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
+from roformer_dist.train.policies import LoopPolicy, Stop
 
-__all__ = ["run_rank", "Trainer", "DistEnv", "init_distributed", "resolve_data", "EXIT_DONE", "EXIT_REQUEUE",
-           "EXIT_NONFINITE"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger("roformer_dist.trainer")
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @classmethod
-    def from_environ(cls) -> "DistEnv":
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise RuntimeError(f"run_rank needs the torch.distributed environment; missing {missing}")
-        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-
-
-class TorchComm(ckpt.Comm):
-    """The checkpoint layer's collectives over the default process group."""
-
-    @staticmethod
-    def _multi() -> bool:
-        return dist.is_initialized() and dist.get_world_size() > 1
-
-    def barrier(self) -> None:
-        if self._multi():
-            dist.barrier()
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self._multi():
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self._multi():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-class _FileHandler(logging.FileHandler):
-    """A rank's log file that, when it cannot be written (disk full), says so once on stderr and goes
-    quiet, instead of printing a traceback for every record."""
-
-    failed = False
-
-    def handleError(self, record) -> None:  # noqa: N802 - logging's name
-        if not self.failed:
-            self.failed = True
-            e = sys.exc_info()[1]
-            print(f"roformer-train: cannot write the log file {self.baseFilename} ({e}); logging to it stops",
-                  file=sys.stderr, flush=True)
-
-
-def setup_logging(cfg: Config, rank: int) -> None:
-    logs = Path(cfg.run_dir) / "logs"
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-        fh = _FileHandler(logs / f"rank{rank}.log")
-    except OSError as e:
-        raise StorageError.from_os_error(e, "opening the rank log") from None
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    fh.setFormatter(fmt)
-    sh = logging.StreamHandler(sys.stdout)
-    sh.setFormatter(fmt)
-    sh.setLevel(cfg.logging.level.upper() if rank == 0 else logging.WARNING)
-    root.addHandler(fh)
-    root.addHandler(sh)
-    root.setLevel(cfg.logging.level.upper())
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "compilers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _data_error(e: Exception, during: str) -> DataError:
-    """A DataError with the loader's own message, saying when it happened. A DataLoader worker's
-    exception arrives re-raised with the worker's traceback in its text ("Caught X in DataLoader worker
-    ... Original Traceback ..."): only its last line, the error itself, is kept."""
-    text = str(e)
-    if "Original Traceback" in text:
-        last = [line for line in text.strip().splitlines() if line.strip()][-1]
-        kind, sep, rest = last.partition(": ")
-        text = rest if sep and kind.split(".")[-1].endswith("Error") else last
-    return DataError(f"{during}: {text}")
-
-
-def resolve_data(cfg: Config, resumed_state: Optional[dict]) -> tuple[Config, dict]:
-    """Read the shard manifests; fill model.vocab_size; refuse mismatches before training
-    (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field)."""
-    from data_pipeline.errors import UsageError
-    from data_pipeline.manifest import check_training_data
-    from data_pipeline.source import RetryPolicy, set_default_retry
-
-    from roformer_dist.errors import ConfigError
-
-    # URL reads of this process and of the loaders it creates (their workers inherit the policy)
-    set_default_retry(RetryPolicy(attempts=cfg.data.url_retries, wait_s=cfg.data.url_retry_wait_s))
-    auto = cfg.model.vocab_size == "auto"
-    try:
-        manifest = check_training_data(
-            cfg.data.shards, cfg.data.eval_shards, model_vocab_size=None if auto else cfg.model.vocab_size,
-            checkpoint_tokenizer_sha256=(resumed_state or {}).get("tokenizer_sha256"))
-    except UsageError as e:  # a config key (data.shards empty, model.vocab_size) that disagrees with the data
-        raise ConfigError(str(e)) from None
-    if auto:
-        cfg = replace(cfg, **{"model.vocab_size": int(manifest["vocab_size"])})
-    return cfg, manifest
 
 
 class Trainer:
@@ -184,10 +71,6 @@ class Trainer:
         """Read the data manifests, choose and check the checkpoint, build model, engine and loader,
         load the checkpoint. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not touched
         before the checks passed: config.yaml is written last (a damaged checkpoint may be marked BAD)."""
-        from data_pipeline.loader import ShardLoader
-        from roformer_dist.model import RoFormerForMaskedLM
-        from roformer_dist.parallel.runner import build_parallel_engine
-
         cfg, env = self.cfg, self.env
         cfg, self.manifest = resolve_data(cfg, None)  # the tokenizer vs checkpoint check is check_compatible's
         validate(cfg, env.world_size)
@@ -204,7 +87,7 @@ class Trainer:
         self.elastic = bool(found) and found.world_size != env.world_size
         if self.elastic and cfg.deepspeed.zero_stage > 0:
             if env.rank == 0:
-                ckpt.to_universal(found.dir, cfg.deepspeed.zero_stage)
+                to_universal(found.dir, cfg.deepspeed.zero_stage)
             self.comm.barrier()
 
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
@@ -249,7 +132,8 @@ class Trainer:
         dev = torch.device("cuda", self.env.local_rank)
         model.to(dev)
         ids = torch.randint(5, self.cfg.model.vocab_size, (mbs, worst.seq_len), device=dev)
-        labels = torch.where(torch.rand(ids.shape, device=dev) < 0.15, ids, torch.full_like(ids, -100))
+        labels = torch.where(torch.rand(ids.shape, device=dev) < self.cfg.data.mlm_probability, ids,
+                             torch.full_like(ids, IGNORE_INDEX))
         try:
             model(ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()
         except torch.cuda.OutOfMemoryError:
@@ -269,8 +153,8 @@ class Trainer:
             log.warning("world size changed %d -> %d: the loader re-deals the unread shards", found.world_size,
                         env.world_size)
         if self.elastic and self.cfg.deepspeed.zero_stage > 0:
-            log.warning("loading the universal checkpoint %s/%s", found.dir, ckpt.UNIVERSAL)
-            self.runner.load_checkpoint(str(found.dir), ckpt.UNIVERSAL)
+            log.warning("loading the universal checkpoint %s/%s", found.dir, UNIVERSAL)
+            self.runner.load_checkpoint(str(found.dir), UNIVERSAL)
         else:
             self.runner.load_checkpoint(str(self.ckpt_root), found.tag)
         try:
@@ -303,15 +187,13 @@ class Trainer:
 
     def train_step(self, batches, lr: float):
         """One optimizer step (the runner's) and the counters; returns (StepStats, seconds)."""
-        from data_pipeline.shards import CorruptShardError
-
         self.runner.set_lr(lr)
         t0 = time.monotonic()
         try:
             stats = self.runner.train_step(batches, stop=self.stop.requested,
                                            inject_nan=self.faults.nan_at(self.state.step + 1))
         except (DataError, CorruptShardError) as e:
-            raise _data_error(e, f"training step {self.state.step + 1}") from None
+            raise data_error(e, f"training step {self.state.step + 1}") from None
         dt = time.monotonic() - t0
         self.faults.after_step()
         s = self.state
@@ -331,7 +213,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Loss and MLM accuracy at each eval length of the current stage, with the unigram and
-        most-frequent-token baselines at the same predicted positions (:mod:`roformer_dist.evaluation`).
+        most-frequent-token baselines at the same predicted positions (:mod:`roformer_dist.train.evaluation`).
         The result does not depend on the world size."""
         if self.evaluator is None:
             return {}
@@ -346,12 +228,10 @@ class Trainer:
         sums.copy_(on_device.cpu())
 
     def run_eval(self) -> None:
-        from data_pipeline.shards import CorruptShardError
-
         try:
             ev = self.evaluate()
         except (DataError, CorruptShardError) as e:
-            raise _data_error(e, f"eval at step {self.state.step} (the checkpoint of this step is saved)") from None
+            raise data_error(e, f"eval at step {self.state.step} (the checkpoint of this step is saved)") from None
         if ev:
             self.metrics.scalars(self.state.step, ev)
             log.info("step %d eval: %s", self.state.step, "  ".join(f"{k}={v:.4f}" for k, v in ev.items()))
@@ -448,79 +328,3 @@ class Trainer:
             self.metrics.close()
 
 
-def init_distributed(cfg: Config, env: DistEnv) -> None:
-    backend = cfg.dist.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=cfg.dist.timeout_s))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-
-
-def _take_run_lock(cfg: Config, env: DistEnv, stop: StopFlag):
-    """Global rank 0 takes the run lock and checks that the checkpoint directory is writable; every
-    rank learns the outcome (collective), so a refused launch ends on every rank with the same error."""
-    from roformer_dist.errors import RunLockedError
-    from roformer_dist.runlock import RunLock
-
-    lock, error = None, None
-    if env.rank == 0:
-        try:
-            lock = RunLock(cfg.run_dir).acquire()
-            ckpt.check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
-        except (RunLockedError, StorageError) as e:
-            error = e
-    error = TorchComm().broadcast(error)
-    if error is not None:
-        if lock is not None:
-            lock.release()
-        raise error
-    if lock is not None:
-        stop.on_abort(lock.release)
-    return lock
-
-
-def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[Faults] = None,
-             hold_lock: bool = True) -> int:
-    """Run this process as one rank of the job described by ``cfg``; see the module docstring.
-
-    ``stop``: the stop flag the caller installed (``roformer-train`` does it first thing, in its launcher
-    and in each rank it spawns, and under torchrun or srun); None installs it here (the submitit job of
-    ``roformer-submit``, a direct call). ``faults``: None reads the test fault
-    variables of the environment, once. ``hold_lock``: global rank 0 holds the run lock (torchrun,
-    SLURM); the local spawner holds it itself and passes False."""
-    env = DistEnv.from_environ()
-    if stop is None:
-        stop = StopFlag.install()
-    if faults is None:
-        faults = Faults.from_environ()
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # ranks on one machine share its cores; oversubscribed threads make every rank slower
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-    own_group = not dist.is_initialized()
-    init_distributed(cfg, env)
-    lock = _take_run_lock(cfg, env, stop) if hold_lock else None
-    try:
-        setup_logging(cfg, env.rank)
-        trainer = Trainer(cfg, env, stop=stop, faults=faults)
-        try:
-            trainer.setup()
-            code = trainer.fit()
-        finally:
-            trainer.close()
-    finally:
-        if lock is not None:
-            lock.release()
-    if code == EXIT_DONE:
-        ignore_late_stop_signals()
-    if own_group and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return code

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from data_pipeline.masking import IGNORE_INDEX
 
 DEFAULT_MAX_TOKENS = 50_000_000
 """Cap on the training tokens counted for the unigram model (whole shards, seeded order)."""

@@ -1,6 +1,6 @@
 """RoFormer for masked-language-model pretraining: single-device model code, torch only.
 
-Architecture (matches HF ``transformers.RoFormerForMaskedLM``, see ``roformer_dist/hf.py``):
+Architecture (matches HF ``transformers.RoFormerForMaskedLM``, see ``roformer_dist/hf/convert.py``):
     embeddings   word + token-type (+ learned absolute positions when
                  ``position_embedding="absolute"``, the BERT baseline) -> LayerNorm -> dropout
                  (-> linear embedding_size -> hidden_size when they differ)
@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from roformer_dist.attention import attention_core
+from data_pipeline.masking import IGNORE_INDEX
 from roformer_dist.config import ModelConfig, validate_model
-from roformer_dist.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
+from roformer_dist.nn.attention import attention_core
+from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
-IGNORE_INDEX = -100
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -42,11 +42,6 @@ ACTIVATIONS = {
     "relu": F.relu,
 }
 """``model.hidden_act`` -> function (one entry per value of ``HiddenAct``)."""
-
-
-def _activation(name: str):
-    """``ACTIVATIONS[name]``; the name other modules (finetune/models.py) call."""
-    return ACTIVATIONS[name]
 
 
 @dataclass
@@ -102,7 +97,7 @@ class RoFormerSelfAttention(nn.Module):
     """Fused QKV -> attention core (rotary inside) -> output projection (before the residual and LayerNorm).
 
     Three seams, each overridable on its own (tensor parallelism adds its collectives there):
-    ``project`` (x -> q, k, v), ``attend`` (:func:`roformer_dist.attention.attention_core`) and
+    ``project`` (x -> q, k, v), ``attend`` (:func:`roformer_dist.nn.attention.attention_core`) and
     ``output`` (context -> hidden)."""
 
     SETTINGS = ("num_heads", "head_dim", "rotary_value", "rotary_backend", "dropout_p", "kind")

@@ -1,20 +1,21 @@
-"""Save, find, check and resume checkpoints; convert for another world size; read weights for export.
+"""The checkpoint store: save, find, check and resolve checkpoints of a run directory.
 
 Layout (``<run_dir>/checkpoints/``)::
 
     step_00000012/                 DeepSpeed files (model, optimizer; written by every rank)
-        trainer_state_rank<r>.pt   the TrainerState payload of rank r (roformer_dist/trainer_state.py)
+        trainer_state_rank<r>.pt   the TrainerState payload of rank r (roformer_dist/checkpoint/trainer_state.py)
         COMPLETE                   written by rank 0 after a barrier: the checkpoint counts. JSON: step,
                                    world size, time, and every file of the save with its size
         BAD                        written on resume when a file of it is missing or damaged: the reason.
                                    Such a checkpoint is skipped and kept (nothing is deleted)
-        universal/                 made on demand for a resume at another world size
+        universal/                 made on demand for a resume at another world size (universal.py)
     latest                         tag of the newest COMPLETE checkpoint (atomic rename)
 
 A checkpoint without ``COMPLETE`` never becomes ``latest``; resume ignores it and says so. Resume
 takes the newest complete checkpoint whose files all check out (:func:`choose_resume`: presence, size
 as saved, loadable), agreed by all ranks; a damaged one is marked ``BAD`` and the one before it is
-used. DeepSpeed's own ``latest`` file is not written (``save_latest=False``).
+used. DeepSpeed's own ``latest`` file is not written (``save_latest=False``). :func:`resolve` is the
+one answer to "which checkpoint does this path name" for every command (newest complete, not BAD).
 
 Every file this module writes goes through ``data_pipeline.atomic`` (temporary file, fsync, rename).
 An OS error while saving (disk full, read-only, permission) is raised as :class:`StorageError` naming
@@ -24,7 +25,6 @@ removed (it would never become ``latest`` anyway).
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
@@ -34,20 +34,20 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text
+from roformer_dist.checkpoint.trainer_state import TrainerState
+from roformer_dist.checkpoint.write_errors import storage_error
 from roformer_dist.errors import CheckpointError, StorageError
-from roformer_dist.faults import NO_FAULTS, Faults
-from roformer_dist.trainer_state import TrainerState
+from roformer_dist.runtime.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
-UNIVERSAL = "universal"
 BAD = "BAD"
 _TAG_RE = re.compile(r"^step_(\d+)$")
 _MARKERS = {COMPLETE, BAD}
@@ -68,7 +68,7 @@ def state_file(ckpt_dir: Path, rank: int) -> Path:
     return Path(ckpt_dir) / f"trainer_state_rank{rank}.pt"
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
@@ -81,14 +81,8 @@ def read_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is a damaged file
-        raise CheckpointError(f"{path}: unreadable ({_short(e)})") from None
+        raise CheckpointError(f"{path}: unreadable ({short_error(e)})") from None
     return TrainerState.from_dict(data, where=str(path))
-
-
-def load_trainer_state(ckpt_dir: Path, rank: int) -> dict:
-    """The same payload as a mapping (``TrainerState.to_dict``: trainer, loader, rng, world_size, rank,
-    config, tokenizer_sha256, stage_index, format), for callers that read it by key."""
-    return read_trainer_state(ckpt_dir, rank).to_dict()
 
 
 def is_complete(ckpt_dir: Path) -> bool:
@@ -106,8 +100,8 @@ class Found:
     step: int
     world_size: int
     """World size (number of trainer_state_rank files) that wrote it."""
-    files: Optional[dict[str, int]] = None
-    """Every file of the save with its size (from COMPLETE); None for checkpoints of earlier versions."""
+    files: dict[str, int]
+    """Every file of the save with its size (from COMPLETE)."""
 
 
 def _tags(ckpt_root: Path) -> list[str]:
@@ -141,11 +135,10 @@ def _found(ckpt_root: Path, tag: str) -> Optional[Found]:
     d = ckpt_root / tag
     try:
         meta = json.loads((d / COMPLETE).read_text(encoding="utf-8"))
-        files = meta.get("files")
         return Found(d, tag, step_of(tag), int(meta["world_size"]),
-                     {str(k): int(v) for k, v in files.items()} if isinstance(files, dict) else None)
+                     {str(k): int(v) for k, v in meta["files"].items()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        log.warning("%s: unreadable %s marker (%s); skipping this checkpoint", d, COMPLETE, _short(e))
+        log.warning("%s: unreadable %s marker (%s); skipping this checkpoint", d, COMPLETE, short_error(e))
         return None
 
 
@@ -179,32 +172,43 @@ def find_resume(ckpt_root: Path) -> Optional[Found]:
     return found[0] if found else None
 
 
+CHECKPOINT_FORMS = ("a run directory, its checkpoints/ directory, or a checkpoints/step_XXXXXXXX/ directory "
+                    "holding trainer_state_rank0.pt")
+
+
+def resolve(path: str | os.PathLike) -> Found:
+    """The checkpoint a user names: the one resolver of training, ``to-hf``, ``roformer-eval`` and
+    fine-tuning. A run directory or a ``checkpoints/`` directory -> its newest complete checkpoint not
+    marked BAD (:func:`find_resume`; ``latest`` is only a hint); a step directory -> itself, refused when
+    it is incomplete or marked BAD. CheckpointError naming the path otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint or run directory")
+    if state_file(p, 0).exists() or _TAG_RE.match(p.name):
+        if not is_complete(p):
+            raise CheckpointError(f"{p}: incomplete checkpoint (no {COMPLETE} marker): it was being written "
+                                  "when the run stopped")
+        if is_bad(p):
+            reason = (p / BAD).read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            raise CheckpointError(f"{p}: marked {BAD} ({' '.join(reason[1:2]).strip() or 'see its BAD file'}); "
+                                  "training skips it too")
+        found = _found(p.parent, p.name)
+        if found is None:
+            raise CheckpointError(f"{p}: unreadable {COMPLETE} marker")
+        return found
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not ((root / LATEST).exists() or _tags(root)):
+        raise CheckpointError(f"{path}: not a roformer-dist checkpoint (expected {CHECKPOINT_FORMS})")
+    found = find_resume(root)
+    if found is None:
+        raise CheckpointError(f"{root}: no complete checkpoint that is not marked {BAD}")
+    return found
+
+
 # --------------------------------------------------------------------------- checking files
 
 
-def _expected_files(found: Found) -> dict[str, Optional[int]]:
-    """The files a checkpoint must hold: every file COMPLETE lists (with its size); for checkpoints of
-    earlier versions the trainer states, what DeepSpeed files are there, and one ZeRO optimizer file
-    per data-parallel rank for plain data parallelism."""
-    if found.files is not None:
-        return dict(found.files)
-    names: dict[str, Optional[int]] = {state_file(found.dir, r).name: None for r in range(found.world_size)}
-    for p in found.dir.glob("*.pt"):
-        names.setdefault(p.name, None)
-    try:
-        cfg = read_trainer_state(found.dir, 0).config
-        zero = int(cfg["deepspeed"]["zero_stage"])
-        layout = (int(cfg["parallel"]["tensor"]), int(cfg["parallel"]["pipeline"]))
-    except (CheckpointError, KeyError, TypeError, ValueError):
-        return names
-    if zero >= 1 and layout == (1, 1):
-        prefix = "bf16_zero" if cfg["deepspeed"].get("precision") == "bf16" else "zero"
-        for d in range(found.world_size):
-            names.setdefault(f"{prefix}_pp_rank_{d}_mp_rank_00_optim_states.pt", None)
-    return names
-
-
-def check_file(ckpt_dir: Path, name: str, size: Optional[int]) -> Optional[str]:
+def check_file(ckpt_dir: Path, name: str, size: int) -> Optional[str]:
     """Why ``name`` of a checkpoint is unusable, or None: present, its size as saved, loadable."""
     path = Path(ckpt_dir) / name
     try:
@@ -213,7 +217,7 @@ def check_file(ckpt_dir: Path, name: str, size: Optional[int]) -> Optional[str]:
         return f"{path}: missing"
     except OSError as e:
         return f"{path}: cannot be read ({e.strerror})"
-    if size is not None and actual != size:
+    if actual != size:
         return f"{path}: {actual} bytes, {size} when saved (truncated or overwritten)"
     if not name.endswith(".pt"):
         return None
@@ -227,13 +231,13 @@ def check_file(ckpt_dir: Path, name: str, size: Optional[int]) -> Optional[str]:
         # mmap: reads the archive's index and the pickled structure, not the tensor data
         torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure to load is a damaged file
-        return f"{path}: unreadable ({_short(e)})"
+        return f"{path}: unreadable ({short_error(e)})"
     return None
 
 
 def check_share(found: Found, rank: int, world_size: int) -> list[str]:
     """This rank's share of the checks of ``found`` (file i goes to rank i % world_size)."""
-    files = sorted(_expected_files(found).items())
+    files = sorted(found.files.items())
     return [p for i, (name, size) in enumerate(files) if i % world_size == rank
             for p in [check_file(found.dir, name, size)] if p]
 
@@ -248,8 +252,20 @@ def mark_bad(ckpt_dir: Path, problems: list[str]) -> None:
         log.warning("could not write %s/%s (%s); the checkpoint is skipped this time only", ckpt_dir, BAD, e)
 
 
-class Comm:
-    """The collectives the checkpoint layer needs; the default is one process (no communication)."""
+class Comm(Protocol):
+    """The collectives the checkpoint layer needs (``runtime.process_group.TorchComm`` over the default
+    process group; :class:`LocalComm` for one process)."""
+
+    def barrier(self) -> None: ...
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+
+
+class LocalComm:
+    """One process: no communication."""
 
     def barrier(self) -> None:
         pass
@@ -258,11 +274,16 @@ class Comm:
         return [obj]
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
         return obj
 
 
-def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Comm()) -> Optional[Found]:
+class SavesCheckpoint(Protocol):
+    """What :func:`save` needs of the runner: DeepSpeed's files of ``tag`` under ``root``."""
+
+    def save_checkpoint(self, root: str, tag: str) -> None: ...
+
+
+def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = LocalComm()) -> Optional[Found]:
     """The newest complete checkpoint whose files all check out, the same on every rank (collective).
 
     Rank 0's list of candidates is used by all; each rank checks a share of the files; the problems
@@ -288,49 +309,6 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Comm
 
 
 # --------------------------------------------------------------------------- saving
-
-
-def _storage_error(e: BaseException, doing: str, path: Path) -> Optional[StorageError]:
-    """A StorageError for a failure to write ``path``, None when ``e`` is not one (a bug: re-raise it).
-
-    torch.save reports write failures as RuntimeError without errno ("unexpected pos", "file write
-    failed", "open file failed with strerror: ..."): the filesystem is asked what went wrong."""
-    if isinstance(e, OSError):
-        if e.errno is None:
-            return None
-        if not e.filename:
-            e = OSError(e.errno, e.strerror or os.strerror(e.errno), str(path))
-        return StorageError.from_os_error(e, doing)
-    text = str(e)
-    if not isinstance(e, RuntimeError) or not any(k in text for k in ("inline_container", "PytorchStreamWriter",
-                                                                       "write failed", "open file failed")):
-        return None
-    code = None
-    m = re.search(r"strerror: (.+?)\s*$", text, re.M)
-    if m:
-        code = {os.strerror(c): c for c in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO,
-                                            errno.EPERM)}.get(m.group(1).strip())
-    if code is None:
-        code = _diagnose(path)
-    return StorageError.from_os_error(OSError(code, os.strerror(code), str(path)), doing)
-
-
-def _diagnose(path: Path) -> int:
-    """errno of a write failure torch did not explain: read-only, no permission, full, or an I/O error."""
-    d = path if path.is_dir() else path.parent
-    while not d.exists() and d != d.parent:
-        d = d.parent
-    try:
-        st = os.statvfs(d)
-    except OSError:
-        return errno.EIO
-    if st.f_flag & os.ST_RDONLY:
-        return errno.EROFS
-    if not os.access(d, os.W_OK):
-        return errno.EACCES
-    if st.f_bavail * st.f_frsize < 16 * 2**20:
-        return errno.ENOSPC
-    return errno.EIO
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -365,8 +343,8 @@ def describe_latest(ckpt_root: Path) -> str:
     return f"{ckpt_root / LATEST} still names {tag} ({state})"
 
 
-def save(runner, ckpt_root: Path, step: int, payload: TrainerState, rank: int, world_size: int, keep_last: int,
-         comm: Comm = Comm(), faults: Faults = NO_FAULTS) -> Path:
+def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerState, rank: int, world_size: int, keep_last: int,
+         comm: Comm = LocalComm(), faults: Faults = NO_FAULTS) -> Path:
     """Every rank calls this. Returns the checkpoint directory once it is COMPLETE and ``latest``.
 
     ``runner.save_checkpoint(root, tag)`` writes the DeepSpeed files. An OS error on this rank is
@@ -397,7 +375,7 @@ def save(runner, ckpt_root: Path, step: int, payload: TrainerState, rank: int, w
             log.info("saved checkpoint %s in %.1f s", ckpt_dir, time.monotonic() - t0)
         comm.barrier()
     except (OSError, RuntimeError) as e:
-        err = _storage_error(e, f"saving checkpoint {tag}", ckpt_dir)
+        err = storage_error(e, f"saving checkpoint {tag}", ckpt_dir)
         if err is None:
             raise
         if rank == 0 and not is_complete(ckpt_dir):
@@ -434,121 +412,4 @@ def check_writable(directory: Path, what: str) -> None:
             e = OSError(e.errno, e.strerror, str(directory))
         raise StorageError.from_os_error(e, f"checking that {what} is writable") from None
 
-
-# --------------------------------------------------------------------------- conversion and export
-
-
-def to_universal(ckpt_dir: Path, zero_stage: int) -> Path:
-    """Convert a ZeRO 1-3 checkpoint to DeepSpeed's universal format once (idempotent); rank 0 only."""
-    out = ckpt_dir / UNIVERSAL
-    done = out / "DONE"
-    if done.exists():
-        return out
-    from argparse import Namespace
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    tmp = ckpt_dir / (UNIVERSAL + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
-    args = Namespace(input_folder=str(ckpt_dir), output_folder=str(tmp), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True,
-                     inject_missing_state=zero_stage in (1, 2))
-    log.info("converting %s to the universal format (ZeRO-%d)", ckpt_dir, zero_stage)
-    ds_to_universal.main(args)
-    os.replace(tmp, out)
-    atomic_write_text(done, "ok\n")
-    return out
-
-
-def _torch_load(path: Path) -> dict:
-    if not path.exists():
-        raise CheckpointError(f"{path.parent}: missing {path.name} (is this a checkpoint of that layout?)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a damaged file
-        raise CheckpointError(f"{path}: unreadable ({_short(e)})") from None
-
-
-def read_model_shards(ckpt_dir: Path, layout, num_layers: int) -> dict[str, list[torch.Tensor]]:
-    """Parameter name -> its shards in tensor-rank order, as the tensor x pipeline layout saved them.
-
-    Files (written by data rank 0 of each (pipeline, tensor) position)::
-
-        tensor x data        mp_rank_<tp>_model_states.pt            ['module']: plain names, this rank's slices
-        pipeline (x tensor)  layer_<idx>-model_<tp>-model_states.pt  one pipeline layer's state
-                                                                     (indices: see parallel/pipeline.py)
-    """
-    from roformer_dist.parallel.pipeline import to_plain_names
-
-    ckpt_dir = Path(ckpt_dir)
-    per_name: dict[str, list[torch.Tensor]] = {}
-    if layout.pipeline == 1:
-        for t in range(layout.tensor):
-            for k, v in _torch_load(ckpt_dir / f"mp_rank_{t:02d}_model_states.pt")["module"].items():
-                per_name.setdefault(k, []).append(v)
-    else:
-        for idx in range(num_layers + 2):  # the tied decoder (last entry) is saved with entry 0
-            for t in range(layout.tensor):
-                sd = _torch_load(ckpt_dir / f"layer_{idx:02d}-model_{t:02d}-model_states.pt")
-                for k, v in to_plain_names(idx, sd, num_layers).items():
-                    per_name.setdefault(k, []).append(v)
-    return per_name
-
-
-def consolidate_state_dict(ckpt_dir: str | os.PathLike, model_cfg=None, layout=None):
-    """``(ModelConfig, fp32 state_dict)`` of the plain ``RoFormerForMaskedLM`` from a checkpoint of any
-    tensor x pipeline layout. Without ``model_cfg`` / ``layout`` both come from the trainer state
-    saved beside it (its resolved config and world size)."""
-    from roformer_dist.parallel.consolidate import merge_model_shards
-    from roformer_dist.parallel.topology import Layout
-
-    ckpt_dir = Path(ckpt_dir)
-    if model_cfg is None or layout is None:
-        from roformer_dist.config import from_dict
-
-        state = read_trainer_state(ckpt_dir, 0)
-        cfg = from_dict(state.config)
-        model_cfg = model_cfg or cfg.model
-        layout = layout or Layout.from_config(cfg, state.world_size)
-    shards = read_model_shards(ckpt_dir, layout, model_cfg.num_hidden_layers)
-    return model_cfg, merge_model_shards(shards)
-
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or a ``checkpoints/`` root (then its newest complete checkpoint)."""
-    path = Path(path)
-    if path.is_dir() and not state_file(path, 0).exists() and ((path / LATEST).exists() or _tags(path)):
-        found = find_resume(path)
-        if found is None:
-            raise CheckpointError(f"{path}: no complete checkpoint in this checkpoints directory")
-        return found.dir
-    return path
-
-
-def load_consolidated_weights(ckpt_dir: str | os.PathLike):
-    """(ModelConfig, fp32 state_dict with our key names) from a training checkpoint of any ZeRO stage."""
-    from roformer_dist.config import from_dict
-
-    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    if not state_file(ckpt_dir, 0).exists():
-        raise CheckpointError(f"{ckpt_dir}: not a roformer-dist checkpoint (no trainer_state_rank0.pt)")
-    if not is_complete(ckpt_dir):
-        raise CheckpointError(f"{ckpt_dir}: checkpoint is incomplete (no {COMPLETE} marker)")
-    state = read_trainer_state(ckpt_dir, 0)
-    cfg = from_dict(state.config)
-    if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
-        return consolidate_state_dict(ckpt_dir, cfg.model)
-    if cfg.deepspeed.zero_stage == 0:
-        files = sorted(ckpt_dir.glob("mp_rank_*_model_states.pt"))
-        if not files:
-            raise CheckpointError(f"{ckpt_dir}: no mp_rank_*_model_states.pt")
-        sd = _torch_load(files[0])["module"]
-        sd = {k: v.float() for k, v in sd.items()}
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
-        sd = {k: v.float() for k, v in sd.items()}
-    return cfg.model, sd
 

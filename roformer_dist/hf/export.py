@@ -11,9 +11,9 @@ Layout of the directory it writes::
     README.md                 model card (model_card.py)
     roformer_export.json      provenance: source, step, tokens seen, tokenizer sha256 and agreement check
 
-The repository is written into a hidden temporary sibling and renamed into place when complete, so a
-failed export leaves nothing half-written; an existing non-empty directory is replaced only with
-``force`` (the old one is removed after the new one is in place).
+The repository is built in a staging sibling and swapped into place when complete
+(``data_pipeline.atomic.StagedDir``), so a failed export leaves nothing half-written; an existing
+non-empty directory is replaced only with ``force`` (the old one is removed after the new one is in place).
 """
 
 from __future__ import annotations
@@ -21,19 +21,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from data_pipeline.atomic import atomic_write_text, fsync_dir
-from roformer_dist.errors import CheckpointError, ConfigError, DataError
+from data_pipeline.atomic import StagedDir, atomic_write_text
+from data_pipeline.manifest import read_manifest, tokenizer_path
+from data_pipeline.tokenizer import sha256_file
+from roformer_dist.checkpoint.store import Found, read_trainer_state
+from roformer_dist.config import from_dict
+from roformer_dist.errors import ConfigError, DataError
+from roformer_dist.hf.convert import check_exportable, to_hf_model
+from roformer_dist.hf.model_card import render_model_card
+from roformer_dist.hf.tokenizer import build_fast_tokenizer, read_sp_model, roundtrip_agreement, write_tokenizer_files
+from roformer_dist.train.metrics import read_scalars
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportSource", "ExportResult", "TrainingCheckpoint", "load_training_checkpoint",
-           "resolve_checkpoint_dir", "source_from_checkpoint", "find_tokenizer", "export_hf_repository",
-           "replace_dir_atomically", "EXPORT_INFO"]
+__all__ = ["ExportSource", "ExportResult", "source_from_checkpoint", "find_tokenizer", "export_hf_repository",
+           "check_out_dir", "share_with_group", "EXPORT_INFO"]
 
 EXPORT_INFO = "roformer_export.json"
 
@@ -64,57 +70,8 @@ class ExportResult:
     tokenizer: Optional[Path]
     jieba: bool = False
     agreement: Any = None
-    """:class:`~roformer_dist.hf_tokenizer.Agreement` of the round trip over training documents, or None."""
+    """:class:`~roformer_dist.hf.tokenizer.Agreement` of the round trip over training documents, or None."""
     files: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrainingCheckpoint:
-    dir: Path
-    config: Any
-    """Full run Config stored in the checkpoint."""
-    model_config: Any
-    state_dict: dict
-    trainer: dict
-
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """``step_XXXXXXXX/``, a ``checkpoints/`` root (its ``latest``) or a run directory -> the checkpoint."""
-    from roformer_dist.checkpoint import LATEST, state_file
-
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such checkpoint directory")
-    if (p / "checkpoints").is_dir() and not state_file(p, 0).exists():
-        p = p / "checkpoints"
-    if (p / LATEST).is_file() and not state_file(p, 0).exists():
-        tag = (p / LATEST).read_text().strip()
-        if not (p / tag).is_dir():
-            raise CheckpointError(f"{p / LATEST}: names {tag!r}, which does not exist")
-        p = p / tag
-    if not state_file(p, 0).exists():
-        raise CheckpointError(f"{p}: not a roformer-dist training checkpoint (no trainer_state_rank0.pt; "
-                              "expected <run_dir>/checkpoints/step_XXXXXXXX/, a checkpoints/ directory with "
-                              "'latest', or a run directory)")
-    return p
-
-
-def load_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
-    """Consolidated fp32 weights, config and trainer state of a complete training checkpoint (any ZeRO
-    stage or model-parallel layout); CheckpointError naming the path when missing or damaged."""
-    from roformer_dist.checkpoint import load_consolidated_weights, load_trainer_state
-    from roformer_dist.config import from_dict
-
-    ckpt = resolve_checkpoint_dir(path)
-    try:
-        state = load_trainer_state(ckpt, 0)
-        cfg = from_dict(state["config"])
-        model_cfg, sd = load_consolidated_weights(ckpt)
-    except ConfigError as e:
-        raise CheckpointError(f"{ckpt}: its stored config is invalid: {e}") from None
-    except Exception as e:  # noqa: BLE001 - torch/DeepSpeed raise many kinds on a damaged file
-        raise CheckpointError(f"{ckpt}: cannot read the checkpoint ({type(e).__name__}: {e})") from None
-    return TrainingCheckpoint(ckpt, cfg, model_cfg, sd, dict(state.get("trainer", {})))
 
 
 def _existing(path: str, run_dir: Path) -> Optional[Path]:
@@ -134,8 +91,6 @@ def _eval_scalars(run_dir: Path, step: int) -> tuple[dict, Optional[int]]:
     if not tb.is_dir():
         return {}, None
     try:
-        from roformer_dist.metrics import read_scalars
-
         scalars = read_scalars(tb)
     except Exception as e:  # noqa: BLE001 - the card is still useful without them
         log.warning("cannot read %s: %s", tb, e)
@@ -147,14 +102,16 @@ def _eval_scalars(run_dir: Path, step: int) -> tuple[dict, Optional[int]]:
     return {tag: v for tag, pts in scalars.items() if tag.startswith("eval/") for s, v in pts if s == at}, at
 
 
-def source_from_checkpoint(ckpt: TrainingCheckpoint) -> ExportSource:
-    from data_pipeline.shards import read_manifest
-
-    run_dir = ckpt.dir.parent.parent
-    src = ExportSource(f"training checkpoint {ckpt.dir}", run_config=ckpt.config, trainer=ckpt.trainer)
-    src.eval_metrics, src.eval_step = _eval_scalars(run_dir, int(ckpt.trainer.get("step", 1 << 62)))
-    src.shard_dir = _existing(ckpt.config.data.shards, run_dir)
-    eval_dir = _existing(ckpt.config.data.eval_shards, run_dir)
+def source_from_checkpoint(found: Found) -> ExportSource:
+    """What the model card says about a training checkpoint: its run config, counters, last eval, shards."""
+    state = read_trainer_state(found.dir, 0)
+    config = from_dict(state.config)
+    trainer = state.trainer.state_dict()
+    run_dir = found.dir.parent.parent
+    src = ExportSource(f"training checkpoint {found.dir}", run_config=config, trainer=trainer)
+    src.eval_metrics, src.eval_step = _eval_scalars(run_dir, found.step)
+    src.shard_dir = _existing(config.data.shards, run_dir)
+    eval_dir = _existing(config.data.eval_shards, run_dir)
     for attr, d in (("manifest", src.shard_dir), ("eval_manifest", eval_dir)):
         if d is not None:
             try:
@@ -166,8 +123,6 @@ def source_from_checkpoint(ckpt: TrainingCheckpoint) -> ExportSource:
 
 def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> tuple[Optional[Path], bool]:
     """(SentencePiece model, jieba) from ``given`` (a .model file or a shard set) or the training shards."""
-    from data_pipeline.shards import read_manifest, tokenizer_path
-
     if given is not None:
         p = Path(given)
         if p.is_dir():
@@ -189,28 +144,16 @@ def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> 
     return None, False
 
 
-def _apply_umask(d: Path) -> None:
-    """transformers writes model.safetensors through a private (0600) temporary file: give the files of an
-    export the permissions any other file of the user gets (a shared cluster's group can read them)."""
+def share_with_group(d: Path) -> None:
+    """transformers writes model.safetensors through a private (0600) temporary file: give the files of a
+    saved model directory the permissions any other file of the user gets (a shared cluster's group can
+    read them)."""
     mask = os.umask(0)
     os.umask(mask)
     for p in d.iterdir():
         if p.is_file():
             os.chmod(p, 0o666 & ~mask)
     os.chmod(d, 0o777 & ~mask)
-
-
-def replace_dir_atomically(tmp: Path, out: Path) -> None:
-    """Move the complete directory ``tmp`` to ``out`` (an existing ``out`` is removed after the switch)."""
-    _apply_umask(tmp)
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_out_dir(out: Path, force: bool, flag: str = "--force") -> None:
@@ -224,10 +167,6 @@ def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
                          tokenizer: Optional[Path] = None, jieba: bool = False, force: bool = False,
                          check_docs: int = 1000, say: Callable[[str], None] = print) -> ExportResult:
     """Write the HF repository of our ``model`` (see the module docstring) to ``out``."""
-    from roformer_dist.hf import check_exportable, to_hf_model
-    from roformer_dist.hf_tokenizer import read_sp_model, roundtrip_agreement, write_tokenizer_files
-    from roformer_dist.model_card import render_model_card
-
     out = Path(out)
     cfg = model.config
     check_exportable(cfg)
@@ -237,12 +176,9 @@ def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
         raise DataError(f"tokenizer {tokenizer}: {len(rep.vocab)} pieces, but the model's vocabulary has "
                         f"{cfg.vocab_size} rows (another tokenizer than the one it was trained with?)")
     jieba = jieba or bool(rep and rep.jieba)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     result = ExportResult(out, model.num_parameters(), tokenizer, jieba)
-    try:
+    with StagedDir(out) as stage:
+        tmp = stage.path
         hf = to_hf_model(model)
         if rep is not None:
             hf.config.tokenizer_class = "PreTrainedTokenizerFast"
@@ -250,18 +186,14 @@ def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
         if rep is not None:
             write_tokenizer_files(tmp, tokenizer, cfg.max_position_embeddings, rep)
             if check_docs > 0 and source.shard_dir is not None and source.manifest is not None:
-                from roformer_dist.hf_tokenizer import build_fast_tokenizer
-
                 result.agreement = roundtrip_agreement(build_fast_tokenizer(rep), source.shard_dir, tokenizer,
                                                        max_docs=check_docs)
         info = _export_info(result, source, rep)
         result.files = sorted([p.name for p in tmp.iterdir()] + ["README.md", EXPORT_INFO])
         atomic_write_text(tmp / "README.md", render_model_card(cfg, result, source, info))
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
-        replace_dir_atomically(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        share_with_group(tmp)
+        stage.commit()
     if result.agreement is not None:
         say(f"tokenizer check: {result.agreement.summary()} of the training shards "
             f"({source.shard_dir}) re-encoded by tokenizer.json")
@@ -272,8 +204,6 @@ def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
 
 
 def _export_info(result: ExportResult, source: ExportSource, rep) -> dict:
-    from data_pipeline.tokenizer import sha256_file
-
     agr = result.agreement
     info = {"format": "roformer-dist-hf-export", "version": 1, "source": source.description,
             "step": source.trainer.get("step"), "tokens_seen": source.trainer.get("tokens_seen"),

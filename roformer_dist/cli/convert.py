@@ -7,97 +7,29 @@
 
 ``to-hf`` writes a complete HF repository (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, special_tokens_map.json, tokenizer.model, README.md model card; see
-roformer_dist/hf_export.py) into a temporary sibling of HF_DIR and renames it into place when complete.
+roformer_dist/hf/export.py) into a temporary sibling of HF_DIR and renames it into place when complete.
 It refuses a non-empty HF_DIR without --force. The tokenizer comes from --tokenizer (a SentencePiece
 .model or a shard set) or from the training checkpoint's shard set; --no-tokenizer writes the model only.
 
-Weights file (what ``from-hf`` writes, what ``to-hf`` reads; :func:`save_weights` / :func:`load_weights`):
-    torch.save({"format": "roformer-dist-weights", "version": 1,
-                "model_config": dataclasses.asdict(ModelConfig),   # plain dict, vocab_size an int
-                "state_dict": {our key: fp32 tensor}})              # keys of RoFormerForMaskedLM
-``to-hf`` also accepts a bare state dict (our keys, optionally prefixed ``module.``) with ``--config``.
-``model.yaml`` beside ``model.pt`` holds the model section, usable as ``model: OUT_DIR/model.yaml``.
+The weights file (what ``from-hf`` writes and ``to-hf`` reads) is defined in
+:mod:`roformer_dist.checkpoint.weights`; ``to-hf`` also accepts a bare state dict (our keys,
+optionally prefixed ``module.``) with ``--config``. ``model.yaml`` beside ``model.pt`` holds the model
+section, usable as ``model: OUT_DIR/model.yaml``.
 
 Exit status: 0 done, 2 bad flag or a model HF cannot express (ConfigError), 4 tokenizer missing or
-damaged (DataError), 5 checkpoint or weights missing or damaged (CheckpointError).
+damaged (DataError), 5 checkpoint or weights missing or damaged (CheckpointError), 74 the output
+cannot be written (disk full, read-only; nothing half-written is left).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
-from roformer_dist.errors import CheckpointError, ConfigError, DataError, exit_status
-
-WEIGHTS_FORMAT = "roformer-dist-weights"
-WEIGHTS_VERSION = 1
-WEIGHTS_NAME = "model.pt"
-CONFIG_NAME = "model.yaml"
-
-
-def save_weights(path: str | os.PathLike, cfg, state_dict: dict) -> None:
-    """Write the documented weights file (atomically)."""
-    import torch
-
-    from data_pipeline.atomic import atomic_write
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": WEIGHTS_FORMAT, "version": WEIGHTS_VERSION, "model_config": dataclasses.asdict(cfg),
-               "state_dict": {k: v.detach().float().cpu().contiguous() for k, v in state_dict.items()}}
-    atomic_write(path, lambda f: torch.save(payload, f))
-
-
-def _model_config(data: dict, where: str):
-    from roformer_dist.config import ModelConfig
-
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise CheckpointError(f"{where}: unknown model config key {unknown[0]!r}")
-    return ModelConfig(**data)
-
-
-def load_weights(path: str | os.PathLike, cfg=None):
-    """A weights file (or a bare state dict file with ``cfg``) -> (ModelConfig, our state dict)."""
-    import torch
-
-    path = Path(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
-    except Exception as e:  # noqa: BLE001 - anything unreadable is a user error naming the file
-        raise CheckpointError(f"{path}: not a readable torch weights file ({type(e).__name__}: {e})") from None
-    if isinstance(obj, dict) and "state_dict" in obj:
-        sd = obj["state_dict"]
-        if cfg is None:
-            if "model_config" not in obj:
-                raise ConfigError(f"{path}: has no model_config; pass --config")
-            cfg = _model_config(obj["model_config"], str(path))
-    elif isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        sd = obj
-        if cfg is None:
-            raise ConfigError(f"{path}: a bare state dict carries no model config; pass --config")
-    else:
-        raise CheckpointError(f"{path}: expected a roformer-dist weights file ({{'model_config', 'state_dict'}}) "
-                              "or a state dict")
-    if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module."):]: v for k, v in sd.items()}
-    return cfg, sd
-
-
-def _resolve_vocab(cfg, sd: dict):
-    if not isinstance(cfg.vocab_size, int):
-        key = "embeddings.word_embeddings.weight"
-        if key not in sd:
-            raise CheckpointError(f"model.vocab_size is {cfg.vocab_size!r} and the state dict has no {key}")
-        cfg = dataclasses.replace(cfg, vocab_size=int(sd[key].shape[0]))
-    return cfg
+from roformer_dist.errors import CheckpointError, ConfigError, DataError, run_command
 
 
 def _config_from_file(path: Optional[str]):
@@ -125,7 +57,9 @@ def cmd_from_hf(args) -> None:
         raise CheckpointError(f"{hf_dir}: no config.json (not a save_pretrained directory)")
     import yaml
 
-    from roformer_dist.hf import from_hf_pretrained
+    from data_pipeline.atomic import atomic_write_text
+    from roformer_dist.checkpoint.weights import CONFIG_NAME, WEIGHTS_NAME, save_weights
+    from roformer_dist.hf.convert import from_hf_pretrained
 
     try:
         model = from_hf_pretrained(hf_dir)
@@ -137,8 +71,6 @@ def cmd_from_hf(args) -> None:
     else:
         out.mkdir(parents=True, exist_ok=True)
         target = out / WEIGHTS_NAME
-        from data_pipeline.atomic import atomic_write_text
-
         atomic_write_text(out / CONFIG_NAME, yaml.safe_dump(dataclasses.asdict(model.config), sort_keys=False))
     save_weights(target, model.config, model.state_dict())
     print(f"wrote {target} ({model.num_parameters():,} parameters) from {hf_dir}")
@@ -146,23 +78,25 @@ def cmd_from_hf(args) -> None:
 
 def _load_for_to_hf(args):
     """(ModelConfig, state dict, ExportSource) from a weights file, a from-hf directory or a checkpoint."""
-    from roformer_dist.hf_export import ExportSource, load_training_checkpoint, source_from_checkpoint
+    from roformer_dist.checkpoint.store import resolve
+    from roformer_dist.checkpoint.weights import WEIGHTS_NAME, load_checkpoint_weights, load_weights, with_vocab_size
+    from roformer_dist.hf.export import ExportSource, source_from_checkpoint
 
     cfg = _config_from_file(args.config)
-    ckpt = Path(args.checkpoint)
-    if ckpt.is_file():
-        return (*load_weights(ckpt, cfg), ExportSource(f"weights file {ckpt}"))
-    if ckpt.is_dir() and (ckpt / WEIGHTS_NAME).is_file():  # a from-hf output directory
-        return (*load_weights(ckpt / WEIGHTS_NAME, cfg), ExportSource(f"weights file {ckpt / WEIGHTS_NAME}"))
-    if not ckpt.exists():
-        raise CheckpointError(f"{ckpt}: no such checkpoint file or directory")
-    tc = load_training_checkpoint(ckpt)
-    return (cfg or tc.model_config), tc.state_dict, source_from_checkpoint(tc)
+    path = Path(args.checkpoint)
+    weights = path / WEIGHTS_NAME if path.is_dir() and (path / WEIGHTS_NAME).is_file() else path
+    if weights.is_file():  # a weights file, or a from-hf output directory
+        return (*load_weights(weights, cfg), ExportSource(f"weights file {weights}"))
+    found = resolve(path)
+    model_cfg, sd = load_checkpoint_weights(found)
+    cfg = with_vocab_size(cfg, sd, args.config) if cfg is not None else model_cfg
+    return cfg, sd, source_from_checkpoint(found)
 
 
 def cmd_to_hf(args) -> None:
-    from roformer_dist.hf import check_exportable, model_from_state_dict
-    from roformer_dist.hf_export import check_out_dir, export_hf_repository, find_tokenizer
+    from roformer_dist.checkpoint.weights import model_from_state_dict
+    from roformer_dist.hf.convert import check_exportable
+    from roformer_dist.hf.export import check_out_dir, export_hf_repository, find_tokenizer
 
     if args.tokenizer is not None and args.no_tokenizer:
         raise ConfigError("--tokenizer and --no-tokenizer exclude each other")
@@ -170,7 +104,6 @@ def cmd_to_hf(args) -> None:
         raise ConfigError(f"--check-docs: expected a number >= 0, got {args.check_docs}")
     check_out_dir(Path(args.out), args.force)  # before the (slow) consolidation of a big checkpoint
     cfg, sd, source = _load_for_to_hf(args)
-    cfg = _resolve_vocab(cfg, sd)
     check_exportable(cfg)
     tokenizer, jieba = (None, False) if args.no_tokenizer else find_tokenizer(args.tokenizer, source)
     if tokenizer is None and not args.no_tokenizer:
@@ -227,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         args.func(args)
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"roformer-convert {args.command}: error: {e}", file=sys.stderr)
-        return exit_status(e)
-    return 0
+        return 0
+
+    return run_command(f"roformer-convert {args.command}", body)
 
 
 if __name__ == "__main__":

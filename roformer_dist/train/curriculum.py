@@ -75,3 +75,14 @@ def stage_boundaries(stages: tuple[StageConfig, ...]) -> list[int]:
         start += st.steps
         out.append(start)
     return out
+
+
+def trained_max_len(stages: tuple[StageConfig, ...], step: int) -> int:
+    """The longest sequence length of the stages that ran up to ``step`` (0 before the first step)."""
+    done, longest = 0, 0
+    for st in stages:
+        if done >= step:
+            break
+        longest = max(longest, st.seq_len)
+        done += st.steps
+    return longest

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from roformer_dist.config import AttentionKind
-from roformer_dist.rotary import rotate_pair
+from roformer_dist.nn.rotary import rotate_pair
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:

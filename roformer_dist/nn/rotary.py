@@ -195,7 +195,7 @@ def _triton_kernel():
     # interpreted, and triton is an optional dependency.
     import triton
 
-    from roformer_dist import rotary_triton
+    from roformer_dist.nn import rotary_triton
 
     return rotary_triton.rope_kernel, triton.next_power_of_2, triton.cdiv
 

@@ -9,7 +9,7 @@ discards it), so the numbers do not depend on the world size, and ``roformer-eva
 reproduces the trainer's eval of the same checkpoint.
 
 Beside the model's loss and accuracy, every length reports the unigram model's cross-entropy and
-the most-frequent-token accuracy at the same predicted positions (:mod:`roformer_dist.baselines`),
+the most-frequent-token accuracy at the same predicted positions (:mod:`roformer_dist.train.baselines`),
 computed once per length and kept for later evals:
 
     eval/loss_<L>  eval/mlm_acc_<L>  eval/unigram_loss_<L>  eval/most_frequent_acc_<L>
@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from roformer_dist.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_tokens
+from roformer_dist.train.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_tokens
 from roformer_dist.config import Config, StageConfig
 
 log = logging.getLogger(__name__)

@@ -11,11 +11,13 @@ checkpoint settings may change on resume.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
-from roformer_dist.config import Config, ModelConfig, to_dict
-from roformer_dist.errors import CheckpointError
+import torch
+
+from roformer_dist.config import Config, ModelConfig, build, to_dict
+from roformer_dist.errors import CheckpointError, ConfigError
+from roformer_dist.nn.model import RoFormerForMaskedLM
 
 FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention_probs_dropout_prob",
                              "initializer_range"})
@@ -27,19 +29,15 @@ _ZERO_FORMAT = {0: "module optimizer", 1: "partitioned optimizer", 2: "partition
 
 
 def _model_config(saved: dict) -> Optional[ModelConfig]:
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    """The saved model section as a ModelConfig, or None when this version cannot build it."""
     try:
-        return ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in names})
-    except TypeError:
+        return build(ModelConfig, saved)
+    except ConfigError:
         return None
 
 
 def parameter_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the plain model's state dict, built on the meta device (no memory, no time)."""
-    import torch
-
-    from roformer_dist.model import RoFormerForMaskedLM
-
     with torch.device("meta"):
         model = RoFormerForMaskedLM(model_cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

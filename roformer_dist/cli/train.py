@@ -1,0 +1,100 @@
+"""``roformer-train --config FILE [key=value ...]``
+
+On this machine it starts ``dist.world_size`` rank processes itself (gloo on CPU, nccl on GPUs) and
+holds the run directory's lock while they run. When the environment already carries a rank (torchrun,
+SLURM through the launcher: RANK and WORLD_SIZE set), it runs as that one rank (global rank 0 holds
+the lock).
+
+Signals: SIGTERM, SIGUSR2 and a first Ctrl-C (SIGINT) ask every rank to save at the next step
+boundary and exit 75, whether they reach the whole process group or this process alone (it passes
+the request on); a second Ctrl-C aborts at once (130). The ranks die with this process (SIGKILL
+included). Exit statuses: see :mod:`roformer_dist.errors` and ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from roformer_dist.config import Config, dump_yaml, load_config
+from roformer_dist.errors import EXIT_STATUS_HELP, ConfigError, run_command
+from roformer_dist.runtime.runlock import RunLock
+from roformer_dist.runtime.stop import StopFlag, exit_now
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="roformer-train",
+        description="Pretrain RoFormer on this machine: starts dist.world_size ranks (or runs as one rank when "
+                    "RANK/WORLD_SIZE are set by torchrun or SLURM). Resumes from <run_dir>/checkpoints/latest. "
+                    "SIGTERM, SIGUSR2 or Ctrl-C: save at the next step and exit 75; Ctrl-C twice: abort.",
+        epilog="examples:\n  roformer-train --config configs/experiments/debug.yaml\n"
+               "  roformer-train --config configs/experiments/demo.yaml deepspeed.zero_stage=3 trainer.stop_at_step=50\n"
+               + "\n" + EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="experiment YAML (configs/experiments/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def _load(path: str, overrides: list[str]) -> Config:
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--config: {path} is a directory; expected an experiment YAML file "
+                          "(e.g. configs/experiments/debug.yaml)")
+    if not p.exists():
+        raise ConfigError(f"--config: {path}: no such file")
+    try:
+        return load_config(p, overrides)
+    except OSError as e:  # unreadable (permissions, I/O)
+        raise ConfigError(f"--config: cannot read {path}: {e.strerror or e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command. Called without ``argv`` (the console script), it ends the process itself once done
+    (see ``stop.exit_now``); with ``argv`` it returns the exit status."""
+    # First thing: from here on a signal is a stop request, never a KeyboardInterrupt traceback.
+    stop = StopFlag.install()
+    try:
+        code = _main(argv, stop)
+    finally:
+        if argv is not None:
+            stop.restore()  # called as a function: leave the caller's handlers as they were
+    if argv is None:
+        exit_now(code)
+    return code
+
+
+def _main(argv: list[str] | None, stop: StopFlag) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command("roformer-train", lambda: _run(args, stop))
+
+
+def _run(args, stop: StopFlag) -> int:
+    as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    cfg = _load(args.config, args.overrides)
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
+    from roformer_dist.checkpoint.store import check_writable
+    from roformer_dist.train.data import resolve_data
+    from roformer_dist.train.entry import run_rank
+    from roformer_dist.train.spawn import check_resume, spawn_local
+
+    resolved, manifest = resolve_data(cfg)  # manifest vs model config, before any process starts
+    if as_rank:
+        return run_rank(cfg, stop=stop)
+    with RunLock(cfg.run_dir) as lock:
+        stop.on_abort(lock.release)
+        check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
+        check_resume(resolved, manifest)
+        return spawn_local(cfg, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,5 +1,0 @@
-import sys
-
-from roformer_dist.finetune.cli import main
-
-sys.exit(main())

@@ -1,0 +1,13 @@
+"""The model, on one device: RoFormer for masked language modelling, knowing nothing of distribution.
+
+Owns: ``model.py`` (``RoFormerForMaskedLM``: embeddings, post-LN layers, tied MLM head, the loss at
+the predicted positions only), ``attention.py`` (softmax through SDPA, and linear attention),
+``rotary.py`` (the one rotary convention, adjacent pairs (2i, 2i+1), its tables and every faster
+backend tested against the reference), ``rotary_triton.py`` (the Triton kernel).
+
+May import: torch, ``roformer_dist.config``, ``roformer_dist.errors`` and the data pipeline's
+``IGNORE_INDEX`` (the labels' contract); optional kernels (triton,
+apex, flash-attn) lazily. Nothing of DeepSpeed, ``torch.distributed`` or the rest of the package.
+
+Start reading at ``model.py``.
+"""

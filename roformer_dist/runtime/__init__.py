@@ -1,0 +1,12 @@
+"""The process around a run: stop signals, the run lock, the process group, fault injection.
+
+Owns: ``stop.py`` (SIGTERM / SIGINT / USR2 as a stop request; a second Ctrl-C aborts; ranks die with
+their launcher), ``runlock.py`` (one writer per run directory; stale locks detected),
+``process_group.py`` (the one torch.distributed bootstrap of training and fine-tuning, ``DistEnv``,
+``free_port``, the checkpoint layer's collectives), ``faults.py`` (the fault hooks tests set through
+the environment).
+
+May import: ``roformer_dist.errors`` and the standard library, torch.distributed.
+
+Start reading at ``stop.py``.
+"""

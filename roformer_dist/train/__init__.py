@@ -1,0 +1,15 @@
+"""Pretraining: the rank entry point, the loop and what it decides, measures and evaluates.
+
+Owns: ``entry.py`` (``run_rank``: process group, run lock, logging, the trainer), ``spawn.py`` (the
+ranks of a job on this machine), ``trainer.py`` (``Trainer``: load -> step -> log -> save -> eval ->
+stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
+learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
+``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``evaluation.py`` (eval at each length beside the
+baselines), ``baselines.py`` (unigram and most-frequent-token baselines), ``length_report.py`` (a
+checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file).
+
+May import: ``roformer_dist.checkpoint``, ``parallel``, ``nn``, ``runtime``, ``config``, ``errors``,
+``data_pipeline``.
+
+Start reading at ``trainer.py`` (the loop), then ``entry.py``.
+"""

@@ -1,0 +1,98 @@
+"""The rank entry point: ``run_rank(cfg)`` runs this process as one rank of a training job.
+
+The torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) must be set
+by whoever started it (``roformer-train``'s spawner, torchrun, or the SLURM launcher). It returns
+``EXIT_DONE`` when the curriculum is finished or ``trainer.stop_at_step`` is reached, ``EXIT_REQUEUE``
+after a stop signal (a complete checkpoint was saved; run again to continue), ``EXIT_NONFINITE`` after
+too many consecutive non-finite losses, and raises the errors of :mod:`roformer_dist.errors` (config,
+data, checkpoint, lock, storage) for its caller to report.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from roformer_dist.checkpoint.store import check_writable
+from roformer_dist.config import Config
+from roformer_dist.errors import EXIT_DONE, RunLockedError, StorageError
+from roformer_dist.runtime.faults import Faults
+from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
+from roformer_dist.runtime.runlock import RunLock
+from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
+from roformer_dist.train.logs import setup_logging
+from roformer_dist.train.trainer import Trainer
+
+__all__ = ["run_rank", "init_distributed"]
+
+
+def init_distributed(cfg: Config, env: DistEnv) -> None:
+    """The process group (the project's one bootstrap), then DeepSpeed's communication on top of it."""
+    backend = init_process_group(env, cfg.dist.backend, cfg.dist.timeout_s)
+    import deepspeed  # heavy: only a training rank needs it
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def _take_run_lock(cfg: Config, env: DistEnv, stop: StopFlag):
+    """Global rank 0 takes the run lock and checks that the checkpoint directory is writable; every
+    rank learns the outcome (collective), so a refused launch ends on every rank with the same error."""
+    lock, error = None, None
+    if env.rank == 0:
+        try:
+            lock = RunLock(cfg.run_dir).acquire()
+            check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
+        except (RunLockedError, StorageError) as e:
+            error = e
+    error = TorchComm().broadcast(error)
+    if error is not None:
+        if lock is not None:
+            lock.release()
+        raise error
+    if lock is not None:
+        stop.on_abort(lock.release)
+    return lock
+
+
+def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[Faults] = None,
+             hold_lock: bool = True) -> int:
+    """Run this process as one rank of the job described by ``cfg``; see the module docstring.
+
+    ``stop``: the stop flag the caller installed (``roformer-train`` does it first thing, in its launcher
+    and in each rank it spawns, and under torchrun or srun); None installs it here (the submitit job of
+    ``roformer-submit``, a direct call). ``faults``: None reads the test fault
+    variables of the environment, once. ``hold_lock``: global rank 0 holds the run lock (torchrun,
+    SLURM); the local spawner holds it itself and passes False."""
+    env = DistEnv.from_environ()
+    if stop is None:
+        stop = StopFlag.install()
+    if faults is None:
+        faults = Faults.from_environ()
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # ranks on one machine share its cores; oversubscribed threads make every rank slower
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    own_group = not dist.is_initialized()
+    init_distributed(cfg, env)
+    lock = _take_run_lock(cfg, env, stop) if hold_lock else None
+    try:
+        setup_logging(cfg, env.rank)
+        trainer = Trainer(cfg, env, stop=stop, faults=faults)
+        try:
+            trainer.setup()
+            code = trainer.fit()
+        finally:
+            trainer.close()
+    finally:
+        if lock is not None:
+            lock.release()
+    if code == EXIT_DONE:
+        ignore_late_stop_signals()
+    if own_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return code

@@ -1,0 +1,158 @@
+"""A checkpoint's eval loss at any sequence length, beside the unigram baseline (``roformer-eval``'s work).
+
+The eval batches are the trainer's (same eval shards, seed, masks and micro-batch rule,
+:mod:`roformer_dist.train.evaluation`), so at a length the run evaluated during training the loss
+equals the trainer's. Every row carries the unigram baseline at the same predicted positions.
+
+Lengths past the longest the checkpoint was trained on are marked: a rotary model computes its
+rotations for any length (only the attention patterns were never trained there); an absolute-position
+model uses position rows that training never updated (they hold their initialisation, shrunk by
+weight decay), and has no rows at all past ``model.max_position_embeddings`` (reported, not run).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from data_pipeline.manifest import read_manifest
+from roformer_dist.checkpoint.store import Found, read_trainer_state, resolve
+from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from_state_dict
+from roformer_dist.config import from_dict, replace
+from roformer_dist.errors import CheckpointError, ConfigError, DataError
+from roformer_dist.nn.model import RoFormerForMaskedLM
+from roformer_dist.train.curriculum import trained_max_len
+from roformer_dist.train.evaluation import Evaluator, evaluate_model
+
+__all__ = ["Row", "Report", "length_note", "load_model", "evaluate_checkpoint", "format_report",
+           "format_comparison"]
+
+
+@dataclass
+class Row:
+    length: int
+    loss: Optional[float] = None
+    mlm_acc: Optional[float] = None
+    unigram_loss: Optional[float] = None
+    most_frequent_acc: Optional[float] = None
+    predicted: int = 0
+    note: str = ""
+
+    @property
+    def gap(self) -> Optional[float]:
+        """Nats by which the model beats the unigram baseline."""
+        return None if self.loss is None else self.unigram_loss - self.loss
+
+
+@dataclass
+class Report:
+    checkpoint: str
+    step: int
+    position_embedding: str
+    trained_max_len: int
+    max_position_embeddings: int
+    rows: list[Row] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": self.checkpoint, "step": self.step, "position_embedding": self.position_embedding,
+                "trained_max_len": self.trained_max_len, "max_position_embeddings": self.max_position_embeddings,
+                "rows": [{"length": r.length, "loss": r.loss, "unigram_loss": r.unigram_loss, "gap": r.gap,
+                          "mlm_acc": r.mlm_acc, "most_frequent_acc": r.most_frequent_acc,
+                          "predicted": r.predicted, "note": r.note} for r in self.rows]}
+
+
+def length_note(position_embedding: str, length: int, trained: int, max_positions: int) -> tuple[bool, str]:
+    """(can run, note) for evaluating at ``length`` a model trained up to ``trained``."""
+    if length <= trained:
+        return True, ""
+    if position_embedding == "absolute":
+        if length > max_positions:
+            return False, (f"not run: absolute positions end at {max_positions} "
+                           "(model.max_position_embeddings)")
+        return True, f"absolute positions {trained}..{length - 1} untrained"
+    return True, f"rotary, beyond the trained length {trained}"
+
+
+def load_model(found: Found) -> RoFormerForMaskedLM:
+    """The checkpoint's weights in a plain :class:`RoFormerForMaskedLM` (fp32, eval mode)."""
+    model_cfg, sd = load_checkpoint_weights(found)
+    try:
+        model = model_from_state_dict(model_cfg, sd)
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{found.dir}: cannot load the model weights: {e}") from None
+    return model.eval()
+
+
+def evaluate_checkpoint(path: str | os.PathLike, lengths: Sequence[int], *, eval_shards: Optional[str] = None,
+                        shards: Optional[str] = None, batches: Optional[int] = None,
+                        progress: bool = False) -> Report:
+    """Evaluate the checkpoint ``path`` names (:func:`~roformer_dist.checkpoint.store.resolve`) at
+    ``lengths``; see the module docstring."""
+    found = resolve(path)
+    state = read_trainer_state(found.dir, 0)
+    cfg = from_dict(state.config)
+    trained = trained_max_len(cfg.curriculum.stages, found.step)
+    changes = {}
+    if shards:
+        changes["data.shards"] = shards
+    if eval_shards:
+        changes["data.eval_shards"] = eval_shards
+    if batches:
+        changes["data.eval_batches"] = batches
+    cfg = replace(cfg, **changes) if changes else cfg
+    if not cfg.data.eval_shards:
+        raise ConfigError(f"{found.dir}: the run had no data.eval_shards; pass --eval-shards")
+    for key in ("shards", "eval_shards"):
+        where = getattr(cfg.data, key)
+        try:
+            m = read_manifest(where)
+        except ValueError as e:
+            flag = "--shards" if key == "shards" else "--eval-shards"
+            raise DataError(f"data.{key} of the run: {e} (pass {flag} if the shard set moved)") from None
+        sha = m["tokenizer"]["sha256"]
+        if state.tokenizer_sha256 and sha and sha != state.tokenizer_sha256:
+            raise DataError(f"{where}: made with another tokenizer ({sha[:12]}) than the checkpoint "
+                            f"({state.tokenizer_sha256[:12]})")
+    model = load_model(found)
+    mc = model.config
+    report = Report(str(found.dir), found.step, mc.position_embedding, trained, mc.max_position_embeddings)
+    evaluator = Evaluator(cfg)
+    for length in lengths:
+        ok, note = length_note(mc.position_embedding, length, trained, mc.max_position_embeddings)
+        row = Row(length, note=note)
+        if ok:
+            if progress:
+                print(f"  {Path(report.checkpoint).parent.parent.name or report.checkpoint}: length {length} ...",
+                      file=sys.stderr, flush=True)
+            r = evaluate_model(model, cfg, [length], evaluator)[length]
+            row.loss, row.mlm_acc, row.predicted = r["loss"], r["mlm_acc"], r["predicted"]
+            row.unigram_loss, row.most_frequent_acc = r["unigram_loss"], r["most_frequent_acc"]
+        report.rows.append(row)
+    return report
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_report(report: Report) -> str:
+    lines = [f"{report.checkpoint}: step {report.step}, {report.position_embedding} positions, trained up to "
+             f"length {report.trained_max_len}",
+             f"{'length':>7} {'loss':>7} {'unigram':>8} {'gap':>7} {'mlm_acc':>8}  note"]
+    for r in report.rows:
+        lines.append(f"{r.length:>7} {_fmt(r.loss, '.4f'):>7} {_fmt(r.unigram_loss, '.4f'):>8} "
+                     f"{_fmt(r.gap, '.3f'):>7} {_fmt(r.mlm_acc, '.4f'):>8}  {r.note}".rstrip())
+    return "\n".join(lines)
+
+
+def format_comparison(reports: Sequence[Report], names: Sequence[str]) -> str:
+    """Loss per length, one column per checkpoint (lengths of the first report)."""
+    width = max(9, *(len(n) for n in names))
+    lines = [f"{'length':>7} " + " ".join(f"{n:>{width}}" for n in names)]
+    for i, row in enumerate(reports[0].rows):
+        cells = [_fmt(rep.rows[i].loss, ".4f") for rep in reports]
+        lines.append(f"{row.length:>7} " + " ".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)

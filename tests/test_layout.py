@@ -1,0 +1,63 @@
+"""The package's layout is a checked contract: the import direction (import-linter, configured in
+pyproject.toml), no stray top-level modules, and a docstring that maps every subpackage."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "roformer_dist"
+LEAF_MODULES = {"__init__.py", "config.py", "errors.py", "testing.py"}
+
+
+def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run([str(exe), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_import_contract_holds():
+    r = lint_imports(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 broken" in r.stdout
+
+
+@pytest.mark.parametrize("module, upward", [
+    ("roformer_dist/nn/model.py", "roformer_dist.cli.train"),          # the model reaching for a command
+    ("roformer_dist/checkpoint/store.py", "roformer_dist.train.trainer"),  # a lower layer importing the loop
+    ("data_pipeline/loader.py", "roformer_dist.config"),               # the pipeline importing the package
+])
+def test_an_upward_import_breaks_the_contract(tmp_path, module, upward):
+    """A copy of the tree with one upward import added, inside a function as lazy imports are: the
+    contract must name it."""
+    for name in ("roformer_dist", "data_pipeline", "launcher"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n\ndef _upward():\n    import {upward}  # noqa: F401\n")
+    r = lint_imports(tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert "BROKEN" in r.stdout and upward in r.stdout, r.stdout
+
+
+def test_only_leaf_modules_beside_the_subpackages():
+    stray = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in LEAF_MODULES)
+    assert stray == [], f"modules belong in a subpackage: {stray}"
+
+
+@pytest.mark.parametrize("sub", sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
+def test_every_subpackage_says_what_it_owns_and_may_import(sub):
+    doc = ast.get_docstring(ast.parse((PACKAGE / sub / "__init__.py").read_text())) or ""
+    assert "May import" in doc, f"roformer_dist/{sub}/__init__.py: its docstring must say what it may import"
+    named = {p.name for p in (PACKAGE / sub).glob("*.py") if p.name != "__init__.py"}
+    missing = sorted(n for n in named if n not in doc)
+    assert not missing, f"roformer_dist/{sub}/__init__.py does not describe {missing}"
