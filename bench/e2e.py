@@ -3,7 +3,7 @@ framework's own overhead: ``roformer-train`` at 1 rank against the bare training
 
 Part 1 (``--part e2e``), at each ``--seq`` (128 and 512), on 2 ranks of this machine:
 
-    ours      roformer-train (``python -m roformer_dist.train_cli``), model preset ``small`` (hidden 256,
+    ours      roformer-train (``python -m roformer_dist.cli.train``), model preset ``small`` (hidden 256,
               4 layers, 4 heads, FFN 1024; vocabulary 8000), DeepSpeed ZeRO-2 fp32 (our default), torch
               AdamW, ``data.num_workers`` left at its default (1), no eval, checkpoints only where the
               trainer cannot skip them (one, after the last step: outside the step times)
@@ -38,7 +38,7 @@ Part 2 (``--part overhead``), at each ``--overhead-seq`` (128), 1 rank, the same
     bare torch       our ``RoFormerForMaskedLM`` + torch AdamW (same parameter groups), gradient clipping,
                      the LR set each step, on batches read from the same shards before timing, in one process
     bare DeepSpeed   the same batches through the same DeepSpeed engine as roformer-train builds
-                     (``roformer_dist.engine.build_engine``): forward, backward, step
+                     (``roformer_dist.parallel.engine.build_engine``): forward, backward, step
 
 each process with ``--overhead-threads`` torch threads (1 by default: on a loaded 2-core machine two
 threads per process make step times a lottery; ``0`` leaves OMP_NUM_THREADS unset, so that every
@@ -49,6 +49,13 @@ timing as part 1 (step end times; the bare steps note theirs in the worker).
     python bench/e2e.py                                   # both parts: about 40 minutes on 2 busy cores
     python bench/e2e.py --part e2e --seq 128 --rounds 3
     python bench/e2e.py --part overhead --overhead-seq 128 512 --overhead-threads 0
+    python bench/e2e.py --tiny          # both parts, each configuration once (but hf): debug model, seq 64, 4 steps
+
+``--tiny`` builds its shard set from 400 lines of People's Daily (vocabulary 3000) in a temporary directory,
+keeps the machine's TORCH_EXTENSIONS_DIR (a JIT build of DeepSpeed's ops into a fresh cache takes minutes)
+and leaves out the configuration ``hf``, the one launch that ``bench/hf_trainer_mlm.py --tiny`` makes too
+(``hf_ds`` runs the same code with ``--deepspeed``): one start-up less, for a smoke test.
+The HF configurations need ``accelerate`` (the Trainer's dependency) besides ``transformers``.
 
 Ends with one JSON line: ``ratio`` = ours / the faster HF configuration in steady-state tokens/s, the
 lower of the sequence lengths (the goal: >= 1.8 at both), with the per-length figures and the overhead
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -68,6 +76,8 @@ import time
 from pathlib import Path
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
+
+from roformer_dist.testing import free_port  # noqa: E402
 
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_mlm.py"
 E2E_CONFIGS = ("ours", "hf", "hf_ds")
@@ -82,7 +92,7 @@ HF_ZERO2 = {
     "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False, "reduce_scatter": True},
     "steps_per_print": 10**9, "wall_clock_breakdown": False,
 }
-"""HF's DeepSpeed configuration: ZeRO-2 with roformer-train's knobs (roformer_dist/engine.py), fp32, no
+"""HF's DeepSpeed configuration: ZeRO-2 with roformer-train's knobs (roformer_dist/parallel/engine.py), fp32, no
 optimizer or scheduler section (the Trainer's AdamW and schedule), the rest filled by the Trainer."""
 
 
@@ -105,6 +115,7 @@ def parse_args(argv=None):
                         "every step time a lottery (threads wait for each other at every op)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--model-preset", default="small", help="model preset of every configuration (configs/model/)")
     p.add_argument("--data", type=Path, default=C.REPO / "data" / "bench",
                    help="where the shard set and HF's copy of it are built once (default: data/bench)")
     p.add_argument("--work", type=Path, default=None, help="run directories (default: a temporary directory)")
@@ -114,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     p.add_argument("--worker", choices=("bare_torch", "bare_ds"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    C.tiny_defaults(p, argv, seq=[64], global_batch=["64=4"], overhead_seq=[64], steps=4, skip=1, rounds=1,
+                    warmup=1, model_preset="debug", configs=["ours", "hf_ds"], data=C.tiny_dir,
+                    extensions=lambda: Path(os.environ["TORCH_EXTENSIONS_DIR"]))
     a = p.parse_args(argv)
     if a.steps < a.skip + 3:
         p.error(f"--steps {a.steps}: needs at least --skip + 3 = {a.skip + 3} steps")
@@ -130,16 +144,28 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------------------- data
 
+def shard_set(a) -> Path:
+    """The shard set of every configuration, built once under --data: all of People's Daily at vocabulary
+    8000 (pd_v8000/), or with --tiny the tiny train set of _common.tiny_shards (train/)."""
+    return C.tiny_shards(a.data)[0] if a.tiny else C.peoples_daily_shards(a.data / "pd_v8000")
+
+
+def vocab_size(shards: Path) -> int:
+    from data_pipeline.manifest import read_manifest
+
+    return int(read_manifest(shards)["vocab_size"])
+
+
 def prepare(a) -> tuple[Path, Path]:
     """(shard set, HF's directory: packed_<seq>.npy and tokenizer/), built once under --data."""
     import numpy as np
     import torch
 
     from data_pipeline.loader import ShardLoader
-    from roformer_dist.hf_tokenizer import write_tokenizer_files
+    from roformer_dist.hf.tokenizer import write_tokenizer_files
 
-    shards = C.peoples_daily_shards(a.data / "pd_v8000")
-    hf_dir = a.data / "pd_v8000_hf"
+    shards = shard_set(a)
+    hf_dir = shards.with_name(shards.name + "_hf")
     (hf_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
     if not (hf_dir / "tokenizer" / "tokenizer.json").exists():
         write_tokenizer_files(hf_dir / "tokenizer", shards / "tokenizer.model", 1536)
@@ -160,8 +186,6 @@ def prepare(a) -> tuple[Path, Path]:
 def warm_extensions(a) -> None:
     """Point every run at the bench's own TORCH_EXTENSIONS_DIR and build DeepSpeed's CPU comm op there
     now, so that every timed start-up finds a warm cache (as a user's second run does)."""
-    import os
-
     ext = a.extensions or a.data / "torch_extensions"
     ext.mkdir(parents=True, exist_ok=True)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
@@ -172,12 +196,13 @@ def warm_extensions(a) -> None:
           flush=True)
 
 
-def hf_model_dir(a, work: Path) -> Path:
-    """config.json of HF's RoFormerConfig for our small preset at vocabulary 8000 and --dropout."""
+def hf_model_dir(a, work: Path, vocab: int) -> Path:
+    """config.json of HF's RoFormerConfig for our --model-preset at the shards' vocabulary and --dropout."""
     from roformer_dist.config import load_config
-    from roformer_dist.hf import hf_config_from
+    from roformer_dist.hf.convert import hf_config_from
 
-    cfg = load_config(None, ["model=small", "model.vocab_size=8000", f"model.hidden_dropout_prob={a.dropout}",
+    cfg = load_config(None, [f"model={a.model_preset}", f"model.vocab_size={vocab}",
+                             f"model.hidden_dropout_prob={a.dropout}",
                              f"model.attention_probs_dropout_prob={a.dropout}"])
     out = work / "hf_model"
     hf_config_from(cfg.model).save_pretrained(str(out))
@@ -204,7 +229,8 @@ def run_ours(a, seq: int, ranks: int, shards: Path, run_dir: Path, env: dict) ->
 
     gb = a.batch[seq]
     cfg = {"run_dir": str(run_dir),
-           "model": {"preset": "small", "hidden_dropout_prob": a.dropout, "attention_probs_dropout_prob": a.dropout},
+           "model": {"preset": a.model_preset, "hidden_dropout_prob": a.dropout,
+                     "attention_probs_dropout_prob": a.dropout},
            "curriculum": {"stages": [{"name": f"e2e{seq}", "seq_len": seq, "global_batch_size": gb, "steps": a.steps,
                                       "micro_batch_size": gb // ranks}]},
            "deepspeed": "zero2",
@@ -214,7 +240,7 @@ def run_ours(a, seq: int, ranks: int, shards: Path, run_dir: Path, env: dict) ->
            "dist": {"world_size": ranks}}
     run_dir.mkdir(parents=True)
     (run_dir.parent / f"{run_dir.name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "roformer_dist.train_cli", "--config", str(run_dir.parent / f"{run_dir.name}.yaml")]
+    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", str(run_dir.parent / f"{run_dir.name}.yaml")]
     t0, mem = _watch(cmd, run_dir.parent / f"{run_dir.name}.log", env)
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"launch": t0, "step_end": [r["time"] for r in recs], "ranks": mem}
@@ -241,7 +267,8 @@ def run_bare(a, which: str, seq: int, run_dir: Path, env: dict) -> dict:
     out = run_dir / "times.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which, "--seq", str(seq), "--global-batch",
            f"{seq}={a.batch[seq]}", "--steps", str(a.steps), "--skip", str(a.skip), "--dropout", str(a.dropout),
-           "--lr", str(a.lr), "--warmup", str(a.warmup), "--data", str(a.data), "--out", str(out)]
+           "--lr", str(a.lr), "--warmup", str(a.warmup), "--data", str(a.data), "--out", str(out),
+           "--model-preset", a.model_preset, *(["--tiny"] if a.tiny else [])]
     t0, mem = _watch(cmd, run_dir / "log.txt", env)
     return {"launch": t0, **json.loads(out.read_text())}
 
@@ -256,17 +283,17 @@ def bare_worker(a) -> None:
     import torch
 
     from data_pipeline.loader import ShardLoader
-    from roformer_dist.curriculum import lr_at
-    from roformer_dist.engine import build_engine, param_groups
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.train.curriculum import lr_at
+    from roformer_dist.parallel.engine import build_engine, param_groups
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     warnings.filterwarnings("ignore")
     if "OMP_NUM_THREADS" not in os.environ:  # what roformer-train's ranks do (trainer.run_rank)
         torch.set_num_threads(os.cpu_count() or 1)
     seq, gb = a.seq[0], a.batch[a.seq[0]]
-    shards = a.data / "pd_v8000"
-    cfg = C.stage_config(model="small", vocab=8000, ranks=1, seq=seq, global_batch=gb, micro_batch=gb,
-                         steps=a.steps, dropout=a.dropout,
+    shards = shard_set(a)
+    cfg = C.stage_config(model=a.model_preset, vocab=vocab_size(shards), ranks=1, seq=seq, global_batch=gb,
+                         micro_batch=gb, steps=a.steps, dropout=a.dropout,
                          overrides=(f"optim.lr={a.lr}", f"optim.warmup_steps={a.warmup}", "optim.schedule=linear"))
     loader = ShardLoader(shards, seq_len=seq, micro_batch_size=gb, num_workers=0, seed=cfg.trainer.seed,
                          whole_word_mask=False)
@@ -294,7 +321,7 @@ def bare_worker(a) -> None:
         import deepspeed
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(C.free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
         dist.init_process_group("gloo", rank=0, world_size=1)
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -336,7 +363,7 @@ def order(configs: list[str], rnd: int) -> list[str]:
 
 
 def part_e2e(a, shards: Path, hf_dir: Path, work: Path) -> dict:
-    model_dir = hf_model_dir(a, work)
+    model_dir = hf_model_dir(a, work, vocab_size(shards))
     raw = {(seq, c): [] for seq in a.seq for c in a.configs}
     loads = []
     for rnd in range(a.rounds):
@@ -357,9 +384,9 @@ def part_e2e(a, shards: Path, hf_dir: Path, work: Path) -> dict:
         best = max(hf, key=lambda c: res[c]["tokens_per_s"]) if hf else None
         out[seq] = {"results": res, "faster_hf": best,
                     "ratio": res["ours"]["tokens_per_s"] / res[best]["tokens_per_s"] if best and "ours" in res else None}
-    print(f"\nPart 1: a whole job, {a.ranks} ranks, small preset (hidden 256, 4 layers, vocab 8000), dropout {a.dropout}, "
-          f"{a.steps} steps per run, steady state = steps {a.skip + 1}..{a.steps}, {a.rounds} rounds interleaved; "
-          f"load average during the runs: {loads[0]} ... {loads[-1]}")
+    print(f"\nPart 1: a whole job, {a.ranks} ranks, {a.model_preset} preset (vocab {vocab_size(shards)}), "
+          f"dropout {a.dropout}, {a.steps} steps per run, steady state = steps {a.skip + 1}..{a.steps}, "
+          f"{a.rounds} rounds interleaved; load average during the runs: {loads[0]} ... {loads[-1]}")
     rows = []
     for seq in a.seq:
         o = out[seq]
@@ -425,17 +452,23 @@ def main(argv=None) -> None:
     if a.worker:
         bare_worker(a)
         return
+    if a.part != "overhead" and {"hf", "hf_ds"} & set(a.configs):
+        C.require("accelerate", "the HF Trainer (configurations hf, hf_ds)")
     shards, hf_dir = prepare(a)
     warm_extensions(a)
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"runs in {work}; load average {C.load_average()}", flush=True)
+    done = False
     try:
         e2e = part_e2e(a, shards, hf_dir, work) if a.part in ("all", "e2e") else {}
         over = part_overhead(a, shards, work) if a.part in ("all", "overhead") else {}
-    finally:
-        if not a.keep and a.work is None:
+        done = True
+    finally:  # a failed run's logs stay (its error message names them)
+        if done and not a.keep and a.work is None:
             shutil.rmtree(work, ignore_errors=True)
+        elif not done:
+            print(f"bench: the run directories are kept in {work}", file=sys.stderr, flush=True)
     extra = {"load_average_end": C.load_average(), "steps": a.steps, "skip": a.skip, "rounds": a.rounds,
              "dropout": a.dropout}
     if over:

@@ -2,13 +2,17 @@
 
     python bench/gpu_check.py [backends] [--device cuda]   # rotary backends equal at the model level
     python bench/gpu_check.py train-report RUN_DIR         # figures of a finished roformer-train run
+    python bench/gpu_check.py --tiny                       # backends on CPU, hidden 16, 12 tokens (any machine)
 
 ``backends``: the whole model (2 layers, rotary on q, k and v) with every rotary backend available on
 the device (reference, compiled, triton, flash_attn, apex) against the reference backend, for softmax
 and linear attention, in fp32 (logits, loss and gradients: equal to rounding) and bf16 (loss and a
 relative gradient difference: the two roundings differ). Exits 1 if a backend is off. Without a GPU
 (``--device cpu``, the default there) it runs the same checks, small, with Triton under its
-interpreter (this process sets TRITON_INTERPRET=1 for itself): the dry run the tests do.
+interpreter (this process sets TRITON_INTERPRET=1 for itself): the dry run the tests do; ``--tiny`` is
+that dry run at the smallest sizes, on CPU even where there is a GPU. The compiled backend starts each
+model run from a fresh ``torch._dynamo`` cache: the dtypes, attentions and train / eval passes of one
+check would otherwise pass torch.compile's recompile limit, after which it silently runs eagerly.
 
 ``train-report``: reads ``metrics.jsonl`` and TensorBoard of a run (e.g. the bf16 ZeRO-2 NCCL run of
 gpu_check.sh), checks that every step has a finite loss and none was skipped, and prints tokens/s.
@@ -35,7 +39,7 @@ BF16_GRAD_REL_TOL = 2e-2
 
 def available_backends(device: str, wanted: str = "") -> list[str]:
     """The non-reference backends that can run on ``device`` (optionally only those in ``wanted``)."""
-    from roformer_dist import rotary as R
+    from roformer_dist.nn import rotary as R
 
     names = ["compiled"]
     if R.triton_available() and (device.startswith("cuda") or R.triton_interpreted()):
@@ -48,8 +52,10 @@ def available_backends(device: str, wanted: str = "") -> list[str]:
 
 
 def _model_run(cfg, backend: str, device: str, dtype, ids, mask, labels):
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
+    if backend == "compiled":  # compile this run's kernels (see the module docstring: the recompile limit)
+        torch._dynamo.reset()
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(dataclasses.replace(cfg, rotary_backend=backend)).to(device, dtype)
     out = model(ids, mask, labels=labels)
@@ -65,7 +71,7 @@ def check_backends(a) -> int:
     from roformer_dist.config import ModelConfig
 
     small = a.device == "cpu"
-    hidden, seq, batch = (32, 24, 2) if small else (256, 512, 4)
+    hidden, seq, batch = (16, 12, 2) if a.tiny else (32, 24, 2) if small else (256, 512, 4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 1000, (batch, seq), generator=g).to(a.device)
     labels = torch.where(torch.rand(batch, seq, generator=g).to(a.device) < 0.15, ids, -100)
@@ -98,7 +104,7 @@ def check_backends(a) -> int:
 
 
 def train_report(a) -> int:
-    from roformer_dist.metrics import read_scalars
+    from roformer_dist.train.metrics import read_scalars
 
     run = Path(a.run_dir)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -124,6 +130,7 @@ def parse_args(argv=None):
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--dtypes", default="fp32,bf16")
     b.add_argument("--backends", default="", help="comma list to check (default: every one available)")
+    C.tiny_defaults(b, argv, device="cpu")
     t = sub.add_parser("train-report", help="figures of a finished roformer-train run")
     t.add_argument("run_dir")
     t.add_argument("--name", default="gpu_train", help="the JSON line's bench name")

@@ -95,7 +95,7 @@ fi
 RANKS=$(( NGPU >= 2 ? 2 : 1 ))
 TRAIN_RUN="$OUT/train_bf16_zero2"
 rm -rf "$TRAIN_RUN"
-run_step train_bf16_zero2 "$PY" -m roformer_dist.train_cli --config configs/experiments/debug.yaml \
+run_step train_bf16_zero2 "$PY" -m roformer_dist.cli.train --config configs/experiments/debug.yaml \
   run_dir="$TRAIN_RUN" data.shards="$DATA/train" data.eval_shards="$DATA/eval" dist.world_size=$RANKS dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
   trainer.stop_at_step=8 trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0
 run_step train_report "$PY" bench/gpu_check.py train-report "$TRAIN_RUN" --name gpu_train_bf16_zero2_nccl

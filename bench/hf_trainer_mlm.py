@@ -3,8 +3,12 @@ the HF ``Trainer``, written the way its users write it, and launched the way the
 
     torchrun --nproc_per_node 2 bench/hf_trainer_mlm.py --data DIR --model MODEL_DIR --seq 128 \
         --micro-batch 16 --steps 24 [--deepspeed ZERO2.json] --out times.json
+    python bench/hf_trainer_mlm.py --tiny     # builds tiny inputs, runs the above on 2 ranks, prints --out
 
-Nothing of roformer-dist is imported here: the inputs are files that ``bench/e2e.py`` writes:
+Nothing of roformer-dist is imported here (``--tiny`` aside: it builds its inputs with ``bench/e2e.py``'s
+own code at e2e's tiny sizes, in a temporary directory, then starts this script under torchrun without
+``--tiny``). Needs ``accelerate`` besides ``transformers`` (the Trainer's dependency). The inputs are
+files that ``bench/e2e.py`` writes:
 
     DIR/packed_<seq>.npy      int64 [N, seq]: the shard set's documents packed by our loader into
                               ``[CLS] ... [SEP]`` sequences of ``seq`` tokens (unmasked; 0 = [PAD])
@@ -46,11 +50,14 @@ import argparse
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 START = time.time()
 
+import _common as C  # noqa: E402  (bench helpers only: the --tiny flag)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import (AutoTokenizer, DataCollatorForLanguageModeling, RoFormerConfig,  # noqa: E402
@@ -83,23 +90,48 @@ class StepTimes(TrainerCallback):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="directory written by bench/e2e.py")
-    p.add_argument("--model", type=Path, required=True, help="directory with the RoFormerConfig (config.json)")
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--micro-batch", type=int, required=True, help="sequences per rank per forward")
+    need = not C.tiny_requested(argv)  # --tiny makes its own inputs
+    p.add_argument("--data", type=Path, required=need, help="directory written by bench/e2e.py")
+    p.add_argument("--model", type=Path, required=need, help="directory with the RoFormerConfig (config.json)")
+    p.add_argument("--seq", type=int, required=need)
+    p.add_argument("--micro-batch", type=int, required=need, help="sequences per rank per forward")
     p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--steps", type=int, required=need, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (HF's integration)")
-    p.add_argument("--out", type=Path, required=True, help="JSON with the step times (rank 0)")
+    p.add_argument("--out", type=Path, required=need, help="JSON with the step times (rank 0)")
     p.add_argument("--output-dir", type=Path, default=None, help="the Trainer's output_dir (default: next to --out)")
+    C.tiny_defaults(p, argv)
     return p.parse_args(argv)
+
+
+def tiny() -> None:
+    """--tiny: e2e's inputs at e2e's tiny sizes (its own functions), this script on 2 ranks under torchrun
+    (as e2e starts it), then the JSON it wrote."""
+    import e2e  # bench/, this script's directory, is on sys.path
+
+    C.require("accelerate", "the HF Trainer")
+    work = C.tiny_dir()
+    ea = e2e.parse_args(["--tiny", "--part", "e2e", "--data", str(work / "data")])
+    shards, hf_dir = e2e.prepare(ea)
+    model_dir = e2e.hf_model_dir(ea, work, e2e.vocab_size(shards))
+    seq, out = ea.seq[0], work / "times.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ea.ranks),
+           str(Path(__file__).resolve()), "--data", str(hf_dir), "--model", str(model_dir), "--seq", str(seq),
+           "--micro-batch", str(ea.batch[seq] // ea.ranks), "--steps", str(ea.steps), "--warmup", str(ea.warmup),
+           "--out", str(out)]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=C.child_env())
+    print(out.read_text().strip())
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.tiny:
+        tiny()
+        return
     tokenizer = AutoTokenizer.from_pretrained(str(a.data / "tokenizer"))
     dataset = PackedSequences(np.load(a.data / f"packed_{a.seq}.npy"), tokenizer.pad_token_id)
     config = RoFormerConfig.from_pretrained(str(a.model))
@@ -123,6 +155,11 @@ def main(argv=None) -> None:
                "world_size": args.world_size, "optim": str(args.optim), "deepspeed": bool(a.deepspeed),
                "threads": torch.get_num_threads(), "pid": os.getpid()}
         a.out.write_text(json.dumps(out) + "\n")
+    # a rank that exits with its gloo group alive can abort at exit ("terminate called without an active
+    # exception", SIGABRT: seen with --deepspeed), failing the launch after the work is done
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ step the peak-RSS mark is reset and the figure is the peak during one step minus
 On CUDA: ``torch.cuda.max_memory_allocated``. Growth per doubling of S: (t2 / t1) ^ (1 / log2(S2 / S1)).
 
 Part 2, a short MLM pretraining run per variant on the demo data (People's Daily 1998; the shards are
-built with ``roformer-data prepare`` into data/demo when missing, as ``make demo`` does): the `small`
+built into data/demo when missing, by the demo's own data step, as ``make demo`` does): the `small`
 model, one stage at 512 tokens, the same seed, data and steps; eval loss and accuracy on the held-out
 shards. Variants: softmax + RoPE, linear + RoPE, linear without RoPE (position_embedding=absolute).
 
     python bench/linear_attention.py                        # both parts, CPU (~40 min on 2 busy cores)
     python bench/linear_attention.py --skip-mlm             # part 1 only (~10 min)
     python bench/linear_attention.py --device cuda --batch 8 --skip-mlm
+    python bench/linear_attention.py --tiny                 # both parts in about a minute: hidden 64, S in 256, 512;
+                                                            # 2 MLM steps of the debug model on tiny shards (temp dir)
 
 Ends with one JSON line: ratio = softmax / linear peak memory at the longest S.
 """
@@ -46,7 +48,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 import torch
 
 from roformer_dist.config import ModelConfig
-from roformer_dist.model import RoFormerSelfAttention, rotary_cache
+from roformer_dist.nn.model import RoFormerSelfAttention, rotary_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {  # name -> (model.attention, attention dropout)
@@ -78,9 +80,14 @@ def parse_args(argv=None):
     p.add_argument("--mlm-steps", type=int, default=120)
     p.add_argument("--mlm-batch", type=int, default=8)
     p.add_argument("--mlm-seq", type=int, default=512)
+    p.add_argument("--mlm-model", default="small", help="model preset of part 2 (configs/model/)")
+    p.add_argument("--mlm-eval-batches", type=int, default=16)
     p.add_argument("--data", default=str(ROOT / "data" / "demo"), help="shard sets <data>/train and <data>/eval")
     p.add_argument("--run-root", default=str(ROOT / "runs" / "bench_linear_attention"))
     p.add_argument("--memory-worker", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)
+    C.tiny_defaults(p, argv, hidden=64, heads=2, seqs="256,512", repeats=1, mlm_steps=2, mlm_batch=2, mlm_seq=64,
+                    mlm_model="debug", mlm_eval_batches=2, data=lambda: str(C.tiny_dir() / "data"),
+                    run_root=lambda: str(C.tiny_dir() / "runs"))
     return p.parse_args(argv)
 
 
@@ -167,30 +174,37 @@ def layers_part(a) -> dict:
 # --------------------------------------------------------------------------- part 2: MLM runs
 
 
-def ensure_shards(data: Path) -> None:
+def ensure_shards(data: Path, tiny: bool = False) -> None:
+    """``data``/train and ``data``/eval, built when missing: by the demo's data step with the demo's own
+    settings (so that ``make demo`` reuses data/demo rather than refusing another recipe), or with --tiny
+    from a few hundred lines (_common.tiny_shards)."""
     if (data / "train" / "manifest.json").exists() and (data / "eval" / "manifest.json").exists():
         return
-    from roformer_dist.demo import prepare
+    if tiny:
+        C.tiny_shards(data)
+        return
+    from roformer_dist.cli.demo import DEMO_CONFIG, prepare
+    from roformer_dist.config import load_config
 
-    print(f"building the demo shards in {data} (roformer-data prepare; a few minutes)", flush=True)
-    prepare(data, 8000)
+    print(f"building the demo shards in {data} (the demo's data step; a few minutes)", flush=True)
+    prepare(load_config(DEMO_CONFIG, [f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}"]))
 
 
 def mlm_part(a) -> dict:
-    from roformer_dist.metrics import read_scalars
+    from roformer_dist.train.metrics import read_scalars
 
     data = Path(a.data)
-    ensure_shards(data)
+    ensure_shards(data, a.tiny)
     stage = (f"curriculum.stages=[{{name: s{a.mlm_seq}, seq_len: {a.mlm_seq}, global_batch_size: {a.mlm_batch}, "
              f"steps: {a.mlm_steps}, micro_batch_size: {a.mlm_batch}, eval_lengths: [{a.mlm_seq}]}}]")
-    common = [f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}", "model=small", stage,
+    common = [f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}", f"model={a.mlm_model}", stage,
               "dist.world_size=1", "deepspeed.zero_stage=0", "trainer.save_every=0", "trainer.eval_every=0",
-              "trainer.log_every=25", "data.eval_batches=16", "optim.lr=1e-3", "optim.warmup_steps=15",
-              "optim.min_lr_ratio=0.1", "checkpoint.resume=false", "logging.tensorboard=true"]
+              "trainer.log_every=25", f"data.eval_batches={a.mlm_eval_batches}", "optim.lr=1e-3",
+              "optim.warmup_steps=15", "optim.min_lr_ratio=0.1", "checkpoint.resume=false", "logging.tensorboard=true"]
     results = {}
     for name, overrides in MLM_VARIANTS.items():
         run_dir = Path(a.run_root) / name.replace(" ", "").replace(",", "_").replace("+", "_")
-        cmd = [sys.executable, "-m", "roformer_dist.train_cli", "--config",
+        cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config",
                str(ROOT / "configs" / "experiments" / "demo.yaml"), *common, f"run_dir={run_dir}", *overrides]
         print(f"MLM run {name}: {a.mlm_steps} steps x {a.mlm_batch} x {a.mlm_seq} tokens -> {run_dir}", flush=True)
         t0 = time.monotonic()
@@ -201,7 +215,7 @@ def mlm_part(a) -> dict:
         scalars = read_scalars(run_dir / "tb")
         results[name] = {"eval_loss": scalars["eval/loss"][-1][1], "eval_acc": scalars["eval/mlm_acc"][-1][1],
                          "train_loss": scalars["train/loss"][-1][1], "minutes": (time.monotonic() - t0) / 60}
-    print(f"\nMLM pretraining on People's Daily 1998: model small (hidden 256, 4 layers), {a.mlm_steps} steps of "
+    print(f"\nMLM pretraining on People's Daily 1998: model {a.mlm_model}, {a.mlm_steps} steps of "
           f"{a.mlm_batch} x {a.mlm_seq} tokens, 1 rank, same seed and data; eval on held-out shards")
     C.print_table(["variant", "eval loss", "eval MLM acc", "last train loss", "minutes"],
                   [[n, r["eval_loss"], r["eval_acc"], r["train_loss"], r["minutes"]] for n, r in results.items()])

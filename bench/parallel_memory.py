@@ -1,7 +1,7 @@
 """Per-rank parameter bytes with tensor parallelism 2 vs 1, and the step time of each 4-rank layout.
 
 Every layout runs on its own group of 4 gloo processes (CPU), built by
-``roformer_dist.parallel.build_parallel_engine`` from the same initial model, and trains ``--steps``
+``roformer_dist.parallel.runner.build_parallel_engine`` from the same initial model, and trains ``--steps``
 real steps (ZeRO-1, fp32, random MLM batches, the same global batch in every layout).
 
     params/rank   bytes of the parameters this rank's engine holds (unique storages of
@@ -14,6 +14,8 @@ On this machine 4 ranks share 2 cores, so step times compare layouts only roughl
 
     python bench/parallel_memory.py
     python bench/parallel_memory.py --layouts 1x1 2x1 --steps 3
+    python bench/parallel_memory.py --tiny              # 2 ranks, layouts 1x1 2x1 1x2, the debug model (hidden 64),
+                                                        # vocab 512, seq 32, 2 steps
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 
 import torch  # noqa: E402
+
+from roformer_dist.testing import run_distributed  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    C.tiny_defaults(p, argv, model="debug", vocab=512, seq=32, global_batch=8, micro_batch=2, steps=2, ranks=2,
+                    layouts=["1x1", "2x1", "1x2"])
     return p.parse_args(argv)
 
 
@@ -70,8 +76,8 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 
 def run_layout(rank: int, world_size: int, a, tensor: int, pipeline: int) -> dict:
-    from roformer_dist.model import RoFormerForMaskedLM
-    from roformer_dist.parallel import build_parallel_engine
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.parallel.runner import build_parallel_engine
 
     C.init_rank(a.threads)
     cfg = make_config(a, tensor, pipeline)
@@ -87,7 +93,7 @@ def run_layout(rank: int, world_size: int, a, tensor: int, pipeline: int) -> dic
         t0 = time.perf_counter()
         out = runner.train_step(it)
         times.append(time.perf_counter() - t0)
-        losses.append(out["loss"])
+        losses.append(out.loss)
     return {"param_bytes": param_bytes(engine.module), "full_bytes": full_bytes,
             "step_s": statistics.median(times[a.warmup:] or times), "losses": losses}
 
@@ -97,7 +103,7 @@ def main(argv=None) -> None:
     results = {}
     for layout in a.layouts:
         t, p = (int(x) for x in layout.split("x"))
-        per_rank = C.run_distributed(run_layout, world_size=a.ranks, args=(a, t, p), timeout=900)
+        per_rank = run_distributed(run_layout, world_size=a.ranks, args=(a, t, p), timeout=900)
         results[layout] = per_rank
         print(f"tensor {t} x pipeline {p} x data {a.ranks // (t * p)}: "
               f"{max(r['param_bytes'] for r in per_rank) / 2**20:.2f} MiB params/rank, "

@@ -8,7 +8,7 @@ S_j = sum_{k<j} e^{i (m-n) theta_k}; the paper plots the *relative upper bound*
 
 which shrinks as the relative distance grows: attention between far-apart tokens is damped, the
 property the curriculum's long stages rely on. This script computes B from
-``roformer_dist.rotary.rotary_tables`` (the tables the model uses: cos/sin of r * theta_i), writes
+``roformer_dist.nn.rotary.rotary_tables`` (the tables the model uses: cos/sin of r * theta_i), writes
 ``rope_decay.csv`` (distance, one column per head size) and ``rope_decay.png``, and says for each head
 size whether B decays over 0..max distance and where the decay stops. B oscillates, so both are read
 off B smoothed over a moving window of ``--window`` positions: the distance from which the smoothed
@@ -17,6 +17,7 @@ minimum (after it the curve rises again, unless the minimum is at the end of the
 
     python bench/rope_decay.py                          # head sizes 64 (all our presets but debug) and 128
     python bench/rope_decay.py --head-dims 16 64 128 --max-distance 4096 --out runs/rope_decay
+    python bench/rope_decay.py --tiny                   # head sizes 8 and 16 to distance 128, in a temporary directory
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from roformer_dist.rotary import rotary_tables  # noqa: E402
+import _common as C  # noqa: E402
+
+from roformer_dist.nn.rotary import rotary_tables  # noqa: E402
 
 
 def relative_upper_bound(head_dim: int, max_distance: int, base: float = 10000.0) -> np.ndarray:
@@ -99,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=64, help="moving-average window for 'where it stops decaying'")
     p.add_argument("--base", type=float, default=10000.0, help="rotary base (theta_i = base^(-2i/d))")
     p.add_argument("--out", default="runs/rope_decay", help="directory for rope_decay.csv and rope_decay.png")
+    C.tiny_defaults(p, argv, head_dims=[8, 16], max_distance=128, window=16, out=C.tiny_dir)
     args = p.parse_args(argv)
     for d in args.head_dims:
         if d < 2 or d % 2:

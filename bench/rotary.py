@@ -12,6 +12,7 @@ backward) / time: the figure to compare with the device's memory bandwidth.
 
     python bench/rotary.py                         # CPU, 2 threads
     python bench/rotary.py --device cuda --backends reference,compiled,triton,flash_attn
+    python bench/rotary.py --tiny                  # B=1, H=2, D=16, S in {32, 64}: the same table in seconds
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 import torch
 
-from roformer_dist.rotary import RotaryCache, apply_rotary, rotary_bytes
+from roformer_dist.nn.rotary import RotaryCache, apply_rotary, rotary_bytes
 
 
 def parse_args(argv=None):
@@ -38,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="reference,compiled",
                    help="comma list of ours to time (auto, reference, compiled, triton, apex, flash_attn)")
     p.add_argument("--repeats", type=int, default=7)
+    C.tiny_defaults(p, argv, batch=1, heads=2, head_dim=16, seqs="32,64", repeats=2)
     return p.parse_args(argv)
 
 

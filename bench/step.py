@@ -1,6 +1,6 @@
 """One MLM training step (forward, loss, backward): ours vs HF ``transformers.RoFormerForMaskedLM``.
 
-Same weights (ours converted with roformer_dist.hf.to_hf_model), same batch, same process for the
+Same weights (ours converted with roformer_dist.hf.convert.to_hf_model), same batch, same process for the
 timings (medians of interleaved repeats). With dropout 0 (the default here) both compute the same
 loss, which is checked, so the comparison is of the same math.
 
@@ -14,6 +14,7 @@ so they count). On CUDA: ``torch.cuda.max_memory_allocated`` over the step minus
     python bench/step.py --device cuda --dtype bf16 --seq 1536
     python bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 --batch 32 \
         --ours-only                               # tokens/s and MFU of the base preset
+    python bench/step.py --tiny               # B=2, S=32, hidden 32, 1 layer: the same table and checks in seconds
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 import torch
 
 from roformer_dist.config import ModelConfig
-from roformer_dist.model import RoFormerForMaskedLM
+from roformer_dist.nn.model import RoFormerForMaskedLM
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
 """Dense bf16 tensor-core peaks (TFLOP/s) by GPU name fragment, for MFU."""
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU (GPU)")
     p.add_argument("--memory-worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    C.tiny_defaults(p, argv, batch=2, seq=32, hidden=32, layers=1, heads=2, ffn=64, vocab=300, repeats=2, warmup=1)
     return p.parse_args(argv)
 
 
@@ -93,7 +95,7 @@ def build(a, which: str):
     torch.manual_seed(0)
     ours = RoFormerForMaskedLM(model_config(a))
     if which == "hf":
-        from roformer_dist.hf import to_hf_model
+        from roformer_dist.hf.convert import to_hf_model
 
         model = to_hf_model(ours)
     else:

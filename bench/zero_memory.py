@@ -1,7 +1,7 @@
 """Per-rank model-state memory (parameters + gradients + optimizer state) of ZeRO 0/1/2/3, and tokens/s.
 
 Each ZeRO stage runs on its own group of ``--ranks`` gloo processes (CPU), built exactly as the trainer
-builds it (``roformer_dist.engine.build_engine``), and trains ``--steps`` real steps on random MLM
+builds it (``roformer_dist.parallel.engine.build_engine``), and trains ``--steps`` real steps on random MLM
 batches. After the last backward (gradients live, optimizer state initialised, before the update)
 every rank measures the tensors its engine actually holds:
 
@@ -28,6 +28,8 @@ tokens/s per rank = micro-batch x seq_len x accumulation / median step time of t
 
     python bench/zero_memory.py                       # small model (hidden 256, 4 layers), vocab 8000, seq 128
     python bench/zero_memory.py --stages 0 3 --steps 4
+    python bench/zero_memory.py --tiny                # ZeRO 0 and 3 (the JSON line's pair), the debug model
+                                                      # (hidden 64), vocab 512, seq 32, 3 steps
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import time
 import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 
 import torch  # noqa: E402
+
+from roformer_dist.testing import run_distributed  # noqa: E402
 
 CATEGORIES = ("params", "grads", "optimizer")
 
@@ -68,6 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="training steps per stage (the first 2 are not timed)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    C.tiny_defaults(p, argv, model="debug", vocab=512, seq=32, micro_batch=2, steps=3, stages=[0, 3])
     return p.parse_args(argv)
 
 
@@ -166,8 +171,8 @@ def make_config(a, zero_stage: int):
 
 
 def run_stage(rank: int, world_size: int, a, zero_stage: int) -> dict:
-    from roformer_dist.engine import build_engine
-    from roformer_dist.model import RoFormerForMaskedLM
+    from roformer_dist.parallel.engine import build_engine
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     C.init_rank(a.threads)
     cfg = make_config(a, zero_stage)
@@ -200,7 +205,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     results = {}
     for stage in a.stages:
-        per_rank = C.run_distributed(run_stage, world_size=a.ranks, args=(a, stage), timeout=900)
+        per_rank = run_distributed(run_stage, world_size=a.ranks, args=(a, stage), timeout=900)
         results[stage] = per_rank
         r0 = per_rank[0]
         print(f"ZeRO-{stage}: rank0 {r0['mem']['total'] / 2**20:.2f} MiB, {r0['tokens_per_step'] / r0['step_s']:.0f} "

@@ -7,7 +7,8 @@
 Nothing is written over an existing shard set without ``--force``; a new set is built beside its
 final place and moved there only when complete, so a failure leaves nothing behind. Exit status:
 0 done, 2 usage (bad flags, an output that exists or cannot be written), 4 data error (unreadable
-or empty corpus, a damaged or inconsistent shard set, an unreachable URL); see :mod:`.errors`.
+or empty corpus, a damaged or inconsistent shard set, an unreachable URL), 74 the disk filled up
+while writing; see :mod:`.errors`.
 """
 
 from __future__ import annotations

@@ -202,12 +202,12 @@ def test_failed_export_leaves_nothing(trained, exported, tmp_path, capsys, peopl
 
     # a failure after the weights and the tokenizer are written (in the model card) leaves no trace,
     # and an existing export being replaced with --force is kept as it was
-    import roformer_dist.hf.model_card as card
+    import roformer_dist.hf.export as export
 
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(card, "render_model_card", broken)
+    monkeypatch.setattr(export, "render_model_card", broken)
     before = _tree(exported)
     with pytest.raises(OSError, match="disk full"):
         convert_main(["to-hf", "--checkpoint", str(trained), "--out", str(exported), "--force"])

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from data_pipeline.errors import DataError
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import write_shard_set
 from roformer_dist.testing import run_distributed
@@ -211,23 +212,15 @@ def test_deal_covers_every_document_once_and_balances_tokens():
     assert deal(0, 0, cases["even"], 4) != deal(0, 1, cases["even"], 4)
 
 
-def test_state_format_1_of_earlier_versions_resumes_exactly(small_shards):
-    """Format 1 (whole shards: a slot's ``shards`` list) is what earlier versions wrote in checkpoints."""
-    kw = dict(seq_len=64, micro_batch_size=2, num_workers=2, seed=8)
-    full = _take(ShardLoader(small_shards.dir, **kw), 30)
+def test_a_state_of_another_format_is_refused_naming_it(small_shards):
+    kw = dict(seq_len=64, micro_batch_size=2, num_workers=0, seed=8)
     ld = ShardLoader(small_shards.dir, **kw)
-    _take(ld, 17)
+    _take(ld, 3)
     state = ld.state_dict()
     assert state["format"] == 2
-    old = {**state, "format": 1, "slots": {}}
-    for g, s in state["slots"].items():
-        assert all(p[1] == 0 and p[3] == 0 for p in s["pieces"])          # whole shards
-        old["slots"][g] = {k: v for k, v in s.items() if k != "pieces"} | {"shards": [p[0] for p in s["pieces"]]}
-    resumed = ShardLoader(small_shards.dir, **kw)
-    resumed.load_state_dict(old)
-    assert _same(_take(resumed, 13), full[17:])
-    with pytest.raises(ValueError, match=r"field 'format': expected one of \(1, 2\), got 3"):
-        resumed.load_state_dict({**state, "format": 3})
+    for other in (1, 3):
+        with pytest.raises(DataError, match=rf"field 'format': expected 2, got {other}"):
+            ShardLoader(small_shards.dir, **kw).load_state_dict({**state, "format": other})
 
 
 def test_stage_switch_128_to_512_repacks_from_the_consumed_position(unique_set):

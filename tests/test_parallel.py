@@ -55,7 +55,7 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
     import deepspeed
 
     from roformer_dist.nn.model import RoFormerForMaskedLM
-    from roformer_dist.parallel import build_parallel_engine
+    from roformer_dist.parallel.runner import build_parallel_engine
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -128,7 +128,7 @@ def assert_close_traces(a, b, tol):
 def test_layout_rank_mapping_matches_deepspeed():
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from roformer_dist.parallel import Layout
+    from roformer_dist.parallel.topology import Layout
 
     lay = Layout(tensor=2, pipeline=3, data=2)
     topo = PipeModelDataParallelTopology(num_pp=3, num_mp=2, num_dp=2)
@@ -143,7 +143,7 @@ def test_layout_rank_mapping_matches_deepspeed():
 
 def test_check_layout_names_the_key():
     from roformer_dist.config import replace
-    from roformer_dist.parallel import check_layout
+    from roformer_dist.parallel.topology import check_layout
 
     cfg = make_cfg()
     with pytest.raises(ValueError, match="parallel.tensor"):
@@ -173,7 +173,8 @@ def test_shard_merge_roundtrip():
 
 def _tp_vs_unsharded(rank, world_size, attention="softmax"):
     from roformer_dist.nn.model import RoFormerForMaskedLM
-    from roformer_dist.parallel import Layout, ParallelDims, parallelize
+    from roformer_dist.parallel.tensor import parallelize
+    from roformer_dist.parallel.topology import Layout, ParallelDims
     from roformer_dist.parallel.tensor import shard_tensor
 
     torch.set_num_threads(1)
@@ -231,7 +232,8 @@ def test_tensor2_x_pipeline2_matches_one_process_resumes_and_consolidates(refere
     """4 ranks as tensor 2 x pipeline 2: the 1-process trace; stop after 3 steps + resume in fresh
     processes continues it; the consolidated checkpoint gives the 1-process model's logits."""
     from roformer_dist.nn.model import RoFormerForMaskedLM
-    from roformer_dist.parallel import Layout, consolidate_state_dict
+    from roformer_dist.checkpoint.weights import consolidate_state_dict
+    from roformer_dist.parallel.topology import Layout
 
     ref_model, ref_losses = reference
     first = run_distributed(_train, world_size=4, args=((2, 2), 1, 3, tmp_path), timeout=300)

@@ -215,7 +215,6 @@ def test_step_stats_tensor_round_trip_and_sum_over_ranks():
     total = StepStats.from_tensor(a.to_tensor() + b.to_tensor())  # what all_reduce(SUM) does
     assert total.loss == pytest.approx(5.0 / 4) and total.mlm_acc == pytest.approx(0.25)
     assert total.num_tokens == 800 and total.num_samples == 16 and total.stop and not total.nonfinite
-    assert total["loss"] == total.loss  # the mapping access callers of earlier versions use
 
 
 def test_step_stats_nonfinite_and_reporting_share():
@@ -249,10 +248,11 @@ def test_trainer_state_round_trip_through_torch_save(tmp_path):
     assert back.step == 7 and back.trainer == state.trainer and back.rank == 1 and back.stage_index == 1
 
 
-def test_trainer_state_of_earlier_versions_still_reads():
+def test_trainer_state_without_its_format_is_refused_naming_it():
     old = _payload_dict()
-    del old["format"]  # what the first releases wrote
-    assert TrainerState.from_dict(old).format == 0
+    del old["format"]
+    with pytest.raises(CheckpointError, match="payload format None is not the one this version reads"):
+        TrainerState.from_dict(old, where="x/trainer_state_rank0.pt")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -177,10 +177,11 @@ CHECKPOINT_FORMS = ("a run directory, its checkpoints/ directory, or a checkpoin
 
 
 def resolve(path: str | os.PathLike) -> Found:
-    """The checkpoint a user names: the one resolver of training, ``to-hf``, ``roformer-eval`` and
-    fine-tuning. A run directory or a ``checkpoints/`` directory -> its newest complete checkpoint not
-    marked BAD (:func:`find_resume`; ``latest`` is only a hint); a step directory -> itself, refused when
-    it is incomplete or marked BAD. CheckpointError naming the path otherwise."""
+    """The checkpoint a user names, for ``to-hf``, ``roformer-eval`` and fine-tuning: the rule training
+    resumes by (:func:`candidates`, which :func:`choose_resume` also checks file by file). A run directory
+    or a ``checkpoints/`` directory -> its newest complete checkpoint not marked BAD (``latest`` is only a
+    hint); a step directory -> itself, refused when it is incomplete or marked BAD. CheckpointError
+    naming the path otherwise."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or run directory")

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "<run_dir>/checkpoints/<tag>/ (any ZeRO stage or model-parallel layout; "
                                    "shards are consolidated), a weights file or a from-hf output directory.")
     t.add_argument("--checkpoint", required=True,
-                   help="<run_dir>/checkpoints/<tag>/ (or checkpoints/, or the run directory: its latest), "
+                   help="<run_dir>/checkpoints/<tag>/ (or checkpoints/, or the run directory: its newest complete "
+                        "checkpoint not marked BAD), "
                         "a weights file, or a from-hf output directory")
     t.add_argument("--out", required=True,
                    help="output directory (the HF repository); refused when not empty, unless --force")

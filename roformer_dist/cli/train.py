@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="roformer-train",
         description="Pretrain RoFormer on this machine: starts dist.world_size ranks (or runs as one rank when "
-                    "RANK/WORLD_SIZE are set by torchrun or SLURM). Resumes from <run_dir>/checkpoints/latest. "
+                    "RANK/WORLD_SIZE are set by torchrun or SLURM). Resumes from the newest complete checkpoint in <run_dir>/checkpoints. "
                     "SIGTERM, SIGUSR2 or Ctrl-C: save at the next step and exit 75; Ctrl-C twice: abort.",
         epilog="examples:\n  roformer-train --config configs/experiments/debug.yaml\n"
                "  roformer-train --config configs/experiments/demo.yaml deepspeed.zero_stage=3 trainer.stop_at_step=50\n"

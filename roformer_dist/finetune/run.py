@@ -17,7 +17,7 @@ HF cannot express, classifier.pt for roformer_dist.finetune.models.load_native_c
 three are replaced.
 
 Exit status: 0 done, 2 bad flags (ConfigError), 4 bad input files (DataError), 5 model or checkpoint
-missing or unreadable (CheckpointError).
+missing or unreadable (CheckpointError), 74 the output cannot be written (disk full, read-only).
 """
 
 from __future__ import annotations

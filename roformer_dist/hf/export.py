@@ -4,7 +4,7 @@ Layout of the directory it writes::
 
     config.json               transformers.RoFormerConfig (tokenizer_class: PreTrainedTokenizerFast)
     model.safetensors         RoFormerForMaskedLM weights (tied decoder, sinusoidal table included)
-    tokenizer.json            our normaliser + SentencePiece Unigram + [CLS]/[SEP] template (hf_tokenizer.py)
+    tokenizer.json            our normaliser + SentencePiece Unigram + [CLS]/[SEP] template (tokenizer.py)
     tokenizer_config.json     fast tokenizer class, special tokens, token type ids among the inputs
     special_tokens_map.json
     tokenizer.model           the SentencePiece model the shards were made with

@@ -113,7 +113,7 @@ def _tokenizer(result, info: dict) -> list[str]:
 
 
 def render_model_card(cfg, result, source, info: dict) -> str:
-    """README.md of an export (``result``: hf_export.ExportResult, ``source``: hf_export.ExportSource)."""
+    """README.md of an export (``result``: export.ExportResult, ``source``: export.ExportSource)."""
     name = result.out.name
     lines = ["---", "language: zh", "library_name: transformers", "pipeline_tag: fill-mask",
              "tags: [roformer, rotary-position-embedding, masked-lm, roformer-dist]", "---", "",

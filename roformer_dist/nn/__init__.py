@@ -5,7 +5,7 @@ the predicted positions only), ``attention.py`` (softmax through SDPA, and linea
 ``rotary.py`` (the one rotary convention, adjacent pairs (2i, 2i+1), its tables and every faster
 backend tested against the reference), ``rotary_triton.py`` (the Triton kernel).
 
-May import: torch, ``roformer_dist.config``, ``roformer_dist.errors`` and the data pipeline's
+May import: torch, ``roformer_dist.config`` and the data pipeline's
 ``IGNORE_INDEX`` (the labels' contract); optional kernels (triton,
 apex, flash-attn) lazily. Nothing of DeepSpeed, ``torch.distributed`` or the rest of the package.
 

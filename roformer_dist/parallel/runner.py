@@ -296,7 +296,7 @@ class ParallelRunner:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
 
-    # ------------------------------------------------------------------ checkpoints (files: checkpoint.py)
+    # ------------------------------------------------------------------ checkpoints (files: roformer_dist/checkpoint/store.py)
     def save_checkpoint(self, ckpt_root: str, tag: str) -> None:
         """This rank's DeepSpeed files of checkpoint ``tag`` (collective); DeepSpeed's ``latest`` is not written."""
         self.engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)

@@ -6,7 +6,8 @@ their launcher), ``runlock.py`` (one writer per run directory; stale locks detec
 ``free_port``, the checkpoint layer's collectives), ``faults.py`` (the fault hooks tests set through
 the environment).
 
-May import: ``roformer_dist.errors`` and the standard library, torch.distributed.
+May import: ``roformer_dist.errors``, ``data_pipeline.atomic`` (the lock record's atomic write), the
+standard library and torch.distributed.
 
 Start reading at ``stop.py``.
 """

@@ -1,0 +1,95 @@
+"""Every bench script runs end to end in its tiny mode (``--tiny``) and prints its result.
+
+One test per ``bench/*.py`` (``bench/_common.py``, the helpers, aside), found by a glob: a new bench is
+tested without an edit here, and so needs a ``--tiny`` mode (see bench/_common.py: ``tiny_defaults``)
+that ends with a JSON line ``{"bench": "<its file name>", ...}``. ``RESULTS`` names what each known
+bench prints instead or besides (its table header, its JSON line): output that a bench which parsed
+its flags and did nothing would not print. Each runs as ``python bench/NAME.py --tiny`` from the
+repository root, this checkout first on PYTHONPATH; none may write into the checkout's runs/ or data/
+(the tiny modes work in temporary directories).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.name != "_common.py")
+
+RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hold)
+    "ablation": ("ablation", "eval loss by length:"),
+    "ds_zero3_fp32_master": ("ds_zero3_fp32_master", "duplicated"),
+    "e2e": ("e2e", "roformer-train / bare step"),
+    "finetune_reviews": ("finetune_reviews", "labelled examples"),
+    "gpu_check": ("gpu_backend_equality", '"ok": true'),
+    "hf_tokenizer": ("hf_tokenizer", "identical %"),
+    "hf_trainer_mlm": (None, '"step_end": ['),  # the JSON it writes for bench/e2e.py: no "bench" key
+    "linear_attention": ("linear_attention", "eval MLM acc"),
+    "loader": ("loader", "tar read, webdataset"),
+    "parallel_memory": ("parallel_memory", "params MiB/rank"),
+    "rope_decay": ("rope_decay", "relative upper bound B(r)"),
+    "rotary": ("rotary", "fwd+bwd ms"),
+    "shards": ("shards", "MB/s/worker cpu"),
+    "step": ("step", "losses agree"),
+    "zero_memory": ("zero_memory", "total B/p"),
+}
+SLOW = {"ablation", "e2e", "linear_attention"}
+"""About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
+busy machine)."""
+NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate"}
+"""Packages beyond the core ones (the HF Trainer needs accelerate)."""
+TIMEOUT = 420
+
+CHECKOUT_OUTPUT = re.compile(r"(?<![\w./-])(?:runs|data)/|" + re.escape(str(ROOT / "runs")) + "|"
+                             + re.escape(str(ROOT / "data")))
+"""A path into the checkout's runs/ or data/ (relative or absolute), printed where a bench names its output."""
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a Python dict printed by a library (HF's log lines), not JSON
+                pass
+    return out
+
+
+def run_tiny(name: str) -> subprocess.CompletedProcess:
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+    return subprocess.run([sys.executable, f"bench/{name}.py", "--tiny"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in BENCHES])
+def test_bench_runs_in_tiny_mode(name):
+    if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+        pytest.skip(f"bench/{name}.py needs {NEEDS[name]!r}, which is not installed: pip install -e '.[dev]'")
+    r = run_tiny(name)
+    tail = f"\n--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"bench/{name}.py --tiny exited with status {r.returncode}{tail}"
+    bench, marker = RESULTS.get(name, (name, None))
+    lines = json_lines(r.stdout)
+    if bench is not None:
+        assert any(x.get("bench") == bench for x in lines), f'no JSON line {{"bench": "{bench}", ...}}{tail}'
+    else:
+        assert lines, f"no JSON line{tail}"
+    if marker is not None:
+        assert marker in r.stdout, f"{marker!r} not in the output{tail}"
+    found = CHECKOUT_OUTPUT.search(r.stdout)
+    assert found is None, f"the tiny run names a path in the checkout ({found.group(0)!r}){tail}"
+
+
+def test_every_bench_has_its_expected_result():
+    """RESULTS and SLOW name benches that exist (a renamed bench would otherwise lose its checks)."""
+    assert set(RESULTS) <= set(BENCHES) and SLOW <= set(BENCHES) and set(NEEDS) <= set(BENCHES)
