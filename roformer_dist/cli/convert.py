@@ -29,14 +29,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from roformer_dist.config import load_config
 from roformer_dist.errors import CheckpointError, ConfigError, DataError, run_command
 
 
 def _config_from_file(path: Optional[str]):
     if path is None:
         return None
-    from roformer_dist.config import load_config
-
     if not Path(path).is_file():
         raise ConfigError(f"--config {path}: config file not found")
     try:
