@@ -66,8 +66,6 @@ def _main(args) -> int:
     import torch  # heavy: not needed for a usage error
 
     from data_pipeline.atomic import atomic_write_text
-    from roformer_dist.checkpoint.store import read_trainer_state, resolve
-    from roformer_dist.config import from_dict
     from roformer_dist.train.length_report import evaluate_checkpoint, format_comparison, format_report
 
     if args.threads:
@@ -76,11 +74,7 @@ def _main(args) -> int:
         raise ConfigError(f"--batches: expected a positive integer, got {args.batches}")
     reports, names = [], []
     for path in args.checkpoints:
-        lengths = args.lengths
-        if not lengths:
-            last = from_dict(read_trainer_state(resolve(path).dir, 0).config).curriculum.stages[-1]
-            lengths = list(last.eval_lengths or (last.seq_len,))
-        rep = evaluate_checkpoint(path, lengths, eval_shards=args.eval_shards, shards=args.shards,
+        rep = evaluate_checkpoint(path, args.lengths, eval_shards=args.eval_shards, shards=args.shards,
                                   batches=args.batches, progress=True)
         reports.append(rep)
         names.append(_short_name(path))

@@ -86,15 +86,18 @@ def load_model(found: Found) -> RoFormerForMaskedLM:
     return model.eval()
 
 
-def evaluate_checkpoint(path: str | os.PathLike, lengths: Sequence[int], *, eval_shards: Optional[str] = None,
+def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]] = None, *, eval_shards: Optional[str] = None,
                         shards: Optional[str] = None, batches: Optional[int] = None,
                         progress: bool = False) -> Report:
     """Evaluate the checkpoint ``path`` names (:func:`~roformer_dist.checkpoint.store.resolve`) at
-    ``lengths``; see the module docstring."""
+    ``lengths`` (default: the eval lengths of the run's last stage); see the module docstring."""
     found = resolve(path)
     state = read_trainer_state(found.dir, 0)
     cfg = from_dict(state.config)
     trained = trained_max_len(cfg.curriculum.stages, found.step)
+    if not lengths:
+        last = cfg.curriculum.stages[-1]
+        lengths = list(last.eval_lengths or (last.seq_len,))
     changes = {}
     if shards:
         changes["data.shards"] = shards
