@@ -1,8 +1,9 @@
 """Atomic file writes: a reader sees the old file or the complete new one, never a part.
 
 Every writer goes through :func:`atomic_write`: the content goes to a hidden temporary file in the
-same directory, which is flushed and ``fsync``-ed, then renamed over the target with ``os.replace``
-(atomic on POSIX filesystems), and the directory is ``fsync``-ed so the rename survives a crash. On
+same directory (a name no one can guess, created with ``O_EXCL | O_NOFOLLOW``, so a file or symlink
+planted in its place is never written through), which is flushed and ``fsync``-ed, then renamed over
+the target with ``os.replace`` (atomic on POSIX filesystems), and the directory is ``fsync``-ed so the rename survives a crash. On
 any error the temporary file is removed and the target is left as it was.
 
 Whole directories (a shard set) go through :class:`StagedDir`: built beside their final place and
@@ -12,6 +13,7 @@ swapped in when complete.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -32,12 +34,25 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _create_temporary(path: Path) -> tuple[Path, int]:
+    """A new hidden file beside ``path`` with an unpredictable name, created exclusively and without
+    following a symlink. An OS error names ``path``."""
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """Call ``write(f)`` on a temporary binary file, then move it to ``path`` atomically."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp, fd = _create_temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

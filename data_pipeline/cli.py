@@ -37,6 +37,20 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
                    help="stop at the first invalid UTF-8 / JSON line instead of skipping and counting it")
     g.add_argument("--jieba", action="store_true",
                    help="jieba word pre-segmentation (WoBERT style; needs `pip install jieba`)")
+    g.add_argument("--max-line-bytes", type=_positive_int, default=None, metavar="N",
+                   help="longest input line (or blank-line separated document) read, in bytes (default 1048576, "
+                        "corpus.MAX_LINE_BYTES); longer ones are skipped, unread, and counted with a warning "
+                        "(--strict: an error)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _tokenizer_args(p: argparse.ArgumentParser, vocab_required: bool) -> None:
@@ -86,12 +100,18 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         "start of every input file)")
 
 
+def _line_limit(args) -> int:
+    from .corpus import MAX_LINE_BYTES
+
+    return args.max_line_bytes or MAX_LINE_BYTES
+
+
 def _texts(args):
     from .corpus import CorpusStats, read_documents
 
     stats = CorpusStats()
     return stats, (d.text for d in read_documents(args.input, args.format, args.doc_boundary, args.jsonl_field,
-                                                   args.strict, stats))
+                                                   args.strict, stats, max_line_bytes=_line_limit(args)))
 
 
 def _warn(stats) -> None:
@@ -130,7 +150,7 @@ def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True) -> dict:
                      max_docs_per_shard=args.max_docs_per_shard, fmt=args.format, doc_boundary=args.doc_boundary,
                      jsonl_field=args.jsonl_field, strict=args.strict, jieba=args.jieba,
                      progress=not args.no_progress, stats=stats, warn_corpus=warn_corpus,
-                     progress_desc=f"shards -> {args.out}")
+                     progress_desc=f"shards -> {args.out}", max_line_bytes=_line_limit(args))
     print(_summary(m, args.out))
     print(f"corpus: {stats.summary()}")
     return m
@@ -239,10 +259,17 @@ def _has_sbatch() -> bool:
 def cmd_inspect(args) -> int:
     import numpy as np
 
+    from dataclasses import replace
+
     from .manifest import read_manifest, read_tokenizer
     from .shards import CorruptShardError, load_shard, verify_shard_set
+    from .source import default_retry, set_default_retry
     from .tokenizer import Tokenizer
 
+    if args.url_timeout_s is not None:
+        if not args.url_timeout_s > 0:
+            raise UsageError(f"--url-timeout-s: expected a positive number of seconds, got {args.url_timeout_s}")
+        set_default_retry(replace(default_retry(), timeout_s=args.url_timeout_s))
     m = read_manifest(args.dir)
     print(f"shard set {args.dir}: format {m['format']}, {len(m['shards'])} shards, {m['num_docs']} documents, "
           f"{m['num_tokens']} tokens, vocab {m['vocab_size']} ({m['dtype']}), word marks: {m['wwm']}")
@@ -331,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="shard-set directory or URL prefix (http://, https://, pipe:, file:)")
     p.add_argument("--verify", action="store_true", help="re-hash and parse every shard, check the tokenizer")
     p.add_argument("--samples", type=int, default=3, help="decoded documents to show")
+    p.add_argument("--url-timeout-s", type=float, default=None, metavar="S",
+                   help="longest one read of a URL may take before it counts as failed (default 600; a stalled "
+                        "pipe: command is killed)")
     p.set_defaults(fn=cmd_inspect)
     return ap
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .atomic import atomic_write_bytes, atomic_write_text
-from .corpus import CorpusStats, InputRange, detect_format, expand_inputs, read_documents, splittable
+from .corpus import MAX_LINE_BYTES, CorpusStats, InputRange, detect_format, expand_inputs, read_documents, splittable
 from .errors import DataError
 from .manifest import MANIFEST, parse_manifest
 from .shards import write_manifest, write_shards
@@ -59,11 +59,13 @@ class Spec:
     workers: int = 1
     shard_size_mb: float = 64.0
     max_docs_per_shard: Optional[int] = None
+    max_line_bytes: int = MAX_LINE_BYTES
 
     @classmethod
     def from_args(cls, args) -> "Spec":
         return cls(tuple(args.input), args.format, args.doc_boundary, args.jsonl_field, args.strict, args.jieba,
-                   max(1, args.workers or 1), args.shard_size_mb, args.max_docs_per_shard)
+                   max(1, args.workers or 1), args.shard_size_mb, args.max_docs_per_shard,
+                   getattr(args, "max_line_bytes", None) or MAX_LINE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def sample_texts(spec: Spec, num_docs: int) -> tuple[CorpusStats, Iterator[str]]
     def texts():
         for f in files:
             for d in read_documents(f, spec.fmt, spec.doc_boundary, spec.jsonl_field, spec.strict, stats,
-                                    limit=per_file):
+                                    limit=per_file, max_line_bytes=spec.max_line_bytes):
                 yield d.text
 
     return stats, texts()
@@ -134,7 +136,7 @@ def _task_dir(staging: Path, index: int) -> Path:
 def read_progress(staging: Path, index: int) -> Optional[dict]:
     try:
         return json.loads((_task_dir(staging, index) / "progress.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -163,7 +165,7 @@ def run_task(spec: Spec, task: Task, staging: str) -> dict:
                      shard_size_mb=spec.shard_size_mb, max_docs_per_shard=spec.max_docs_per_shard, fmt=spec.fmt,
                      doc_boundary=spec.doc_boundary, jsonl_field=spec.jsonl_field, strict=spec.strict,
                      jieba=spec.jieba, progress=False, stats=stats, tokenizer_in_set=None, on_progress=progress,
-                     allow_empty=True)
+                     allow_empty=True, max_line_bytes=spec.max_line_bytes)
     progress(m["num_docs"], m["num_tokens"], m["text_bytes"], final=True)
     result = {"task": task.index, "manifest": {k: v for k, v in m.items() if not k.startswith("_")},
               "stats": stats.to_dict(), "seconds": time.time() - t0, "host": socket.gethostname(),
@@ -172,16 +174,40 @@ def run_task(spec: Spec, task: Task, staging: str) -> dict:
     return result
 
 
+def _read_result(staging: Path, t: Task) -> dict:
+    """Task ``t``'s ``result.json``, checked like a manifest before anything in it is trusted: its shard names
+    (``shard-NNNNNN.tar``: they are joined to the task's directory), counts, hashes and stats; DataError
+    naming the file otherwise."""
+    path = _task_dir(staging, t.index) / "result.json"
+    try:
+        r = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise DataError(f"task {t.index} did not finish ({path} missing): the shard set is not complete") from None
+    try:
+        if not isinstance(r, dict) or r.get("task") != t.index:
+            raise DataError(f"{path}: expected the result of task {t.index}, got "
+                            f"{r.get('task') if isinstance(r, dict) else type(r).__name__!r}")
+        m = r["manifest"]
+        if not isinstance(m, dict) or not isinstance(m.get("shards"), list) or not isinstance(m.get("text_bytes"), int):
+            raise DataError(f"{path}: field 'manifest': expected a task manifest with 'shards' and 'text_bytes'")
+        if m["shards"]:        # the task's tokenizer path is the staging one (absolute): checked by sha256 below
+            tok = m.get("tokenizer") if isinstance(m.get("tokenizer"), dict) else {}
+            parse_manifest(json.dumps({**m, "tokenizer": {"path": None, "sha256": tok.get("sha256")}}),
+                           f"{path}: field 'manifest'")
+        if not isinstance(r.get("seconds"), (int, float)) or isinstance(r["seconds"], bool):
+            raise DataError(f"{path}: field 'seconds': expected a number, got {r.get('seconds')!r}")
+        r["_stats"] = CorpusStats.from_dict(r["stats"])
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path}: not a task result ({type(e).__name__}: {e})") from None
+    return r
+
+
 def merge(staging: Path, tasks: list[Task]) -> dict:
     """One manifest over the tasks' shards (module docstring); DataError naming a task that is not done."""
     staging = Path(staging)
-    results = []
-    for t in tasks:
-        path = _task_dir(staging, t.index) / "result.json"
-        try:
-            results.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            raise DataError(f"task {t.index} did not finish ({path} missing): the shard set is not complete") from None
+    results = [_read_result(staging, t) for t in tasks]
     sha = sha256_file(staging / TOKENIZER)
     entries: list[dict] = []
     stats = CorpusStats()
@@ -189,20 +215,20 @@ def merge(staging: Path, tasks: list[Task]) -> dict:
     firsts = [r["manifest"] for r in results if r["manifest"]["shards"]]
     if not firsts:
         raise DataError(f"no documents to write: every task found its input empty or invalid "
-                        f"({sum(r['stats']['lines'] for r in results)} lines read)")
+                        f"({sum(r['_stats'].lines for r in results)} lines read)")
     ref = firsts[0]
-    for r in results:
+    for t, r in zip(tasks, results):
         m = r["manifest"]
-        stats.add_counts(CorpusStats.from_dict(r["stats"]))
+        stats.add_counts(r.pop("_stats"))
         text_bytes += m["text_bytes"]
         if m["shards"] and (m["tokenizer"]["sha256"] != sha or m["vocab_size"] != ref["vocab_size"]):
-            raise DataError(f"task {r['task']} was made with another tokenizer (sha256 "
-                            f"{m['tokenizer']['sha256'][:16]}..., the set's is {sha[:16]}...)")
+            raise DataError(f"task {t.index} was made with another tokenizer (sha256 "
+                            f"{str(m['tokenizer']['sha256'])[:16]}..., the set's is {sha[:16]}...)")
         for e in m["shards"]:
-            src = _task_dir(staging, r["task"]) / e["name"]
+            src = _task_dir(staging, t.index) / e["name"]          # a shard-NNNNNN.tar name (_read_result)
             name = f"shard-{len(entries):06d}.tar"
             if not src.is_file():
-                raise DataError(f"task {r['task']}: {src} is listed in its result but missing")
+                raise DataError(f"task {t.index}: {src} is listed in its result but missing")
             os.replace(src, staging / name)
             entries.append({**e, "name": name})
     manifest = {**{k: ref[k] for k in ("format", "vocab_size", "special_ids", "dtype", "wwm")},

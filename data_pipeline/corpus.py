@@ -27,7 +27,14 @@ Normalisation (:func:`normalize`), applied to every document, in this order:
 
 Lines that are not valid UTF-8 are skipped and counted (``strict=True``: a
 :class:`~data_pipeline.errors.DataError` naming the file and line instead); documents that are
-empty after normalisation are skipped and counted. :class:`CorpusStats` holds the counts and
+empty after normalisation are skipped and counted. A line is never read whole when it is longer
+than ``max_line_bytes`` (default ``MAX_LINE_BYTES``, 1 MiB, newline excluded; ``--max-line-bytes``):
+at most that many bytes of it are held in memory, the rest is read past in pieces, and the line
+is skipped and counted (``long_lines``) with a warning that always shows, or, with
+``strict=True``, is a DataError naming the file and line. So is a blank-line separated document
+whose lines add up to more. Such a line is most likely not text (a minified dump, a binary
+file, a missing newline conversion); when it is a real document, raise the limit. A JSON line
+nested too deeply for the parser counts as invalid JSON. :class:`CorpusStats` holds the counts and
 the warnings: a file that looks binary (NUL bytes, or more than 10% of its lines not UTF-8) and
 a corpus of which more than 1% of the lines were skipped. A file that cannot be read (a
 truncated or damaged ``.gz``, an I/O error) is a DataError naming it; :func:`check_inputs`
@@ -54,13 +61,17 @@ from .errors import DataError, UsageError
 __all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
            "splittable",
            "read_documents", "iter_records", "to_document", "to_documents", "normalize_batch",
-           "normalize_words_batch", "detect_format", "FORMATS"]
+           "normalize_words_batch", "detect_format", "FORMATS", "MAX_LINE_BYTES", "read_line"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
 BINARY_LINE_FRACTION = 0.10
 """A file with more than this share of lines that are not UTF-8 (or with NUL bytes) looks binary."""
 SKIPPED_WARN_FRACTION = 0.01
 """Warn when more than this share of all lines was skipped as invalid."""
+MAX_LINE_BYTES = 1 << 20
+"""The longest line (or blank-line separated document) read, in bytes without the newline; longer ones are
+skipped and counted (``strict``: a DataError). ``max_line_bytes`` / ``--max-line-bytes`` change it."""
+_SKIP_CHUNK = 1 << 20
 
 _WS = re.compile(r"\s+")
 _PD_DATE = re.compile(r"^\d{8}-\d{2}-\d{3}-\d{3}(/m)?$")
@@ -117,32 +128,55 @@ class CorpusStats:
     invalid_json_lines: int = 0
     lines: int = 0
     """Raw lines read (all files)."""
+    long_lines: int = 0
+    """Lines (and blank-line separated documents) skipped for being longer than ``max_line_bytes``."""
+    max_line_bytes: int = MAX_LINE_BYTES
+    """The limit they were over (for the warning)."""
     file_warnings: list = field(default_factory=list)
     """One message per file that looks binary."""
 
-    _COUNTS = ("files", "docs", "chars", "bytes", "invalid_utf8_lines", "empty_docs", "invalid_json_lines", "lines")
+    _COUNTS = ("files", "docs", "chars", "bytes", "invalid_utf8_lines", "empty_docs", "invalid_json_lines", "lines",
+               "long_lines")
 
     def add_counts(self, other: "CorpusStats") -> None:
         """Add another's counts and warnings (per-chunk or per-task stats into a total)."""
         for k in self._COUNTS:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.file_warnings += other.file_warnings
+        if other.long_lines:
+            self.max_line_bytes = other.max_line_bytes
 
     def to_dict(self) -> dict:
-        return {**{k: getattr(self, k) for k in self._COUNTS}, "file_warnings": list(self.file_warnings)}
+        return {**{k: getattr(self, k) for k in self._COUNTS}, "max_line_bytes": self.max_line_bytes,
+                "file_warnings": list(self.file_warnings)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CorpusStats":
-        return cls(**{k: d[k] for k in cls._COUNTS}, file_warnings=list(d.get("file_warnings", ())))
+        """The stats of :meth:`to_dict` (a count missing from an older file is 0); ValueError when a count is
+        not a non-negative integer or a warning not a string."""
+        counts = {k: d.get(k, 0) for k in (*cls._COUNTS, "max_line_bytes")}
+        counts["max_line_bytes"] = d.get("max_line_bytes", MAX_LINE_BYTES)
+        bad = [k for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+        warnings = d.get("file_warnings", [])
+        if bad or not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise ValueError(f"corpus stats: expected non-negative integer counts and string warnings "
+                             f"({', '.join(bad) or 'file_warnings'})")
+        return cls(**counts, file_warnings=list(warnings))
 
     def summary(self) -> str:
+        long = f", {self.long_lines} lines over {self.max_line_bytes} bytes" if self.long_lines else ""
         return (f"{self.files} files, {self.docs} documents, {self.chars} characters "
                 f"({self.bytes / 1e6:.1f} MB UTF-8); skipped: {self.invalid_utf8_lines} invalid UTF-8 lines, "
-                f"{self.empty_docs} empty documents, {self.invalid_json_lines} invalid JSON lines")
+                f"{self.empty_docs} empty documents, {self.invalid_json_lines} invalid JSON lines{long}")
 
     def warnings(self) -> list[str]:
-        """Binary-looking files, and the share of skipped lines when it is over SKIPPED_WARN_FRACTION."""
+        """Binary-looking files, lines skipped for their length (any), and the share of skipped lines when it
+        is over SKIPPED_WARN_FRACTION."""
         out = list(self.file_warnings)
+        if self.long_lines:
+            out.append(f"{self.long_lines} lines (or blank-line separated documents) longer than "
+                       f"{self.max_line_bytes} bytes were skipped, unread (--max-line-bytes raises the limit, "
+                       "--strict stops at the first)")
         skipped = self.invalid_utf8_lines + self.invalid_json_lines
         if self.lines and skipped > SKIPPED_WARN_FRACTION * self.lines:
             out.append(f"{skipped} of {self.lines} lines ({100 * skipped / self.lines:.1f}%) were skipped "
@@ -295,13 +329,37 @@ def _is_pd_line(line: str) -> bool:
     return tagged >= 0.9 * min(len(toks), 20)
 
 
+def read_line(f, limit: int) -> tuple[Optional[bytes], int]:
+    """(the next line of binary file ``f``, its size in bytes); (b"", 0) at the end. A line longer than
+    ``limit`` bytes (newline excluded) is read past in pieces, never held whole: (None, its size)."""
+    raw = f.readline(limit + 1)
+    if len(raw) <= limit or raw.endswith(b"\n"):
+        return raw, len(raw)
+    size = len(raw)
+    while True:
+        piece = f.readline(_SKIP_CHUNK)
+        size += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return None, size
+
+
+def _bounded_lines(f, limit: int) -> Iterator[bytes]:
+    """The lines of ``f`` of at most ``limit`` bytes (longer ones passed over unread)."""
+    while True:
+        raw, size = read_line(f, limit)
+        if not size:
+            return
+        if raw is not None:
+            yield raw
+
+
 def detect_format(path: Path) -> str:
     """txt | jsonl | pd, from the extension and (for text files) the first non-empty line."""
     if _base_suffix(path) in (".jsonl", ".json"):
         return "jsonl"
     try:
         with _open_binary(path) as f:
-            for raw in f:
+            for raw in _bounded_lines(f, MAX_LINE_BYTES):
                 try:
                     line = raw.decode("utf-8").strip()
                 except UnicodeDecodeError:
@@ -313,39 +371,50 @@ def detect_format(path: Path) -> str:
     return "txt"
 
 
-def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0,
-           end: Optional[int] = None) -> Iterator[tuple[str, str]]:
+def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Optional[int] = None,
+           max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
     """(where, line) of the valid UTF-8 lines of a file, or of the lines starting in [start, end);
-    ``where`` names the line for messages (``path:N``, or ``path: the line at byte B`` in a range)."""
-    lineno = invalid = nul = 0
+    ``where`` names the line for messages (``path:N``, or ``path: the line at byte B`` in a range).
+    Lines over ``max_line_bytes`` are skipped and counted, unread (``strict``: DataError)."""
+    lineno = invalid = nul = long = 0
+    stats.max_line_bytes = max_line_bytes
     try:
         with _open_binary(path) as f:
             pos = 0
             if start:
                 f.seek(start - 1)
-                pos = start - 1 + len(f.readline())       # the first line that starts at or after `start`
-            for lineno, raw in enumerate(f, start=1):
-                if end is not None and pos >= end:
-                    lineno -= 1
+                pos = start - 1 + read_line(f, max_line_bytes)[1]   # the first line that starts at or after `start`
+            while end is None or pos < end:
+                raw, size = read_line(f, max_line_bytes)
+                if not size:
                     break
-                line_start, pos = pos, pos + len(raw)
+                lineno += 1
+                line_start, pos = pos, pos + size
+                where = f"{path}:{lineno}" if not start else f"{path}: the line at byte {line_start}"
+                if raw is None:
+                    if strict:
+                        raise DataError(f"{where}: a line of {size} bytes (newline included), longer than the limit of "
+                                        f"{max_line_bytes} bytes (--max-line-bytes; without --strict such lines are "
+                                        "skipped)")
+                    long += 1
+                    continue
                 if b"\0" in raw:
                     nul += 1
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     if strict:
-                        where = f"{path}:{lineno}" if not start else f"{path}: the line at byte {line_start}"
                         raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start}); expected UTF-8 "
                                         f"text (without --strict such lines are skipped)") from None
                     invalid += 1
                     continue
-                yield (f"{path}:{lineno}" if not start else f"{path}: the line at byte {line_start}"), line
+                yield where, line
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"input {path}: cannot be read after line {lineno} ({_reason(e)})") from None
     finally:
         stats.lines += lineno
         stats.invalid_utf8_lines += invalid
+        stats.long_lines += long
         if lineno and (nul or invalid > BINARY_LINE_FRACTION * lineno):
             why = [f"{invalid} of {lineno} lines are not UTF-8"] if invalid else []
             why += [f"{nul} lines hold NUL bytes"] if nul else []
@@ -403,8 +472,10 @@ def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Opt
 
 
 def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-              strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
-    """Raw records ``(kind, text)`` of one file (or InputRange), kind ``text`` or ``pd``; not yet normalised."""
+              strict: bool = False, stats: Optional[CorpusStats] = None,
+              max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
+    """Raw records ``(kind, text)`` of one file (or InputRange), kind ``text`` or ``pd``; not yet normalised.
+    Lines (and blank-line separated documents) over ``max_line_bytes`` are skipped (module docstring)."""
     stats = stats if stats is not None else CorpusStats()
     start, end = 0, None
     if isinstance(path, InputRange):
@@ -413,51 +484,78 @@ def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "l
         raise UsageError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if doc_boundary not in ("line", "blank"):
         raise UsageError(f"doc_boundary: expected 'line' or 'blank', got {doc_boundary!r}")
+    if not isinstance(max_line_bytes, int) or max_line_bytes < 1:
+        raise UsageError(f"max_line_bytes: expected a positive number of bytes, got {max_line_bytes!r}")
     if fmt == "auto":
         fmt = detect_format(path)
     if end is not None and not splittable(path, fmt, doc_boundary):
         raise UsageError(f"input {path}: a byte range of a compressed file or of blank-line separated documents")
     stats.files += start == 0
+    lines = _lines(path, stats, strict, start, end, max_line_bytes)
     if fmt == "jsonl":
-        for where, line in _lines(path, stats, strict, start, end):
-            if not line.strip():
-                stats.empty_docs += 1
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                if strict:
-                    raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-                stats.invalid_json_lines += 1
-                continue
-            if not isinstance(obj, dict) or jsonl_field not in obj:
-                raise DataError(f"{where}: expected a JSON object with a string field "
-                                 f"{jsonl_field!r} (set --jsonl-field), got "
-                                 f"{'keys ' + str(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__}")
-            value = obj[jsonl_field]
-            if not isinstance(value, str):
-                raise DataError(f"{where}: field {jsonl_field!r} must be a string, got "
-                                 f"{type(value).__name__}")
-            yield ("text", value)
+        yield from _jsonl_records(lines, jsonl_field, strict, stats)
     elif fmt == "pd":
-        for _, line in _lines(path, stats, strict, start, end):
+        for _, line in lines:
             if not line.strip():
                 stats.empty_docs += 1
                 continue
             yield ("pd", line)
     elif doc_boundary == "line":
-        for _, line in _lines(path, stats, strict, start, end):
+        for _, line in lines:
             yield ("text", line)
-    else:  # blank-line separated documents
-        buf: list[str] = []
-        for _, line in _lines(path, stats, strict):
-            if line.strip():
+    else:
+        yield from _blank_separated(lines, strict, stats, max_line_bytes)
+
+
+def _jsonl_records(lines, jsonl_field: str, strict: bool, stats: CorpusStats) -> Iterator[tuple[str, str]]:
+    for where, line in lines:
+        if not line.strip():
+            stats.empty_docs += 1
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:       # also: nested too deeply, an integer of too many digits
+            if strict:
+                why = e.msg if isinstance(e, json.JSONDecodeError) else \
+                    "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                raise DataError(f"{where}: invalid JSON ({why})") from None
+            stats.invalid_json_lines += 1
+            continue
+        if not isinstance(obj, dict) or jsonl_field not in obj:
+            raise DataError(f"{where}: expected a JSON object with a string field "
+                            f"{jsonl_field!r} (set --jsonl-field), got "
+                            f"{'keys ' + str(sorted(obj)[:20]) if isinstance(obj, dict) else type(obj).__name__}")
+        value = obj[jsonl_field]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {jsonl_field!r} must be a string, got "
+                            f"{type(value).__name__}")
+        yield ("text", value)
+
+
+def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int) -> Iterator[tuple[str, str]]:
+    """Documents separated by blank lines; one whose lines add up to more than ``max_bytes`` is skipped and
+    counted in ``long_lines`` (``strict``: DataError naming its first line)."""
+    buf: list[str] = []
+    size, first, too_long = 0, "", False
+    for where, line in lines:
+        if line.strip():
+            if not buf and not too_long:
+                first = where
+            size += len(line.encode("utf-8", "surrogatepass"))
+            if size > max_bytes and not too_long:
+                if strict:
+                    raise DataError(f"{first}: a document (up to the next blank line) longer than the limit of "
+                                    f"{max_bytes} bytes (--max-line-bytes; without --strict it is skipped)")
+                too_long, buf = True, []
+                stats.long_lines += 1
+            if not too_long:
                 buf.append(line)
-            elif buf:
+        else:
+            if buf:
                 yield ("text", " ".join(buf))
-                buf = []
-        if buf:
-            yield ("text", " ".join(buf))
+            buf, size, too_long = [], 0, False
+    if buf:
+        yield ("text", " ".join(buf))
 
 
 def splittable(path: Path, fmt: str, doc_boundary: str) -> bool:
@@ -466,20 +564,21 @@ def splittable(path: Path, fmt: str, doc_boundary: str) -> bool:
 
 
 def iter_records(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-                 strict: bool = False, stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
+                 strict: bool = False, stats: Optional[CorpusStats] = None,
+                 max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
     """Raw records of all inputs in sorted file order; :func:`to_document` finishes them (in workers)."""
     stats = stats if stats is not None else CorpusStats()
     for path in expand_inputs(inputs):
-        yield from read_file(path, fmt, doc_boundary, jsonl_field, strict, stats)
+        yield from read_file(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes)
 
 
 def read_documents(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
                    strict: bool = False, stats: Optional[CorpusStats] = None,
-                   limit: Optional[int] = None) -> Iterator[Document]:
+                   limit: Optional[int] = None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Document]:
     """Normalised documents from files / directories / globs (see the module docstring)."""
     stats = stats if stats is not None else CorpusStats()
     n = 0
-    for record in iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats):
+    for record in iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
         doc = to_document(record, stats)
         if doc is None:
             continue

@@ -6,7 +6,10 @@ A chain of small stages (each a plain function or generator, testable on its own
                      (:mod:`.slots`: whole shards when they balance, else token-balanced ranges).
 ``ShardCache.load``  read + verify one shard (a directory or a URL, :mod:`.source`), its documents
                      shuffled by (seed, epoch, shard), a piece's range of them laid out as one
-                     stream ``d1 [SEP] d2 [SEP] ...`` (vectorised gather).
+                     stream ``d1 [SEP] d2 [SEP] ...`` (vectorised gather); a token id of the
+                     stream at or above the manifest's ``vocab_size`` makes the shard bad (one
+                     ``max`` over the stream), so no id reaches the masker or the embedding
+                     that the model does not have.
 ``slot_sequences``   pack a slot's stream into ``[CLS] ... [SEP]`` sequences of ``seq_len``,
                      crossing piece boundaries; documents longer than a sequence are split.
                      A sequence ends with the separator of a document when one falls on its
@@ -77,21 +80,25 @@ class ShardCache:
         self.source = source if isinstance(source, ShardSource) else ShardSource(source)
         self.m, self.seed = manifest, seed
         self.skip_bad, self.use_wwm, self.verify = skip_bad_shards, use_wwm and manifest["wwm"], verify_hash
-        self.sep = manifest["special_ids"]["sep"]
+        self.sep, self.vocab = manifest["special_ids"]["sep"], manifest["vocab_size"]
         self.shard_sizes = shard_sizes(manifest)
         self.bad: list[str] = []  # names skipped since the last drain (reported with the next batch)
 
     def load(self, piece: Piece, epoch: int) -> Optional[PieceStream]:
-        """The piece's stream; None when its shard is bad and skipping is on."""
+        """The piece's stream; None when its shard is bad (unreadable, damaged, or a token id of the piece at
+        or above ``vocab_size``) and skipping is on."""
         entry = self.m["shards"][piece.shard]
         try:
-            shard = load_shard(self.source, self.m, piece.shard, self.verify)
+            return self._stream(piece, epoch)
         except CorruptShardError as e:
             if not self.skip_bad:
                 raise CorruptShardError(f"{e} (set data.skip_bad_shards=true to skip bad shards)") from None
             log.warning("skipping bad shard: %s", e)
             self.bad.append(entry["name"])
             return None
+
+    def _stream(self, piece: Piece, epoch: int) -> PieceStream:
+        shard = load_shard(self.source, self.m, piece.shard, self.verify, check_ids=False)
         order = np.random.default_rng([self.seed, epoch, piece.shard, 0xD0C5]).permutation(shard.num_docs)
         order = order[piece.lo:piece.hi]
         lens = shard.lengths[order] + 1                   # +1: the [SEP] after each document
@@ -105,6 +112,11 @@ class ShardCache:
         idx[sep_pos] = 0
         tokens = shard.tokens[idx]
         tokens[sep_pos] = self.sep
+        top = int(tokens.max()) if total else -1           # one pass: an id past the embedding is bad data
+        if top >= self.vocab:
+            raise CorruptShardError(f"{self.source.child(self.m['shards'][piece.shard]['name'])}: token id {top} "
+                                    f"is not below the manifest's vocab_size {self.vocab}: the shard does not "
+                                    "belong to this set's tokenizer")
         marks = None
         if self.use_wwm and shard.marks is not None:
             midx = idx + np.repeat(shard.wwm_start[order] - src_start, lens)

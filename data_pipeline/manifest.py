@@ -3,20 +3,33 @@
 ``manifest.json`` (format 1) describes a shard set::
 
     format        1
-    tokenizer     {path: "tokenizer.model" (relative to the set) or null, sha256: hex or null}
-    vocab_size    pieces of the tokenizer (the model's embedding rows)
+    tokenizer     {path: "tokenizer.model" (a file of the set) or null, sha256: hex or null}
+    vocab_size    pieces of the tokenizer (the model's embedding rows), at most MAX_VOCAB_SIZE
     special_ids   {pad: 0, unk: 1, cls: 2, sep: 3, mask: 4}
     dtype         "uint16" (vocab_size <= 65536) or "uint32": the token ids in the shards
     wwm           true when the shards carry word-start marks (.wwm members)
     num_docs, num_tokens   totals over the shards
-    shards        [{name: shard-NNNNNN.tar, num_docs, num_tokens, sha256}, ...]
+    shards        [{name: shard-NNNNNN.tar, num_docs, num_tokens, sha256, bytes}, ...]
 
 A manifest is only written once every shard it lists is complete (atomically, last), and a set is
 only moved into place once its manifest exists (:class:`data_pipeline.atomic.StagedDir`).
 
+A manifest is untrusted input: what it names is joined to the set's location or put into its URL
+(a ``pipe:`` command), and what it counts sizes what is read. So ``shards[i].name`` must match
+``shard-NNNNNN.tar`` (ASCII digits, nothing after), ``tokenizer.path`` must be a plain file name
+inside the set (:func:`~data_pipeline.source.check_name`: no ``/``, ``..``, control characters; an
+older manifest with a relative or absolute path is refused, naming the field), and numbers are
+bounded: ``vocab_size`` at most ``MAX_VOCAB_SIZE`` (2**24), a shard's ``num_docs``,
+``num_tokens`` and ``bytes`` at most ``MAX_SHARD_BYTES`` (16 GiB). ``bytes`` (the shard file's
+size, written since this field exists; optional) bounds each read of a shard: a shard file
+with more is refused without reading past byte ``bytes + 1``; without it the bound is what the
+shard's documents can take in the tar format, twice over (:func:`shard_byte_limit`). The manifest
+itself is read up to ``MAX_MANIFEST_BYTES`` (256 MiB), the tokenizer up to
+``MAX_TOKENIZER_BYTES`` (256 MiB); JSON nested too deeply for the parser is a DataError.
+
 Checks, each raising :class:`~data_pipeline.errors.DataError` naming the file and field:
-:func:`read_manifest` (structure, types, totals), :func:`check_tokenizer` (the tokenizer file
-against the manifest: sha256, vocabulary size, special ids, dtype) and
+:func:`read_manifest` (structure, types, totals, names, bounds), :func:`check_tokenizer` (the
+tokenizer file against the manifest: sha256, vocabulary size, special ids, dtype) and
 :func:`check_training_data` (what the trainer runs before it builds a model: the training set,
 the eval set against it, the model's vocabulary size and the checkpoint's tokenizer).
 """
@@ -27,19 +40,28 @@ import hashlib
 import json
 import os
 import re
+import reprlib
 from pathlib import Path
 from typing import Optional
 
 from .errors import DataError, UsageError
-from .source import ShardSource, UrlError
+from .source import ShardSource, TooLargeError, UrlError, check_name, name_problem
+from .tario import MAX_SHARD_BYTES
 from .tokenizer import SPECIAL_IDS, SPECIAL_TOKENS, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "SHARD_NAME", "read_manifest", "parse_manifest", "tokenizer_path",
-           "read_tokenizer", "check_tokenizer", "check_training_data", "as_source", "dtype_for"]
+           "read_tokenizer", "check_tokenizer", "check_training_data", "as_source", "dtype_for", "shard_byte_limit",
+           "MAX_VOCAB_SIZE", "MAX_SHARD_BYTES", "MAX_MANIFEST_BYTES", "MAX_TOKENIZER_BYTES"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SHARD_NAME = re.compile(r"^shard-\d{6,}\.tar$")
+SHARD_NAME = re.compile(r"^shard-[0-9]{6,}\.tar\Z")
+MAX_VOCAB_SIZE = 1 << 24
+"""The largest ``vocab_size`` a manifest may state (the masker draws random tokens from 24 bits)."""
+MAX_MANIFEST_BYTES = 256 << 20
+"""The largest manifest read (about a million shards)."""
+MAX_TOKENIZER_BYTES = 256 << 20
+"""The largest tokenizer model read (SentencePiece models of a million pieces are about 20 MB)."""
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -51,8 +73,13 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 120
+_REPR.maxlevel = 3
+
+
 def _field_error(path, key: str, expected: str, got) -> DataError:
-    return DataError(f"{path}: field {key!r}: expected {expected}, got {got!r}")
+    return DataError(f"{path}: field {key!r}: expected {expected}, got {_REPR.repr(got)}")
 
 
 def read_manifest(location) -> dict:
@@ -66,7 +93,10 @@ def read_manifest(location) -> dict:
             raise DataError(f"{src}: not a shard set (no {MANIFEST}; make one with `roformer-data prepare` "
                             f"or `roformer-data shards`)")
     try:
-        raw = src.read(MANIFEST, "manifest")
+        raw = src.read(MANIFEST, "manifest", MAX_MANIFEST_BYTES)
+    except TooLargeError:
+        raise DataError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes (MAX_MANIFEST_BYTES): not a manifest") \
+            from None
     except UrlError as e:
         raise DataError(f"{src}: not a readable shard set ({e})") from None
     except OSError as e:
@@ -74,11 +104,46 @@ def read_manifest(location) -> dict:
     return parse_manifest(raw, where)
 
 
+def _count(value, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
+
+
+def _check_shard(path, i: int, s, names: set) -> None:
+    key = f"shards[{i}]"
+    if not isinstance(s, dict):
+        raise _field_error(path, key, "an object {name, num_docs, num_tokens, sha256}", s)
+    if not isinstance(s.get("name"), str) or not SHARD_NAME.match(s["name"]):
+        raise _field_error(path, f"{key}.name", "a file name like shard-000000.tar", s.get("name"))
+    if s["name"] in names:
+        raise _field_error(path, f"{key}.name", "a unique name", s["name"])
+    names.add(s["name"])
+    for k in ("num_docs", "num_tokens"):
+        if not _count(s.get(k), MAX_SHARD_BYTES):
+            raise _field_error(path, f"{key}.{k}", f"a non-negative integer (at most {MAX_SHARD_BYTES})", s.get(k))
+    if not isinstance(s.get("sha256"), str) or not _HEX64.match(s["sha256"]):
+        raise _field_error(path, f"{key}.sha256", "64 lowercase hex digits", s.get("sha256"))
+    if "bytes" in s and not _count(s["bytes"], MAX_SHARD_BYTES):
+        raise _field_error(path, f"{key}.bytes", f"the shard's size in bytes (at most {MAX_SHARD_BYTES})", s["bytes"])
+
+
+def _check_tokenizer_entry(path, tok: dict) -> None:
+    for k in ("path", "sha256"):
+        if k not in tok or not (tok[k] is None or isinstance(tok[k], str)):
+            raise _field_error(path, f"tokenizer.{k}", "a string (or null for a synthetic set)", tok.get(k))
+    if tok["path"] is not None and name_problem(tok["path"]) is not None:
+        raise DataError(f"{path}: field 'tokenizer.path': expected a plain file name inside the set (like "
+                        f"tokenizer.model), got {_REPR.repr(tok['path'])}: {name_problem(tok['path'])}")
+    if tok["sha256"] is not None and not _HEX64.match(tok["sha256"]):
+        raise _field_error(path, "tokenizer.sha256", "64 lowercase hex digits", tok["sha256"])
+
+
 def parse_manifest(raw: bytes | str, path) -> dict:
-    """Validate manifest JSON; DataError naming ``path`` and the field."""
+    """Validate manifest JSON (see the module docstring); DataError naming ``path`` and the field."""
     try:
         m = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise DataError(f"{path}: not a manifest (JSON nested too deeply)") from None
+    except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
         raise DataError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(m, dict):
         raise DataError(f"{path}: expected a JSON object, got {type(m).__name__}")
@@ -92,18 +157,13 @@ def parse_manifest(raw: bytes | str, path) -> dict:
 
     if req("format", int, f"format version {FORMAT_VERSION}") != FORMAT_VERSION:
         raise _field_error(path, "format", f"format version {FORMAT_VERSION}", m["format"])
-    tok = req("tokenizer", dict, "an object {path, sha256}")
-    for k in ("path", "sha256"):
-        if k not in tok or not (tok[k] is None or isinstance(tok[k], str)):
-            raise _field_error(path, f"tokenizer.{k}", "a string (or null for a synthetic set)", tok.get(k))
-    if tok["sha256"] is not None and not _HEX64.match(tok["sha256"]):
-        raise _field_error(path, "tokenizer.sha256", "64 lowercase hex digits", tok["sha256"])
+    _check_tokenizer_entry(path, req("tokenizer", dict, "an object {path, sha256}"))
     vocab = req("vocab_size", int, "a positive integer")
-    if vocab <= 0:
-        raise _field_error(path, "vocab_size", "a positive integer", vocab)
+    if not 0 < vocab <= MAX_VOCAB_SIZE:
+        raise _field_error(path, "vocab_size", f"a positive integer (at most {MAX_VOCAB_SIZE})", vocab)
     sp = req("special_ids", dict, "an object {pad, unk, cls, sep, mask}")
     for k in SPECIAL_IDS:
-        if not isinstance(sp.get(k), int) or not 0 <= sp[k] < vocab:
+        if not _count(sp.get(k), vocab - 1):
             raise _field_error(path, f"special_ids.{k}", f"an id in [0, {vocab})", sp.get(k))
     dtype = req("dtype", str, "'uint16' or 'uint32'")
     if dtype not in ("uint16", "uint32"):
@@ -116,21 +176,9 @@ def parse_manifest(raw: bytes | str, path) -> dict:
     shards = req("shards", list, "a non-empty list of shard entries")
     if not shards:
         raise _field_error(path, "shards", "a non-empty list of shard entries", shards)
-    names = set()
+    names: set = set()
     for i, s in enumerate(shards):
-        key = f"shards[{i}]"
-        if not isinstance(s, dict):
-            raise _field_error(path, key, "an object {name, num_docs, num_tokens, sha256}", s)
-        if not isinstance(s.get("name"), str) or not SHARD_NAME.match(s["name"]):
-            raise _field_error(path, f"{key}.name", "a file name like shard-000000.tar", s.get("name"))
-        if s["name"] in names:
-            raise _field_error(path, f"{key}.name", "a unique name", s["name"])
-        names.add(s["name"])
-        for k in ("num_docs", "num_tokens"):
-            if not isinstance(s.get(k), int) or isinstance(s.get(k), bool) or s[k] < 0:
-                raise _field_error(path, f"{key}.{k}", "a non-negative integer", s.get(k))
-        if not isinstance(s.get("sha256"), str) or not _HEX64.match(s["sha256"]):
-            raise _field_error(path, f"{key}.sha256", "64 lowercase hex digits", s.get("sha256"))
+        _check_shard(path, i, s, names)
     for k in ("num_docs", "num_tokens"):
         total = sum(s[k] for s in shards)
         if req(k, int, "a non-negative integer") != total:
@@ -138,13 +186,23 @@ def parse_manifest(raw: bytes | str, path) -> dict:
     return m
 
 
+def shard_byte_limit(entry: dict, itemsize: int) -> int:
+    """The most bytes a read of the shard of manifest ``entry`` takes: its ``bytes`` when the manifest has
+    them, else twice what its documents can take in the tar format (two members of a header and padding
+    each, ``itemsize + 1`` bytes a token, the end blocks) plus 1 MiB, at most MAX_SHARD_BYTES."""
+    if "bytes" in entry:
+        return int(entry["bytes"])
+    need = 2 * 1024 * entry["num_docs"] + (itemsize + 1) * entry["num_tokens"] + 11264
+    return min(MAX_SHARD_BYTES, 2 * need + (1 << 20))
+
+
 # --------------------------------------------------------------------------- the tokenizer of a set
 
 
 def tokenizer_path(shard_dir, manifest: dict) -> Optional[Path]:
-    """The tokenizer model of a local shard set (its manifest path is relative to the set, or absolute)."""
+    """The tokenizer model of a local shard set (a file of the set: ``parse_manifest`` checked the name)."""
     p = manifest["tokenizer"]["path"]
-    return None if p is None else (Path(str(shard_dir)) / p)
+    return None if p is None else Path(str(shard_dir)) / check_name(p, f"{shard_dir}: field 'tokenizer.path'")
 
 
 def read_tokenizer(location, manifest: dict) -> Optional[bytes]:
@@ -155,7 +213,10 @@ def read_tokenizer(location, manifest: dict) -> Optional[bytes]:
         return None
     where = f"{src.child(MANIFEST)}: field 'tokenizer.path'"
     try:
-        return src.read(rel, "tokenizer")
+        return src.read(rel, "tokenizer", MAX_TOKENIZER_BYTES)
+    except TooLargeError:
+        raise DataError(f"{where}: the tokenizer model {src.child(rel)} is larger than {MAX_TOKENIZER_BYTES} "
+                        "bytes (MAX_TOKENIZER_BYTES): not a SentencePiece model") from None
     except FileNotFoundError:
         raise DataError(f"{where}: the tokenizer model {src.child(rel)} is missing") from None
     except UrlError as e:

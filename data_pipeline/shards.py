@@ -25,12 +25,13 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
-from .corpus import CorpusStats, check_inputs, iter_records, to_documents
+from .corpus import MAX_LINE_BYTES, CorpusStats, check_inputs, iter_records, to_documents
 from .errors import DataError, UsageError
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
-                       tokenizer_path)
-from .source import UrlError
-from .tario import CorruptShardError, ShardData, ShardWriter, documents_blob, iter_tar_members, parse_shard
+                       shard_byte_limit, tokenizer_path)
+from .source import TooLargeError, UrlError, check_name, read_local_file
+from .tario import (MAX_SHARD_BYTES, CorruptShardError, ShardData, ShardWriter, documents_blob, iter_tar_members,
+                    parse_shard)
 from .tokenizer import SPECIAL_IDS, Tokenizer, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CorruptShardError", "ShardData", "read_manifest", "tokenizer_path",
@@ -39,34 +40,69 @@ __all__ = ["FORMAT_VERSION", "MANIFEST", "CorruptShardError", "ShardData", "read
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_IN_SET = "tokenizer.model"
+"""The name of a set's tokenizer model inside the set."""
+
 
 # --------------------------------------------------------------------------- reading
 
 
+def _limit(entry: Optional[dict], dtype) -> int:
+    return MAX_SHARD_BYTES if entry is None else shard_byte_limit(entry, np.dtype(dtype).itemsize)
+
+
+def _size_error(where: str, entry: dict, limit: int) -> CorruptShardError:
+    says = f"{entry['bytes']} bytes" if "bytes" in entry else f"at most {limit} bytes for its documents"
+    return CorruptShardError(f"{where}: the shard is larger than the manifest says ({says}); reading stopped "
+                             f"there")
+
+
+def _check_size(where: str, buf: bytes, entry: Optional[dict]) -> None:
+    if entry is not None and "bytes" in entry and len(buf) != entry["bytes"]:
+        raise CorruptShardError(f"{where}: truncated (the file has {len(buf)} bytes, the manifest says "
+                                f"{entry['bytes']})")
+
+
 def read_shard(path: str | os.PathLike, dtype: str | np.dtype, entry: Optional[dict] = None,
-               verify_hash: bool = True) -> ShardData:
-    """Load and index one local shard file (see :func:`~data_pipeline.tario.parse_shard`)."""
+               verify_hash: bool = True, vocab_size: Optional[int] = None) -> ShardData:
+    """Load and index one local shard file (see :func:`~data_pipeline.tario.parse_shard`); no more than the
+    manifest ``entry`` allows is read (:func:`~data_pipeline.manifest.shard_byte_limit`)."""
     path = Path(path)
+    limit = _limit(entry, dtype)
     try:
-        buf = path.read_bytes()
+        buf = read_local_file(path, limit)
     except FileNotFoundError:
         raise CorruptShardError(f"{path}: shard missing (listed in the manifest, not on disk)") from None
+    except TooLargeError:
+        raise (_size_error(str(path), entry, limit) if entry is not None else
+               CorruptShardError(f"{path}: larger than MAX_SHARD_BYTES ({MAX_SHARD_BYTES} bytes)")) from None
+    except DataError as e:
+        raise CorruptShardError(str(e)) from None
     except OSError as e:
         raise CorruptShardError(f"{path}: cannot read shard ({e})") from None
-    return parse_shard(buf, str(path), dtype, entry, verify_hash)
+    _check_size(str(path), buf, entry)
+    return parse_shard(buf, str(path), dtype, entry, verify_hash, vocab_size)
 
 
-def load_shard(location, manifest: dict, index: int, verify_hash: bool = True) -> ShardData:
-    """Shard ``index`` of the manifest from a directory or URL prefix, its sha256 checked as it is read."""
+def load_shard(location, manifest: dict, index: int, verify_hash: bool = True, check_ids: bool = True) -> ShardData:
+    """Shard ``index`` of the manifest from a directory or URL prefix, its sha256 checked as it is read, no more
+    than its manifest entry allows read; ``check_ids``: a token id at or above ``vocab_size`` is a
+    CorruptShardError too (the loader checks the ids of each piece it reads instead)."""
     src = as_source(location)
     entry = manifest["shards"][index]
+    vocab = manifest["vocab_size"] if check_ids else None
     if not src.is_url:
-        return read_shard(src.local_path(entry["name"]), manifest["dtype"], entry, verify_hash)
+        return read_shard(src.local_path(entry["name"]), manifest["dtype"], entry, verify_hash, vocab)
+    url = src.child(entry["name"])
+    limit = _limit(entry, manifest["dtype"])
     try:
-        buf = src.read(entry["name"], f"shard {entry['name']}")
+        buf = src.read(entry["name"], f"shard {entry['name']}", limit)
+    except TooLargeError:
+        raise _size_error(url, entry, limit) from None
     except UrlError as e:
         raise CorruptShardError(str(e)) from None
-    return parse_shard(buf, src.child(entry["name"]), manifest["dtype"], entry, verify_hash)
+    _check_size(url, buf, entry)
+    return parse_shard(buf, url, manifest["dtype"], entry, verify_hash, vocab)
 
 
 def verify_shard_set(location) -> list[str]:
@@ -138,8 +174,8 @@ def write_shard_set(docs: Iterable, out_dir: str | os.PathLike, vocab_size: int,
                     tokenizer: str | os.PathLike | None = None, force: bool = False) -> dict:
     """Write already-tokenised documents (arrays of ids, or (ids, marks) pairs) as a shard set.
 
-    For tests, benchmarks and users who tokenise elsewhere; ``tokenizer`` (optional) is hashed
-    into the manifest (its path relative to the set).
+    For tests, benchmarks and users who tokenise elsewhere; ``tokenizer`` (optional) is copied into
+    the set as ``tokenizer.model`` and hashed into the manifest (a manifest names only files of its set).
     """
     out_dir = Path(out_dir)
     with stage_output(out_dir, force) as stage:
@@ -155,8 +191,8 @@ def write_shard_set(docs: Iterable, out_dir: str | os.PathLike, vocab_size: int,
             raise DataError(f"{out_dir}: no documents to write")
         tok = None
         if tokenizer is not None:
-            tok = {"path": os.path.relpath(Path(tokenizer).resolve(), out_dir.resolve()),
-                   "sha256": sha256_file(tokenizer)}
+            atomic_write_bytes(stage.path / TOKENIZER_IN_SET, Path(tokenizer).read_bytes())
+            tok = {"path": TOKENIZER_IN_SET, "sha256": sha256_file(stage.path / TOKENIZER_IN_SET)}
         manifest = _manifest(w.entries, vocab_size, w.dtype.name, tok, bool(wwm), {})
         write_manifest(stage.path, manifest)
         stage.commit()
@@ -213,17 +249,20 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
                  shard_size_mb: float = 64.0, max_docs_per_shard: Optional[int] = None, fmt: str = "auto",
                  doc_boundary: str = "line", jsonl_field: str = "text", strict: bool = False,
                  jieba: bool = False, progress: bool = True, chunk_docs: int = 256,
-                 stats: Optional[CorpusStats] = None, tokenizer_in_set: Optional[str] = "tokenizer.model",
+                 stats: Optional[CorpusStats] = None, tokenizer_in_set: Optional[str] = TOKENIZER_IN_SET,
                  progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True,
-                 allow_empty: bool = False) -> dict:
+                 allow_empty: bool = False, max_line_bytes: int = MAX_LINE_BYTES) -> dict:
     """Tokenise a corpus into shards + manifest inside the existing directory ``out_dir``.
 
     The building block of :func:`build_shards` (which stages the directory) and of the cluster
     tasks. ``tokenizer_in_set``: the name the model is copied to inside ``out_dir`` (recorded in the
-    manifest), or None to record ``tokenizer``'s own path. ``on_progress(docs, tokens, text_bytes)``
-    is called after each chunk. ``warn_corpus``: log the corpus warnings (binary-looking files, many
-    skipped lines). ``allow_empty``: no documents is not an error (a cluster task whose input was
-    all empty): the returned manifest then lists no shard and is not written.
+    manifest; a plain file name), or None to record ``tokenizer``'s own path (the cluster tasks: such
+    a manifest is only an intermediate result, :func:`~data_pipeline.cluster.merge` writes the set's).
+    ``on_progress(docs, tokens, text_bytes)`` is called after each chunk. ``warn_corpus``: log the
+    corpus warnings (binary-looking files, many skipped lines, over-long lines). ``max_line_bytes``:
+    the longest input line read (:mod:`.corpus`). ``allow_empty``: no documents is not an error (a
+    cluster task whose input was all empty): the returned manifest then lists no shard and is not
+    written.
     Returns the manifest (plus ``_build_seconds``).
     """
     from tqdm import tqdm
@@ -231,7 +270,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     out_dir = Path(out_dir)
     tok = Tokenizer(tokenizer, jieba=jieba)
     if tokenizer_in_set is not None:
-        model_path = out_dir / tokenizer_in_set
+        model_path = out_dir / check_name(tokenizer_in_set, "tokenizer_in_set")
         if Path(tokenizer).resolve() != model_path.resolve():
             atomic_write_bytes(model_path, Path(tokenizer).read_bytes())  # names model_path on a full disk
         tok_entry = {"path": tokenizer_in_set, "sha256": sha256_file(model_path)}
@@ -239,7 +278,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
         model_path = Path(tokenizer)
         tok_entry = {"path": str(model_path.resolve()), "sha256": sha256_file(model_path)}
     stats = stats if stats is not None else CorpusStats()
-    records = iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats)
+    records = iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes)
     writer = ShardWriter(out_dir, tok.dtype, int(shard_size_mb * 1e6), max_docs_per_shard)
     t0 = time.perf_counter()
     text_bytes = tokens = docs = 0

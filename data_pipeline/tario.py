@@ -7,12 +7,21 @@ within the shard. Headers carry mode 644, mtime 0 and no owner, so the same docu
 byte-identical shards (and hashes). Any tar reader (``tarfile``, webdataset) reads them; ours
 indexes a whole shard with a few vectorised numpy operations (see ``bench/loader.py`` for
 the comparison with webdataset's tar iterator).
+
+Shards are untrusted input. Both readers (:func:`iter_tar_members`, :func:`parse_shard`) accept a
+member size only as octal digits, optionally padded with spaces and NULs (a sign, another base
+or GNU's base-256 form is refused), and only when the member fits in what is left of the file;
+each header moves the position forward by at least one block, so parsing ends. Anything else is a
+:class:`CorruptShardError` naming the shard, the byte offset of the header and the field. A shard
+file larger than ``MAX_SHARD_BYTES`` (16 GiB) is neither written nor read. ``parse_shard`` with
+``vocab_size`` also refuses a token id at or above it (one ``max`` over the ids).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +29,13 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, UsageError
 
-__all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter", "documents_blob"]
+__all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter", "documents_blob",
+           "max_token_id", "MAX_SHARD_BYTES"]
+
+MAX_SHARD_BYTES = 1 << 34
+"""The largest shard file (16 GiB): a shard is read whole into memory, by every loader worker."""
 
 
 class CorruptShardError(DataError):
@@ -30,6 +43,25 @@ class CorruptShardError(DataError):
 
 
 # --------------------------------------------------------------------------- reading
+
+
+_OCTAL = re.compile(rb"[ \0]*([0-7]*)[ \0]*\Z")
+
+
+def _member_size(field: bytes, pos: int, name: str, left: int) -> int:
+    """The size field (header bytes 124-135) of the header at byte ``pos``: octal digits (padding: spaces,
+    NULs), at most ``left`` (the bytes after the header); CorruptShardError naming the shard, the offset and
+    the field otherwise."""
+    m = _OCTAL.match(field)
+    if m is None:
+        why = "base-256 (a GNU extension) is not supported" if field[:1] in (b"\x80", b"\xff") else \
+            "expected octal digits"
+        raise CorruptShardError(f"{name}: bad tar header at byte {pos}: field 'size' is {field!r} ({why})")
+    size = int(m.group(1) or b"0", 8)
+    if size > left:
+        raise CorruptShardError(f"{name}: truncated (the member at byte {pos} needs {size} bytes, the file has "
+                                f"{left} after its header)")
+    return size
 
 
 def iter_tar_members(buf, name: str = "shard") -> Iterator[tuple[str, int, int]]:
@@ -50,22 +82,15 @@ def iter_tar_members(buf, name: str = "shard") -> Iterator[tuple[str, int, int]]
             return
         if hdr[257:262] != b"ustar":
             raise CorruptShardError(f"{name}: bad tar header at byte {pos} (no ustar magic)")
-        try:
-            size = int(hdr[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        except ValueError:
-            raise CorruptShardError(f"{name}: bad tar header at byte {pos} (size field "
-                                    f"{hdr[124:136]!r})") from None
+        start = pos + 512
+        size = _member_size(hdr[124:136], pos, name, n - start)
         member = hdr[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
         prefix = hdr[345:500].split(b"\0", 1)[0]
-        if prefix and hdr[257:262] == b"ustar":
+        if prefix:
             member = prefix.decode("utf-8", "replace") + "/" + member
-        start = pos + 512
-        if start + size > n:
-            raise CorruptShardError(f"{name}: truncated (member {member} needs {size} bytes at byte {start}, "
-                                    f"the file has {n})")
         if hdr[156:157] in (b"0", b"\0"):
             yield member, start, size
-        pos = start + (size + 511) // 512 * 512
+        pos = start + (size + 511) // 512 * 512     # > pos: every header moves on
 
 
 @dataclass
@@ -146,18 +171,8 @@ def _index_members(buf: bytes, name: str):
                                     f"marker)")
         if buf[pos] == 0:
             break
-        try:
-            size = int(buf[pos + 124:pos + 135], 8)  # our writer: 11 octal digits + NUL
-        except ValueError:
-            try:
-                size = int(buf[pos + 124:pos + 136].rstrip(b"\0 ") or b"0", 8)
-            except ValueError:
-                raise CorruptShardError(f"{name}: bad tar header at byte {pos} (size field "
-                                        f"{buf[pos + 124:pos + 136]!r})") from None
         start = pos + 512
-        if start + size > n:
-            raise CorruptShardError(f"{name}: truncated (a member needs {size} bytes at byte {start}, the file "
-                                    f"has {n})")
+        size = _member_size(bytes(buf[pos + 124:pos + 136]), pos, name, n - start)
         if buf[pos + 14] == 0:     # our writer's names: 10-digit key + .ids / .wwm
             member = buf[pos:pos + 14]
         else:
@@ -177,10 +192,25 @@ def _index_members(buf: bytes, name: str):
     return starts, sizes, wstarts, wsizes, keys, wkeys
 
 
+def max_token_id(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
+    """The largest id of the documents ``tokens[starts[i]:starts[i] + lengths[i]]`` (-1 when there is none):
+    one vectorised pass over the ids (``np.maximum.reduceat``), none over the headers between them."""
+    keep = lengths > 0
+    if not keep.any():
+        return -1
+    first = starts[keep]
+    bounds = np.empty(2 * len(first), np.int64)
+    bounds[0::2], bounds[1::2] = first, first + lengths[keep]
+    if bounds[-1] >= len(tokens):
+        bounds = bounds[:-1]                          # the last document runs to the end of the array
+    return int(np.maximum.reduceat(tokens, bounds)[0::2].max())
+
+
 def parse_shard(buf: bytes, name: str, dtype: str | np.dtype, entry: Optional[dict] = None,
-                verify_hash: bool = True) -> ShardData:
+                verify_hash: bool = True, vocab_size: Optional[int] = None) -> ShardData:
     """Index one shard held in memory; CorruptShardError naming it (``name``: its path or URL) when it is
-    truncated, unparsable or differs from its manifest ``entry`` (sha256, document and token counts)."""
+    truncated, unparsable or differs from its manifest ``entry`` (sha256, document and token counts), or,
+    with ``vocab_size``, holds a token id at or above it."""
     path = name
     dtype = np.dtype(dtype).newbyteorder("<")
     if entry is not None and verify_hash:
@@ -218,9 +248,13 @@ def parse_shard(buf: bytes, name: str, dtype: str | np.dtype, entry: Optional[di
         if n_docs != entry["num_docs"] or int(lengths.sum()) != entry["num_tokens"]:
             raise CorruptShardError(f"{path}: holds {n_docs} documents / {int(lengths.sum())} tokens, the "
                                     f"manifest says {entry['num_docs']} / {entry['num_tokens']}")
-    return ShardData(os.path.basename(str(path)), tokens, marks, starts // dtype.itemsize, wwm_start, lengths)
-
-
+    tok_start = starts // dtype.itemsize
+    if vocab_size is not None:
+        top = max_token_id(tokens, tok_start, lengths)
+        if top >= vocab_size:
+            raise CorruptShardError(f"{path}: token id {top} is not below the manifest's vocab_size {vocab_size}: "
+                                    "the shard does not belong to this set's tokenizer")
+    return ShardData(os.path.basename(str(path)), tokens, marks, tok_start, wwm_start, lengths)
 
 
 # --------------------------------------------------------------------------- writing
@@ -293,7 +327,8 @@ def documents_blob(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray,
 
 
 class ShardWriter:
-    """Writes documents into shard-NNNNNN.tar files of about ``shard_size_bytes`` of token ids."""
+    """Writes documents into shard-NNNNNN.tar files of about ``shard_size_bytes`` of token ids; ``entries``:
+    the manifest entries of the shards written (name, num_docs, num_tokens, sha256, bytes: the file's size)."""
 
     def __init__(self, out_dir: str | os.PathLike, dtype: np.dtype, shard_size_bytes: int,
                  max_docs_per_shard: Optional[int] = None):
@@ -371,9 +406,13 @@ class ShardWriter:
         self._write(end)
         self._f.flush()
         os.fsync(self._f.fileno())
+        self._cur["bytes"] = self._f.tell()
         self._f.close()
         self._f = None
         self._cur["sha256"] = self._hash.hexdigest()
+        if self._cur["bytes"] > MAX_SHARD_BYTES:
+            raise UsageError(f"{self._tmp}: a shard of {self._cur['bytes']} bytes is larger than readers take "
+                             f"(MAX_SHARD_BYTES, {MAX_SHARD_BYTES}); use a smaller --shard-size-mb")
         os.replace(self._tmp, self.out_dir / self._cur["name"])
         self.entries.append(self._cur)
 

@@ -9,4 +9,10 @@
 - ``launcher.cli``: ``roformer-submit``.
 
 The launcher knows the trainer only through ``roformer_dist.train.entry.run_rank`` and the config.
+
+Untrusted inputs (README "Trust and security"): what reaches the batch script is validated and quoted
+(``launcher.profiles``); secrets are given by reference (``slurm.env_from``: only the names are written
+anywhere); what the launcher and its job write is closed to others (umask 027, ``SLURM_UMASK``); job ids
+and pids read back from ``logs/jobs.jsonl`` are checked before they reach ``scancel`` or a signal
+(``launcher.cli``, ``launcher.slurm``).
 """

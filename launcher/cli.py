@@ -15,6 +15,27 @@ folder (sbatch script, pickles, per-task stdout/stderr) is ``<run_dir>/logs/``, 
 ``rank<r>.log``. ``--cluster local`` (the default when there is no ``sbatch``) runs the same job on this
 machine with submitit's local executor, in the foreground.
 
+Trust (README "Trust and security"):
+
+- What reaches the batch script is validated and quoted (``launcher.profiles``): no line of a config
+  value becomes a script line, and ``slurm.env`` values expand only ``$NAME`` / ``${NAME}``.
+- Secrets by reference: ``slurm.env_from: {WANDB_API_KEY: WANDB_API_KEY}`` names a variable of the
+  environment this command runs in; it must be set (checked, also by ``--dry-run``), and only its name
+  is written (config.yaml, the batch script, the pickles); sbatch exports the value with the rest of the
+  environment (``--cluster local``: the tasks inherit it).
+- Files: the run directory and ``logs/`` are created and checked by the run lock
+  (``roformer_dist.runtime.rundir``: owner, no group/other write, no symlinks) before anything is
+  written there. What this command writes (config.yaml, ``logs/job_id``, ``logs/jobs.jsonl``, submitit's
+  sbatch script and pickles) is created under umask 027 (077 when ``run_dir_mode`` gives the group no
+  read): never readable by others, never writable but by the owner. The SLURM job gets the same umask
+  (``SLURM_UMASK``; the local executor's tasks inherit it), so its result pickles, logs and checkpoints
+  follow the same rule.
+- ``status`` / ``cancel`` / ``logs`` read ``logs/jobs.jsonl``: a record that is damaged, or whose job id
+  is not a SLURM job id (or, for ``--cluster local``, a process id), is refused with a message naming
+  the file and line, before the id reaches ``squeue``/``sacct``/``scancel`` (which get ``--jobs=ID`` or
+  ``-- ID``). A local job is signalled only if its process is still the one recorded at launch (its start
+  time, ``/proc/PID/stat`` field 22, is in the record; a record without one is not signalled).
+
 Exit status: 0 submitted (or, with ``--wait`` / ``--cluster local``, the job COMPLETED); 1 the job ended in
 another state, SLURM says it can never start (``--wait`` then names SLURM's pending reason, e.g.
 ``PartitionConfig``, instead of waiting forever), or submission failed; 2 bad config or usage; 6 the run
@@ -24,19 +45,23 @@ directory is in use (a run holds its lock, or its last SLURM job is still queued
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Iterator, Optional
 
+from data_pipeline.atomic import atomic_write_text
 from launcher import profiles, slurm
 from launcher.profiles import JobFlags
-from roformer_dist.config import save_config
+from roformer_dist.config import parse_mode, save_config
 from roformer_dist.errors import ConfigError, run_command
-from roformer_dist.runtime.runlock import RunLock
+from roformer_dist.runtime.runlock import SLURM_JOB_ID, RunLock, pid_start
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 6
 SUBCOMMANDS = ("status", "cancel", "logs")
@@ -90,6 +115,7 @@ def submit(args: argparse.Namespace) -> int:
     cfg = profiles.resolve(args.config, args.overrides, _flags(args))
     profiles.check_data(cfg)
     cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
+    profiles.check_submit_env(cfg.slurm, cluster)
     run_dir = Path(cfg.run_dir)
     logs = run_dir / "logs"
     s = cfg.slurm
@@ -109,11 +135,14 @@ def submit(args: argparse.Namespace) -> int:
         print(f"roformer-submit: {busy}", file=sys.stderr)
         return EXIT_LOCKED
 
-    logs.mkdir(parents=True, exist_ok=True)
-    with RunLock(run_dir):  # not while a run holds it: its config.yaml must not change under it
-        save_config(cfg, run_dir / "config.yaml")
-    job = _submit(cfg, cluster, logs)
-    _record(run_dir, job.job_id, cluster)
+    with private_files(cfg.run_dir_mode) as mask:
+        # not while a run holds it: its config.yaml must not change under it; the lock creates and checks
+        # run_dir and logs/ (owner and mode: the pickles in logs/ are unpickled by a requeued job) before
+        # anything is written there
+        with RunLock(run_dir, mode=cfg.run_dir_mode):
+            save_config(cfg, run_dir / "config.yaml")
+        job = _submit(cfg, cluster, logs)
+        _record(run_dir, job.job_id, cluster, mask)
     print(f"job_id: {job.job_id}", flush=True)
     shape = f"{s.nodes} node(s) x {s.tasks_per_node} task(s)" if cluster == "slurm" else \
         f"{cfg.dist.world_size} task(s) on this machine"
@@ -125,12 +154,35 @@ def submit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def private_files(run_dir_mode: str) -> Iterator[int]:
+    """Files created in the block, and by the SLURM job submitted in it (``SLURM_UMASK``, which sbatch
+    passes to the job; the local executor's processes inherit the umask), are never readable by others
+    and never writable but by their owner: umask 027, or 077 when ``run_dir_mode`` gives the group no
+    read. Yields the umask."""
+    mask = 0o027 if parse_mode(run_dir_mode) & 0o040 else 0o077
+    old_mask = os.umask(mask)
+    old_env = os.environ.get("SLURM_UMASK")
+    os.environ["SLURM_UMASK"] = f"{mask:04o}"  # one set by an outer allocation would win over our umask
+    try:
+        yield mask
+    finally:
+        os.umask(old_mask)
+        if old_env is None:
+            os.environ.pop("SLURM_UMASK", None)
+        else:
+            os.environ["SLURM_UMASK"] = old_env
+
+
 def _busy(run_dir: Path) -> str:
     """Why ``run_dir`` cannot take another job now ('' when it can): its last SLURM job is still queued or
     running (a second one would start beside it and be refused by the run lock)."""
+    if not (run_dir / "logs" / "jobs.jsonl").exists():
+        return ""
     try:
         job = _last_job(run_dir)
-    except ValueError:
+    except ConfigError as e:
+        print(f"roformer-submit: warning: {e}; not checking whether the run's last job still runs", file=sys.stderr)
         return ""
     if job.get("cluster") != "slurm" or not shutil.which("squeue"):
         return ""
@@ -151,7 +203,7 @@ def _submit(cfg, cluster: str, logs: Path):
         ex = submitit.SlurmExecutor(folder=logs, max_num_timeout=s.max_num_timeout)
         ex.update_parameters(**profiles.slurm_parameters(cfg))
     else:
-        os.environ.update(s.env)  # the local controller and its tasks inherit this environment
+        os.environ.update(profiles.job_environment(s))  # the local controller and its tasks inherit it
         ex = submitit.LocalExecutor(folder=logs, max_num_timeout=s.max_num_timeout)
         ex.update_parameters(timeout_min=s.time_min, signal_delay_s=s.signal_delay_s,
                              tasks_per_node=cfg.dist.world_size, gpus_per_node=s.gpus_per_node * s.nodes)
@@ -163,12 +215,19 @@ def _submit(cfg, cluster: str, logs: Path):
     return job
 
 
-def _record(run_dir: Path, job_id: str, cluster: str) -> None:
+def _record(run_dir: Path, job_id: str, cluster: str, mask: int = 0o077) -> None:
+    """``logs/job_id`` and a line of ``logs/jobs.jsonl`` (mode 0666 & ~``mask``, also when it existed
+    wider); a local job's record holds its controller's start time, which ``cancel`` checks."""
     logs = run_dir / "logs"
-    (logs / "job_id").write_text(f"{job_id}\n")
-    with open(logs / "jobs.jsonl", "a") as f:
-        f.write(json.dumps({"job_id": job_id, "cluster": cluster, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                            "argv": sys.argv[1:]}) + "\n")
+    atomic_write_text(logs / "job_id", f"{job_id}\n")
+    rec = {"job_id": job_id, "cluster": cluster, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "argv": sys.argv[1:]}
+    if cluster == "local":
+        rec["pid_start"] = pid_start(int(job_id))
+    fd = os.open(logs / "jobs.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~mask)
+    with os.fdopen(fd, "a") as f:
+        os.fchmod(fd, 0o666 & ~mask)
+        f.write(json.dumps(rec) + "\n")
 
 
 def _wait_local(job) -> int:
@@ -195,11 +254,41 @@ def _wait_slurm(job_id: str, run_dir: Path) -> int:
 # --------------------------------------------------------------------------- status | cancel | logs
 
 
+_PID = re.compile(r"[1-9][0-9]*")
+
+
 def _last_job(run_dir: Path) -> dict:
+    """The last record of ``logs/jobs.jsonl``, checked (module docstring); ConfigError naming the file
+    and line otherwise."""
     path = run_dir / "logs" / "jobs.jsonl"
     if not path.exists():
         raise ConfigError(f"{run_dir}: no job was submitted for this run directory ({path} missing)")
-    return json.loads(path.read_text().splitlines()[-1])
+    try:
+        lines = [(n, x) for n, x in enumerate(path.read_text(errors="replace").splitlines(), 1) if x.strip()]
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    if not lines:
+        raise ConfigError(f"{path}: holds no job record")
+    n, line = lines[-1]
+    where = f"{path}, line {n}"
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError):
+        raise ConfigError(f"{where}: not a JSON record (damaged?): {line[:80]!r}") from None
+    if not isinstance(rec, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {line[:80]!r}")
+    cluster, jid = rec.get("cluster"), rec.get("job_id")
+    if cluster not in ("slurm", "local"):
+        raise ConfigError(f"{where}: cluster {cluster!r}: expected slurm or local")
+    if cluster == "slurm" and not (isinstance(jid, str) and SLURM_JOB_ID.fullmatch(jid)):
+        raise ConfigError(f"{where}: job_id {jid!r} is not a SLURM job id (expected digits, or <job>_<element> "
+                          "for an element of a job array)")
+    if cluster == "local" and not (isinstance(jid, str) and _PID.fullmatch(jid) and int(jid) > 1):
+        raise ConfigError(f"{where}: job_id {jid!r} is not the process id of a --cluster local job")
+    start = rec.get("pid_start")
+    if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
+        raise ConfigError(f"{where}: pid_start {start!r}: expected an integer")
+    return rec
 
 
 def _progress(run_dir: Path) -> str:
@@ -208,8 +297,11 @@ def _progress(run_dir: Path) -> str:
     step = 0
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
-        lines = metrics.read_text().splitlines()
-        step = json.loads(lines[-1])["step"] if lines else 0
+        lines = [x for x in metrics.read_text(errors="replace").splitlines() if x.strip()]
+        try:
+            step = int(json.loads(lines[-1])["step"]) if lines else 0
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            step = "?"  # a last line cut short (the trainer killed mid-write)
     try:
         stages = yaml.safe_load((run_dir / "config.yaml").read_text())["curriculum"]["stages"]
         total = str(sum(int(st["steps"]) for st in stages))
@@ -220,12 +312,39 @@ def _progress(run_dir: Path) -> str:
     return f"step {step}/{total}, latest checkpoint: {tag}"
 
 
-def _local_alive(pid: str) -> bool:
+def _local_state(job: dict) -> str:
+    """A ``--cluster local`` job (its controller's pid and recorded start time): RUNNING when that process
+    still runs, FINISHED when it is gone or its pid belongs to another process now, UNKNOWN when the pid
+    is alive but the record has no start time to tell."""
+    now = pid_start(int(job["job_id"]))
+    if now is None:
+        return "FINISHED"
+    if job.get("pid_start") is None:
+        return "UNKNOWN"
+    return "RUNNING" if now == job["pid_start"] else "FINISHED"
+
+
+def _signal_local(job: dict, sig: int) -> bool:
+    """Send ``sig`` to the local job's controller if it is still the process recorded (False otherwise).
+    Through a pidfd where there is one: the process checked is the process signalled."""
+    pid = int(job["job_id"])
     try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError):
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if _local_state(job) != "RUNNING":
+            return False
+        if fd is None:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
         return False
-    return True
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def status(run_dir: Path) -> int:
@@ -245,7 +364,9 @@ def status(run_dir: Path) -> int:
         for i, r in enumerate(recs):
             print(f"  attempt {i + 1}: {r['state']:<10} start {r['start']} end {r['end']} nodes {r['nodes']}")
     else:
-        print(f"state: {'RUNNING' if _local_alive(jid) else 'FINISHED'}")
+        st = _local_state(job)
+        print(f"state: {st}" + (" (pid alive, but the record has no start time to tell it is the job's)"
+                                if st == "UNKNOWN" else ""))
     print(f"progress: {_progress(run_dir)}")
     return EXIT_OK
 
@@ -255,8 +376,14 @@ def cancel(run_dir: Path) -> int:
     jid = job["job_id"]
     if job["cluster"] == "slurm":
         slurm.cancel(jid)
-    elif _local_alive(jid):
-        os.kill(int(jid), signal.SIGINT)  # what submitit's LocalJob.cancel sends to its controller
+    elif not _signal_local(job, signal.SIGINT):  # what submitit's LocalJob.cancel sends to its controller
+        if _local_state(job) == "UNKNOWN":
+            print(f"roformer-submit cancel: not signalling pid {jid}: its record (written by an older "
+                  "roformer-submit) has no start time, so it cannot be told from a process that reused the pid; "
+                  f"check `ps -p {jid}` and stop it yourself", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"job {jid} is not running (nothing to cancel)")
+        return EXIT_OK
     print(f"cancelled job {jid}")
     return EXIT_OK
 

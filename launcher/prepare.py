@@ -4,8 +4,9 @@
 SLURM task, ``cpus_per_task`` CPUs, which is also the task's number of tokenising processes), with
 the cluster profiles of ``roformer-submit`` (``--profile NAME``; ``--partition``, ``--account``,
 ``--qos``, ``--constraint``, ``--time``, ``--cpus-per-task``, ``--mem`` override it; the profile's
-``setup`` lines and ``env`` go into the batch script). A preempted or timed-out element is requeued
-by submitit and starts its task over. ``--cluster local``: the same tasks as processes on this
+``setup`` lines, ``env`` and ``env_from`` go into the batch script as ``roformer-submit`` writes them,
+see ``launcher.profiles``). A preempted or timed-out element is requeued by submitit and starts its
+task over. ``--cluster local``: the same tasks as processes on this
 machine (submitit's local executor), the CPUs shared between them.
 
 The submitting process waits: it prints a progress line per task (from the task's
@@ -58,6 +59,7 @@ def slurm_parameters(args, num_tasks: int) -> tuple[dict, int, int]:
         items.append(f"slurm.mem_gb={profiles.parse_mem_gb(args.mem)}")
     try:
         cfg = load_config(None, items)
+        profiles.check_submit_env(cfg.slurm)  # slurm.env_from: set here, passed on by sbatch
     except ValueError as e:
         raise UsageError(str(e)) from None
     params = profiles.slurm_parameters(cfg)

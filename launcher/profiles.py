@@ -5,10 +5,30 @@ the ``slurm`` section), ``key=value`` overrides, then the scheduling flags (``--
 The job's shape decides the world size: ``dist.world_size`` becomes ``slurm.nodes x slurm.tasks_per_node``,
 and on GPU clusters there is one task per GPU (``tasks_per_node = gpus_per_node``), so the config is
 validated for the world size that will really run.
+
+What reaches the batch script (``sbatch_script``; submitit writes the same text). The config is
+validated first (``roformer_dist.config._validate_slurm``): ``slurm.partition``, ``account`` and ``qos``
+hold only letters, digits and ``_ - . ,``; ``slurm.constraint`` also the feature operators
+``& | ! * : [ ] ( )`` (no spaces); ``slurm.env`` and ``slurm.env_from`` keys are variable names
+(``[A-Za-z_][A-Za-z0-9_]*``); no SLURM string, ``slurm.setup`` line or ``run_dir`` holds a control
+character (a newline would start a script line of its own). Rendering:
+
+- ``slurm.env`` values are double-quoted: ``$NAME`` and ``${NAME}`` are expanded by the batch shell
+  (profiles use ``$HOME``), every other character is literal (backslash, ``"`` and a ``$`` that starts no
+  reference are escaped). Command substitution (``$(...)``, backticks) is refused at validation, with
+  a message pointing to ``slurm.setup`` (shell by design: the user's own lines, one line each).
+- ``slurm.env_from`` (secrets by reference, e.g. ``{WANDB_API_KEY: WANDB_API_KEY}``): the batch script
+  holds only names, ``export KEY="${NAME?...}"`` (or the check ``: "${NAME?...}"`` when the names
+  are equal), never the value: it reaches the job through the environment sbatch exports
+  (``--export=ALL``, sbatch's default; submitit passes no ``--export``). ``check_submit_env`` refuses a
+  submission whose variable is not set, or is kept from the job by ``SBATCH_EXPORT``.
+- the job name is ``roformer-<run_dir's name>`` with anything but ``A-Za-z0-9_.+-`` replaced by ``_``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -16,13 +36,13 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.source import is_url
-from roformer_dist.config import Config, load_config, replace
+from roformer_dist.config import Config, SlurmConfig, check_line, load_config, replace
 from roformer_dist.errors import ConfigError
 
 # Written into the sbatch script before srun: `scancel --signal=USR2 --full` (and some preemption setups)
 # also signal the batch shell, whose default action on SIGUSR2 is to die and end the job (measured here).
 # With a trap the shell lives on; the ranks get the signal from SLURM directly and save.
-USR2_TRAP = "trap 'echo \"$(date +%T) batch script: SIGUSR2, the ranks save and rank 0 requeues\"' USR2"
+USR2_TRAP = "trap 'date \"+%T batch script: SIGUSR2, the ranks save and rank 0 requeues\"' USR2"
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,7 @@ def resolve(config: str, overrides: list[str], flags: JobFlags) -> Config:
         tasks = s.gpus_per_node
     world = s.nodes * tasks
     cfg = load_config(config, items + [f"slurm.tasks_per_node={tasks}", f"dist.world_size={world}"])
+    check_line(cfg.run_dir, "run_dir")  # it is in the batch script: #SBATCH --output, srun, the job name
     # The job may start in another working directory than this shell's: make paths absolute.
     paths = {"run_dir": cfg.run_dir}
     for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
@@ -97,18 +118,82 @@ def check_data(cfg: Config) -> None:
 
 
 def job_name(cfg: Config) -> str:
-    return f"roformer-{Path(cfg.run_dir).name}"
+    return "roformer-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(cfg.run_dir).name)
 
 
-def _double_quoted(value: str) -> str:
-    """Quote for the batch shell but let it expand $VARIABLES (profiles use $HOME and the like)."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
+_REFERENCE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
+
+
+def _double_quoted(value: str, key: str = "slurm.env") -> str:
+    """``value`` in double quotes for the batch shell: ``$NAME`` / ``${NAME}`` expand, all else is literal.
+
+    ``\\``, ``"``, backticks and every ``$`` that starts no such reference are escaped, so nothing but
+    those two forms of parameter expansion happens (no command substitution, arithmetic or ``${x:-...}``).
+    A control character is refused (it would end the line)."""
+    check_line(value, key)
+    out, i = [], 0
+    while i < len(value):
+        m = _REFERENCE.match(value, i)
+        if m:
+            out.append(m.group())
+            i = m.end()
+            continue
+        c = value[i]
+        out.append("\\" + c if c in '\\"`$' else c)
+        i += 1
+    return '"' + "".join(out) + '"'
+
+
+def _env_from_line(key: str, name: str) -> str:
+    missing = f"is not set: slurm.env_from.{key} reads it from the environment of roformer-submit"
+    if key == name:  # sbatch exports it as it is: only check that it arrived
+        return f': "${{{name}?{missing}}}"'
+    return f'export {key}="${{{name}?{missing}}}"'
 
 
 def setup_lines(cfg: Config) -> list[str]:
-    """Shell lines run in the batch script before srun: the USR2 trap, the profile's env, its setup."""
-    env = [f"export {k}={_double_quoted(v)}" for k, v in cfg.slurm.env.items()]
+    """Shell lines run in the batch script before srun: the USR2 trap, the profile's env (values, then
+    names taken from the submitting environment), its setup."""
+    env = [f"export {k}={_double_quoted(v, f'slurm.env.{k}')}" for k, v in cfg.slurm.env.items()]
+    env += [_env_from_line(k, name) for k, name in cfg.slurm.env_from.items()]
+    for i, line in enumerate(cfg.slurm.setup):
+        check_line(line, f"slurm.setup[{i}]")  # validated with the config; checked again where it is written
     return [USR2_TRAP, *env, *cfg.slurm.setup]
+
+
+def check_submit_env(s: SlurmConfig, cluster: str = "slurm", environ=None) -> None:
+    """Every ``slurm.env_from`` variable is set here and (``cluster`` slurm) reaches the job: sbatch exports
+    the whole environment unless ``SBATCH_EXPORT`` says otherwise. ConfigError naming the key."""
+    environ = os.environ if environ is None else environ
+    for key, name in s.env_from.items():
+        if name not in environ:
+            raise ConfigError(f"slurm.env_from.{key}: {name} is not set in this environment; the job takes {key} "
+                              f"from it (export {name}=... before roformer-submit)")
+    export = environ.get("SBATCH_EXPORT")
+    if cluster != "slurm" or export is None or not s.env_from:
+        return
+    given = [part.split("=", 1)[0].strip() for part in export.split(",")]
+    for key, name in s.env_from.items():
+        if "ALL" not in given and name not in given:
+            raise ConfigError(f"slurm.env_from.{key}: SBATCH_EXPORT={export} keeps {name} from the job; unset "
+                              f"SBATCH_EXPORT or add {name} to it")
+
+
+def job_environment(s: SlurmConfig, environ=None) -> dict[str, str]:
+    """What the batch script's exports set, computed here for ``--cluster local`` (no batch shell):
+    ``slurm.env`` with ``$NAME``/``${NAME}`` expanded (unset = empty, as in the shell), then
+    ``slurm.env_from``. Apply in order: a value may refer to a variable set before it."""
+    env = dict(os.environ if environ is None else environ)
+    out: dict[str, str] = {}
+
+    def expand(m: re.Match) -> str:
+        return env.get(m.group().strip("${}"), "")
+
+    for key, value in s.env.items():
+        out[key] = env[key] = _REFERENCE.sub(expand, value)
+    for key, name in s.env_from.items():
+        out[key] = env[key] = env.get(name, "")
+    return out
 
 
 def slurm_parameters(cfg: Config) -> dict:

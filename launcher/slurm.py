@@ -3,6 +3,10 @@
 A requeued job keeps its id; ``sacct -D`` lists one record per attempt (REQUEUED, PREEMPTED, ... then the
 current one), so the requeue count is the number of records minus one. ``squeue`` is asked first for
 the live state because accounting lags behind the controller by a moment.
+
+Every job id is checked (:func:`check_job_id`: digits, or ``<job>_<element>`` for an array element)
+before it reaches a command, and is passed as ``--jobs=ID`` or after ``--``: an id read from a damaged
+or forged ``jobs.jsonl`` such as ``--user=x`` must not become an option of ``scancel``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import re
 import subprocess
 import time
 from typing import Callable, Optional
+
+from roformer_dist.errors import ConfigError
+from roformer_dist.runtime.runlock import SLURM_JOB_ID
 
 # States after which a job will not run again (a PREEMPTED job that SLURM requeues is back in squeue).
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -34,6 +41,14 @@ NEVER_STARTS = {
 _LIMIT_REASON = re.compile(r"^(QOS|Assoc)\w*Max\w*PerJob\w*$")
 
 
+def check_job_id(job_id: object) -> str:
+    """``job_id`` if it is a SLURM job id (``runlock.SLURM_JOB_ID``), else ConfigError."""
+    if not isinstance(job_id, str) or not SLURM_JOB_ID.fullmatch(job_id):
+        raise ConfigError(f"{job_id!r} is not a SLURM job id (expected digits, or <job>_<element> for an element "
+                          "of a job array)")
+    return job_id
+
+
 class Unschedulable(RuntimeError):
     """SLURM says the job cannot start as submitted; the message gives SLURM's reason."""
 
@@ -50,7 +65,7 @@ def never_starts(reason: str) -> Optional[str]:
 
 def pending_reason(job_id: str) -> str:
     """squeue's reason for a job that waits (``Resources``, ``Priority``, ``PartitionConfig``, ...), or ''."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"]).strip()
+    out = _run(["squeue", "-h", f"--jobs={check_job_id(job_id)}", "-o", "%T|%r"]).strip()
     st, _, reason = out.partition("|")
     return reason.strip() if st.strip() == "PENDING" else ""
 
@@ -68,7 +83,7 @@ def _state_word(state: str) -> str:
 
 def attempts(job_id: str) -> list[dict]:
     """One record per attempt of the job (``sacct -D``), oldest first."""
-    out = _run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id,
+    out = _run(["sacct", "-D", "-X", "-n", "-P", f"--jobs={check_job_id(job_id)}",
                 "-o", "JobID,State,Start,End,Elapsed,ExitCode,NodeList"])
     keys = ("job_id", "state", "start", "end", "elapsed", "exit_code", "nodes")
     recs = [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
@@ -83,7 +98,7 @@ def requeue_count(job_id: str) -> int:
 
 def state(job_id: str) -> str:
     """The job's state now: squeue while the controller has it, else the last accounting record."""
-    live = _state_word(_run(["squeue", "-h", "-j", job_id, "-o", "%T"]))
+    live = _state_word(_run(["squeue", "-h", f"--jobs={check_job_id(job_id)}", "-o", "%T"]))
     if live and live not in FINAL:
         return live
     recs = attempts(job_id)
@@ -103,6 +118,7 @@ def wait(job_id: str, poll_s: float = 3.0, report: Optional[Callable[[str], None
     A final state must be seen twice in a row: between an attempt's end and its requeue, accounting can
     briefly show the old attempt's end state. A job that stays pending for ``unschedulable_after_s``
     with a reason that means it will never start (:data:`NEVER_STARTS`) raises :class:`Unschedulable`."""
+    check_job_id(job_id)
     last, finals, start = None, 0, time.monotonic()
     stuck_since: Optional[float] = None
     while True:
@@ -127,4 +143,4 @@ def wait(job_id: str, poll_s: float = 3.0, report: Optional[Callable[[str], None
 
 
 def cancel(job_id: str) -> None:
-    subprocess.run(["scancel", job_id], check=True, timeout=60)
+    subprocess.run(["scancel", "--", check_job_id(job_id)], check=True, timeout=60)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 """Where presets live. Overridable with ROFORMER_CONFIGS for installed copies."""
 if os.environ.get("ROFORMER_CONFIGS"):
     CONFIGS_DIR = Path(os.environ["ROFORMER_CONFIGS"])
+DEFAULT_RUN_DIR_MODE = "0750"
+"""``run_dir_mode``'s default: no write for the group or others (runtime/rundir.py)."""
 
 # --------------------------------------------------------------------------- choice types
 # Every field with a fixed set of values is typed with one of these; the loader (``_coerce``), the
@@ -264,15 +267,26 @@ class SlurmConfig:
     """Requeues allowed after time-limit stops (submitit's count; a stop before min(0.8 x time_min,
     time_min - 10) minutes of an attempt counts as a preemption, which does not spend it)."""
     setup: tuple[str, ...] = ()
-    """Shell lines run before the job (e.g. module load)."""
+    """Shell lines run in the batch script before the job (e.g. module load): shell by design, one line each."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment variables for the job (e.g. NCCL settings)."""
+    """Environment variables for the job (e.g. NCCL settings). ``$NAME`` and ``${NAME}`` in a value are
+    expanded by the batch shell; command substitution (``$(...)``, backticks) is refused; any other
+    character is literal. Values are written into config.yaml, the batch script and the job's pickle:
+    no secrets here, use ``env_from``."""
+    env_from: dict[str, str] = field(default_factory=dict)
+    """Environment variables the job takes from the environment ``roformer-submit`` runs in, by name:
+    ``{WANDB_API_KEY: WANDB_API_KEY}`` (job variable: submitting variable). Only the names are written
+    anywhere; the value reaches the job through the environment sbatch exports. The variable must be
+    set when submitting."""
 
 
 @dataclass(frozen=True)
 class Config:
     run_dir: str = "runs/default"
     """Where the run lives: config.yaml, tb/, checkpoints/, logs/."""
+    run_dir_mode: str = DEFAULT_RUN_DIR_MODE
+    """Mode of the directories a run creates (octal); a run directory writable by the group or others
+    beyond it, or owned by another user, is refused (0770: a team shares run directories)."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
@@ -481,8 +495,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _check_override_key(dotted: str) -> None:
-    """Fail early on a key that does not exist, naming its first unknown part."""
+def _check_override_key(dotted: str) -> Any:
+    """Fail early on a key that does not exist, naming its first unknown part; returns the key's type."""
     cls: Any = Config
     path = []
     for part in dotted.split("."):
@@ -493,19 +507,20 @@ def _check_override_key(dotted: str) -> None:
             raise ConfigError(f"unknown config key {'.'.join(path + [part])} (in override {dotted})")
         path.append(part)
         cls = hints[part]
+    return cls
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """``["a.b=1", "c=x"]`` -> nested mapping with YAML-parsed values."""
+    """``["a.b=1", "c=x"]`` -> nested mapping with YAML-parsed values (a string key's value is taken as
+    written: ``run_dir_mode=0770`` is not the YAML integer 504)."""
     tree: dict = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
         key, raw = item.split("=", 1)
         key = key.strip()
-        _check_override_key(key)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = raw if _check_override_key(key) is str else yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         _set_dotted(tree, key, value)
@@ -742,17 +757,83 @@ def _validate_logging(lg: LoggingConfig) -> None:
         raise _choice_error("logging.level", choices(LogLevel), lg.level)
 
 
+# What the launcher writes into a batch script (launcher/profiles.py) must stay on its line and mean what
+# it says: SLURM names in a safe character set, environment names that are names, no control characters.
+SLURM_NAME_CHARS = "letters, digits and _ - . , (a comma separates several)"
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.,-]*")
+SLURM_CONSTRAINT_CHARS = "feature names (letters, digits, _ - .) and the operators & | , ! * : [ ] ( )"
+_SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|!*:\[\]()-]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+"""C0 control characters and DEL: a newline or CR would start a line of its own in a shell script."""
+_ENV_SUBST = re.compile(r"\$\(|`")
+_ENV_BRACED = re.compile(r"\$\{([^}]*)\}?")
+
+
+def check_line(value: str, key: str) -> None:
+    """ConfigError naming ``key`` when ``value`` holds a control character (newline, CR, NUL, tab, ...)."""
+    m = CONTROL_CHARS.search(value)
+    if m:
+        raise ConfigError(f"{key}: control character {m.group()!r} in {value!r}: expected one line of printable "
+                          "text (it is written into the SLURM batch script)")
+
+
+def _check_env_value(value: str, key: str) -> None:
+    check_line(value, key)
+    if _ENV_SUBST.search(value):
+        raise ConfigError(f"{key}: command substitution ($(...) or backticks) in {value!r}: the batch shell expands "
+                          "only $NAME and ${NAME} in slurm.env; run commands in slurm.setup, or take a value from "
+                          "the submitting environment with slurm.env_from")
+    for m in _ENV_BRACED.finditer(value):
+        if not (m.group().endswith("}") and ENV_NAME.fullmatch(m.group(1))):
+            raise ConfigError(f"{key}: {m.group()!r} in {value!r}: only $NAME and ${{NAME}} are expanded")
+
+
 def _validate_slurm(s: SlurmConfig) -> None:
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
         _positive(getattr(s, key), f"slurm.{key}")
     if s.signal_delay_s >= s.time_min * 60:
         raise ConfigError(f"slurm.signal_delay_s: {s.signal_delay_s} s is not shorter than slurm.time_min "
                           f"{s.time_min} min")
+    for key in ("partition", "account", "qos", "constraint"):
+        pattern, what = ((_SLURM_CONSTRAINT, SLURM_CONSTRAINT_CHARS) if key == "constraint" else
+                         (_SLURM_NAME, SLURM_NAME_CHARS))
+        value = getattr(s, key)
+        check_line(value, f"slurm.{key}")
+        if not pattern.fullmatch(value):
+            raise ConfigError(f"slurm.{key}: expected {what}, got {value!r}")
+    for i, line in enumerate(s.setup):
+        check_line(line, f"slurm.setup[{i}]")
+    for section in ("env", "env_from"):
+        for name, value in getattr(s, section).items():
+            if not ENV_NAME.fullmatch(name):
+                raise ConfigError(f"slurm.{section}: {name!r} is not an environment variable name (expected "
+                                  "letters, digits and _, not starting with a digit)")
+            if section == "env":
+                _check_env_value(value, f"slurm.env.{name}")
+            elif not ENV_NAME.fullmatch(value):
+                raise ConfigError(f"slurm.env_from.{name}: expected the name of a variable of the submitting "
+                                  f"environment (letters, digits and _, not starting with a digit), got {value!r}")
+    both = sorted(set(s.env) & set(s.env_from))
+    if both:
+        raise ConfigError(f"slurm.env_from.{both[0]}: also set in slurm.env; give it in one of them")
+
+
+def parse_mode(text: str, key: str = "run_dir_mode") -> int:
+    """``"0750"`` -> 0o750; the owner must keep rwx (the run writes there). ConfigError naming ``key``."""
+    if not isinstance(text, str) or not re.fullmatch(r"0[0-7]{3}", text):
+        raise ConfigError(f"{key}: expected an octal mode with its leading 0 such as 0750 (quoted in YAML: "
+                          f"'0750'), got {text!r}")
+    mode = int(text, 8)
+    if mode & 0o700 != 0o700:
+        raise ConfigError(f"{key}: {text} takes from the owner the rwx a run needs on its own directory")
+    return mode
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Every section, then the layout and the curriculum at ``world_size`` (default: dist.world_size).
     Raises ConfigError naming the first bad key."""
+    parse_mode(cfg.run_dir_mode)
     validate_model(cfg.model)
     _validate_data(cfg.data)
     _validate_optim(cfg.optim)

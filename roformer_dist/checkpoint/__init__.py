@@ -3,7 +3,8 @@
 Owns: ``store.py`` (the layout of ``run_dir/checkpoints/``, saving with ``COMPLETE`` and ``latest``,
 checking files, marking ``BAD``, pruning, and :func:`~roformer_dist.checkpoint.store.resolve`: the one
 answer to "which checkpoint does this path name" for training, ``to-hf``, ``roformer-eval`` and
-fine-tuning), ``trainer_state.py`` (the ``trainer_state_rank<r>.pt`` payload), ``compat.py`` (may this
+fine-tuning), ``safe_load.py`` (loading checkpoint files without running code stored in them),
+``trainer_state.py`` (the ``trainer_state_rank<r>.pt`` payload), ``compat.py`` (may this
 run resume from that checkpoint), ``weights.py`` (the weights file format, and consolidated fp32
 weights out of any ZeRO stage or layout), ``universal.py`` (DeepSpeed's universal format for a resume
 at another world size), ``write_errors.py`` (why a write failed).

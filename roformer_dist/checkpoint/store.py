@@ -39,6 +39,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text
+from roformer_dist.checkpoint.safe_load import check_archive
 from roformer_dist.checkpoint.trainer_state import TrainerState
 from roformer_dist.checkpoint.write_errors import storage_error
 from roformer_dist.errors import CheckpointError, StorageError
@@ -50,6 +51,8 @@ COMPLETE = "COMPLETE"
 LATEST = "latest"
 BAD = "BAD"
 _TAG_RE = re.compile(r"^step_(\d+)$")
+_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
+"""A file name COMPLETE may list: a plain name inside the checkpoint directory (no path, no ``..``)."""
 _MARKERS = {COMPLETE, BAD}
 
 
@@ -131,14 +134,27 @@ def read_latest(ckpt_root: Path) -> Optional[str]:
     return tag
 
 
-def _found(ckpt_root: Path, tag: str) -> Optional[Found]:
+def _read_complete(ckpt_root: Path, tag: str) -> Found:
+    """The checkpoint ``tag`` as its COMPLETE marker describes it; OSError / ValueError / ... when the
+    marker is unreadable or lists a name that is not a file inside the checkpoint."""
     d = ckpt_root / tag
+    meta = json.loads((d / COMPLETE).read_text(encoding="utf-8"))
+    files = {str(k): int(v) for k, v in meta["files"].items()}
+    outside = [k for k in files if not _FILE_RE.fullmatch(k)]
+    if outside:  # joined to the directory, such a name would make the checks read a file elsewhere
+        raise ValueError(f"it lists {outside[0]!r}, not a file name inside the checkpoint")
+    return Found(d, tag, step_of(tag), int(meta["world_size"]), files)
+
+
+_MARKER_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError)
+
+
+def _found(ckpt_root: Path, tag: str) -> Optional[Found]:
     try:
-        meta = json.loads((d / COMPLETE).read_text(encoding="utf-8"))
-        return Found(d, tag, step_of(tag), int(meta["world_size"]),
-                     {str(k): int(v) for k, v in meta["files"].items()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        log.warning("%s: unreadable %s marker (%s); skipping this checkpoint", d, COMPLETE, short_error(e))
+        return _read_complete(ckpt_root, tag)
+    except _MARKER_ERRORS as e:
+        log.warning("%s: unreadable %s marker (%s); skipping this checkpoint", ckpt_root / tag, COMPLETE,
+                    short_error(e))
         return None
 
 
@@ -193,10 +209,10 @@ def resolve(path: str | os.PathLike) -> Found:
             reason = (p / BAD).read_text(encoding="utf-8", errors="replace").strip().splitlines()
             raise CheckpointError(f"{p}: marked {BAD} ({' '.join(reason[1:2]).strip() or 'see its BAD file'}); "
                                   "training skips it too")
-        found = _found(p.parent, p.name)
-        if found is None:
-            raise CheckpointError(f"{p}: unreadable {COMPLETE} marker")
-        return found
+        try:
+            return _read_complete(p.parent, p.name)
+        except _MARKER_ERRORS as e:
+            raise CheckpointError(f"{p}: unreadable {COMPLETE} marker ({short_error(e)})") from None
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     if not ((root / LATEST).exists() or _tags(root)):
         raise CheckpointError(f"{path}: not a roformer-dist checkpoint (expected {CHECKPOINT_FORMS})")
@@ -228,12 +244,7 @@ def check_file(ckpt_dir: Path, name: str, size: int) -> Optional[str]:
         except (CheckpointError, ValueError) as e:
             return str(e)
         return None
-    try:
-        # mmap: reads the archive's index and the pickled structure, not the tensor data
-        torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any failure to load is a damaged file
-        return f"{path}: unreadable ({short_error(e)})"
-    return None
+    return check_archive(path)  # its structure, unpickling nothing
 
 
 def check_share(found: Found, rank: int, world_size: int) -> list[str]:

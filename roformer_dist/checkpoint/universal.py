@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from data_pipeline.atomic import StagedDir, atomic_write_text
+from roformer_dist.checkpoint.safe_load import weights_only_loads
 
 __all__ = ["UNIVERSAL", "to_universal"]
 
@@ -33,7 +34,8 @@ def to_universal(ckpt_dir: Path, zero_stage: int) -> Path:
                          num_merge_workers=1, keep_temp_folder=False, strict=True,
                          inject_missing_state=zero_stage in (1, 2))
         log.info("converting %s to the universal format (ZeRO-%d)", ckpt_dir, zero_stage)
-        ds_to_universal.main(args)
+        with weights_only_loads():  # the conversion reads the ZeRO files without running their pickles
+            ds_to_universal.main(args)
         atomic_write_text(stage.path / "DONE", "ok\n")
         stage.commit()
     return out

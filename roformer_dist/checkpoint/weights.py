@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from data_pipeline.atomic import atomic_write
+from roformer_dist.checkpoint import safe_load
 from roformer_dist.checkpoint.store import COMPLETE, Found, is_complete, read_trainer_state, short_error, state_file
 from roformer_dist.config import ModelConfig, build, from_dict
 from roformer_dist.errors import CheckpointError, ConfigError
@@ -114,7 +115,9 @@ def _torch_load(path: Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path.parent}: missing {path.name} (is this a checkpoint of that layout?)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return safe_load.load(path)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - a damaged file
         raise CheckpointError(f"{path}: unreadable ({short_error(e)})") from None
 
@@ -177,8 +180,11 @@ def load_checkpoint_weights(found: Found | str | os.PathLike) -> tuple[ModelConf
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
-            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints per tensor group
+            # DeepSpeed prints per tensor group; its loads unpickle nothing but tensors (safe_load)
+            with contextlib.redirect_stdout(io.StringIO()), safe_load.weights_only_loads():
                 sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - DeepSpeed raises many kinds on a damaged file
             raise CheckpointError(f"{ckpt_dir}: cannot read the ZeRO files ({short_error(e)})") from None
     return cfg.model, {k: v.float() for k, v in sd.items()}

@@ -320,11 +320,10 @@ def main(argv=None) -> int:
     print("== 3/5 evaluation: eval loss beside the unigram baseline", flush=True)
     evals = eval_results(run_dir)
     print("== 4/5 export to HF transformers format", flush=True)
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     hf_dir = run_dir / "hf"
-    if not (hf_dir / "config.json").exists():
-        run([*module_cmd("roformer_dist.cli.convert"), "to-hf", "--checkpoint", str(run_dir / "checkpoints" / latest),
-             "--out", str(hf_dir), "--force"])
+    if not (hf_dir / "config.json").exists():  # the run directory: its newest complete checkpoint (store.resolve)
+        run([*module_cmd("roformer_dist.cli.convert"), "to-hf", "--checkpoint", str(run_dir), "--out", str(hf_dir),
+             "--force"])
     t3 = time.monotonic()
     print("== 5/5 downstream: sentiment fine-tuning (pretrained vs random init vs n-gram baseline)", flush=True)
     sentiment = downstream(paths, hf_dir, run_dir / "finetune", args)

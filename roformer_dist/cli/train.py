@@ -88,7 +88,7 @@ def _run(args, stop: StopFlag) -> int:
     resolved, manifest = resolve_data(cfg)  # manifest vs model config, before any process starts
     if as_rank:
         return run_rank(cfg, stop=stop)
-    with RunLock(cfg.run_dir) as lock:
+    with RunLock(cfg.run_dir, mode=cfg.run_dir_mode) as lock:
         stop.on_abort(lock.release)
         check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
         check_resume(resolved, manifest)

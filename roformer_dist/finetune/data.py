@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
+from data_pipeline.corpus import MAX_LINE_BYTES, read_line
 from data_pipeline.errors import DataError
 
 __all__ = ["Example", "Dataset", "read_examples", "label_list", "encode_labels"]
@@ -68,10 +70,25 @@ def _text(value, key: str, where: str) -> str:
     return value
 
 
+def _numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of binary file ``f``; a line over ``MAX_LINE_BYTES`` (one example per line:
+    no real one is that long) is a DataError naming it, and is never read whole."""
+    lineno = 0
+    while True:
+        raw, size = read_line(f, MAX_LINE_BYTES)
+        if not size:
+            return
+        lineno += 1
+        if raw is None:
+            raise DataError(f"{path}:{lineno}: a line of {size} bytes, over the limit of {MAX_LINE_BYTES} bytes "
+                            "for one example")
+        yield lineno, raw
+
+
 def _read_jsonl(path: Path) -> tuple[str, list[Example]]:
     task, out = None, []
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in _numbered_lines(f, path):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -83,6 +100,9 @@ def _read_jsonl(path: Path) -> tuple[str, list[Example]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # nested too deeply, an integer of too many digits
+                raise DataError(f"{where}: invalid JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") \
+                    from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             t = _task_of(obj, where)
@@ -104,7 +124,7 @@ def _read_tsv(path: Path) -> tuple[str, list[Example]]:
     out: list[Example] = []
     header = None
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in _numbered_lines(f, path):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
@@ -150,7 +170,7 @@ def read_examples(path: str | os.PathLike) -> Dataset:
 def _sort_key(labels: list[Label]):
     if all(isinstance(x, int) for x in labels):
         return lambda x: (0, x, "")
-    if all(isinstance(x, str) and x.lstrip("-").isdigit() for x in labels):
+    if all(isinstance(x, str) and re.fullmatch(r"-?[0-9]+", x) for x in labels):  # not str.isdigit: '²' is a digit
         return lambda x: (0, int(x), x)
     return lambda x: (1, 0, str(x))
 

@@ -147,9 +147,10 @@ def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> 
 def share_with_group(d: Path) -> None:
     """transformers writes model.safetensors through a private (0600) temporary file: give the files of a
     saved model directory the permissions any other file of the user gets (a shared cluster's group can
-    read them)."""
+    read them), except that neither the group nor others may write them, whatever the umask."""
     mask = os.umask(0)
     os.umask(mask)
+    mask |= 0o022
     for p in d.iterdir():
         if p.is_file():
             os.chmod(p, 0o666 & ~mask)

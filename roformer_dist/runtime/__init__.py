@@ -1,13 +1,14 @@
 """The process around a run: stop signals, the run lock, the process group, fault injection.
 
 Owns: ``stop.py`` (SIGTERM / SIGINT / USR2 as a stop request; a second Ctrl-C aborts; ranks die with
-their launcher), ``runlock.py`` (one writer per run directory; stale locks detected),
+their launcher), ``runlock.py`` (one writer per run directory; stale locks detected), ``rundir.py``
+(run directories created with a safe mode; foreign, group-writable or symlinked ones refused),
 ``process_group.py`` (the one torch.distributed bootstrap of training and fine-tuning, ``DistEnv``,
 ``free_port``, the checkpoint layer's collectives), ``faults.py`` (the fault hooks tests set through
 the environment).
 
-May import: ``roformer_dist.errors``, ``data_pipeline.atomic`` (the lock record's atomic write), the
-standard library and torch.distributed.
+May import: ``roformer_dist.errors``, ``roformer_dist.config`` (the run directory mode), ``data_pipeline.atomic``
+(the lock record's atomic write), the standard library and torch.distributed.
 
 Start reading at ``stop.py``.
 """

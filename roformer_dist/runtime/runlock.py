@@ -40,6 +40,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -50,7 +51,9 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.atomic import atomic_write_text, fsync_dir
+from roformer_dist.config import DEFAULT_RUN_DIR_MODE
 from roformer_dist.errors import RunLockedError, StorageError
+from roformer_dist.runtime.rundir import prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +65,15 @@ _SLURM_ALIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", 
                 "RESIZING"}
 
 
-def _pid_start(pid: int) -> Optional[int]:
-    """Start time of ``pid`` in clock ticks since boot (Linux), to tell a live holder from a reused pid."""
+def pid_start(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), to tell a live
+    process from another that reuses its pid; None when there is no such process (or no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        # the command name (field 2) may hold spaces and parentheses: split after its closing ')'
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
         return None
-    # the command name (field 2) may hold spaces and parentheses: split after its closing ')'
-    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,22 @@ class Holder:
     """SLURM_RESTART_COUNT: 0 for the first run of a job, n after n requeues."""
     pid_start: Optional[int] = None
     """The holder process's start time (clock ticks since boot) where known."""
+    uid: Optional[int] = None
+    """The holder's user id (None in records written before it was recorded)."""
+
+    @classmethod
+    def from_record(cls, data: object) -> "Holder":
+        """A record read back; TypeError for one whose fields have the wrong types (a damaged or forged
+        record: a pid that is not an integer would otherwise reach ``os.kill``)."""
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        kinds = {"host": str, "pid": int, "since": str, "command": str, "slurm_job_id": str,
+                 "slurm_attempt": int, "pid_start": (int, type(None)), "uid": (int, type(None))}
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        for k, kind in kinds.items():
+            if k in fields and (not isinstance(fields[k], kind) or isinstance(fields[k], bool)):
+                raise TypeError(f"field {k!r} is {fields[k]!r}")
+        return cls(**fields)
 
     @classmethod
     def of_this_process(cls) -> "Holder":
@@ -93,7 +113,7 @@ class Holder:
                    command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "",
                    slurm_job_id=os.environ.get("SLURM_JOB_ID", ""),
                    slurm_attempt=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                   pid_start=_pid_start(os.getpid()))
+                   pid_start=pid_start(os.getpid()), uid=os.geteuid())
 
     def describe(self) -> str:
         job = f", SLURM job {self.slurm_job_id} attempt {self.slurm_attempt}" if self.slurm_job_id else ""
@@ -104,10 +124,18 @@ class Holder:
             self.slurm_attempt != other.slurm_attempt
 
 
+SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
+"""A SLURM job id as sbatch prints it (``4242``), or one element of a job array (``4242_3``)."""
+
+
 def slurm_job_alive(job_id: str) -> Optional[bool]:
-    """Whether SLURM job ``job_id`` is still running; None when SLURM cannot be asked."""
+    """Whether SLURM job ``job_id`` is still running; None when SLURM cannot be asked (or ``job_id``, read
+    from a record, is not a job id: it never reaches the command line)."""
+    if not SLURM_JOB_ID.fullmatch(job_id):
+        return None
     try:
-        p = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=20)
+        p = subprocess.run(["squeue", "-h", f"--jobs={job_id}", "-o", "%T"], capture_output=True, text=True,
+                           timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if p.returncode != 0:
@@ -132,7 +160,7 @@ def holder_alive(h: Holder, host: Optional[str] = None) -> Optional[bool]:
             return False
         except PermissionError:
             pass
-        start = _pid_start(h.pid)
+        start = pid_start(h.pid)
         return h.pid_start is None or start is None or start == h.pid_start
     return None
 
@@ -174,8 +202,12 @@ def decide(*, lock_free: bool, holder: Optional[Holder], me: Holder, alive: Opti
 class RunLock:
     """``with RunLock(run_dir):`` holds ``run_dir`` for the block (see the module docstring)."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, use_flock: bool = True, requeue_grace_s: float = 30.0):
+    def __init__(self, run_dir: str | os.PathLike, *, mode: str = DEFAULT_RUN_DIR_MODE, use_flock: bool = True,
+                 requeue_grace_s: float = 30.0):
+        """``mode``: ``run_dir_mode``, for the directories created and the ownership check
+        (:mod:`roformer_dist.runtime.rundir`)."""
         self.run_dir = Path(run_dir)
+        self.mode = mode
         self.lock_path = self.run_dir / LOCK_FILE
         self.record_path = self.run_dir / HOLDER_FILE
         self.use_flock = use_flock
@@ -186,12 +218,11 @@ class RunLock:
     # ------------------------------------------------------------------ record
     def read_holder(self) -> Optional[Holder]:
         try:
-            data = json.loads(self.record_path.read_text(encoding="utf-8"))
-            return Holder(**{k: data[k] for k in Holder.__dataclass_fields__ if k in data})
+            return Holder.from_record(json.loads(self.record_path.read_text(encoding="utf-8")))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError, KeyError):
-            log.warning("%s is unreadable; treating the run lock as unrecorded", self.record_path)
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+            log.warning("%s is unreadable (%s); treating the run lock as unrecorded", self.record_path, e)
             return None
 
     def _write_record(self, me: Holder, replace: bool) -> None:
@@ -227,9 +258,9 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         me = Holder.of_this_process()
+        prepare_run_dir(self.run_dir, self.mode)
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             raise StorageError.from_os_error(e, "taking the run lock") from None
         got = self._try_flock() if self.use_flock else None

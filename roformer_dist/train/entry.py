@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
-from roformer_dist.errors import EXIT_DONE, RunLockedError, StorageError
+from roformer_dist.errors import EXIT_DONE, ConfigError, RunLockedError, StorageError
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
 from roformer_dist.runtime.runlock import RunLock
@@ -44,9 +44,9 @@ def _take_run_lock(cfg: Config, env: DistEnv, stop: StopFlag):
     lock, error = None, None
     if env.rank == 0:
         try:
-            lock = RunLock(cfg.run_dir).acquire()
+            lock = RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire()
             check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
-        except (RunLockedError, StorageError) as e:
+        except (RunLockedError, StorageError, ConfigError) as e:
             error = e
     error = TorchComm().broadcast(error)
     if error is not None:

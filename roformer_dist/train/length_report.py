@@ -13,12 +13,14 @@ weight decay), and has no rows at all past ``model.max_position_embeddings`` (re
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 from data_pipeline.manifest import read_manifest
+from data_pipeline.source import is_url
 from roformer_dist.checkpoint.store import Found, read_trainer_state, resolve
 from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from_state_dict
 from roformer_dist.config import from_dict, replace
@@ -108,12 +110,18 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
     cfg = replace(cfg, **changes) if changes else cfg
     if not cfg.data.eval_shards:
         raise ConfigError(f"{found.dir}: the run had no data.eval_shards; pass --eval-shards")
-    for key in ("shards", "eval_shards"):
+    flags = {"shards": ("--shards", shards), "eval_shards": ("--eval-shards", eval_shards)}
+    for key, (flag, given) in flags.items():
+        where = getattr(cfg.data, key)
+        if is_url(where) and where != given:
+            # a URL or pipe: command is run only when the user gives it, never from a stored config
+            raise ConfigError(f"data.{key} of the run is the URL {where!r}: shard sets at URLs are read only "
+                              f"when given on the command line; pass {flag} {shlex.quote(where)} if you trust it")
+    for key, (flag, _) in flags.items():
         where = getattr(cfg.data, key)
         try:
             m = read_manifest(where)
         except ValueError as e:
-            flag = "--shards" if key == "shards" else "--eval-shards"
             raise DataError(f"data.{key} of the run: {e} (pass {flag} if the shard set moved)") from None
         sha = m["tokenizer"]["sha256"]
         if state.tokenizer_sha256 and sha and sha != state.tokenizer_sha256:

@@ -21,6 +21,7 @@ from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.compat import check_compatible
+from roformer_dist.checkpoint.safe_load import weights_only_loads
 from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
 from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, save_config, to_dict, validate
@@ -152,11 +153,12 @@ class Trainer:
         if self.elastic:
             log.warning("world size changed %d -> %d: the loader re-deals the unread shards", found.world_size,
                         env.world_size)
-        if self.elastic and self.cfg.deepspeed.zero_stage > 0:
-            log.warning("loading the universal checkpoint %s/%s", found.dir, UNIVERSAL)
-            self.runner.load_checkpoint(str(found.dir), UNIVERSAL)
-        else:
-            self.runner.load_checkpoint(str(self.ckpt_root), found.tag)
+        with weights_only_loads():  # DeepSpeed's loads run no code stored in the files
+            if self.elastic and self.cfg.deepspeed.zero_stage > 0:
+                log.warning("loading the universal checkpoint %s/%s", found.dir, UNIVERSAL)
+                self.runner.load_checkpoint(str(found.dir), UNIVERSAL)
+            else:
+                self.runner.load_checkpoint(str(self.ckpt_root), found.tag)
         try:
             if self.elastic:
                 old = [ckpt.read_trainer_state(found.dir, r).loader for r in range(found.world_size)]

@@ -10,23 +10,27 @@
 # Partitions: `debug` (default, preemptable with a 30 s grace time), `high` (higher priority tier:
 # a job there preempts `debug` jobs, which are signalled and requeued; used by the preemption tests) and
 # `short` (MaxTime 2 minutes: a job asking for more can never start; used by the unschedulable-job test).
-# Env: LOCAL_SLURM_DIR (default /tmp/roformer-slurm) holds state, logs and the accounting DB.
-# Stop with slurm/local_cluster/stop.sh. Facts behind the settings: README.md, "Running on SLURM".
+# Env: ROFORMER_SLURM_ROOT (default ${TMPDIR:-/tmp}/roformer-slurm-<uid>) holds state, logs and the
+# accounting DB; created 0711, refused when it is a symlink, another user's, or writable by others
+# (common.sh). Stop with slurm/local_cluster/stop.sh. Facts behind the settings: README.md, "Running on SLURM".
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+. "$HERE/common.sh"
 
 NUM_NODES=1
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) NUM_NODES=${2:?--nodes needs 1 or 2}; shift 2 ;;
     --nodes=*) NUM_NODES=${1#--nodes=}; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "start.sh: unknown argument $1 (usage: start.sh [--nodes 1|2])" >&2; exit 2 ;;
   esac
 done
 case $NUM_NODES in 1|2) ;; *) echo "start.sh: --nodes must be 1 or 2, got $NUM_NODES" >&2; exit 2 ;; esac
 [ "$(id -u)" = 0 ] || { echo "start.sh: run as root" >&2; exit 1; }
 
-BASE=${LOCAL_SLURM_DIR:-/tmp/roformer-slurm}
+BASE=$(cluster_root)
+prepare_root "$BASE" || exit 1
 STATE=$BASE/state
 LOG=$STATE/log
 CLUSTER=localcluster
@@ -60,7 +64,26 @@ if [ -n "$missing" ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
-mkdir -p "$STATE/ctld" "$LOG"
+# state: passable by the job users (the spool directories below it); its daemons' own parts: root only
+install -d -m 0711 "$STATE"
+install -d -m 0700 "$STATE/ctld" "$LOG"
+
+# A cluster whose slurm.conf keeps its state elsewhere (an older start.sh used /tmp/roformer-slurm, or
+# another ROFORMER_SLURM_ROOT) must be stopped first: its daemons hold the ports and its pid files
+# are not in $STATE.
+PREV_STATE=$(sed -n 's|^StateSaveLocation=\(.*\)/ctld$|\1|p' "$CONF" 2>/dev/null | head -n 1)
+if [ -n "$PREV_STATE" ] && [ "$PREV_STATE" != "$STATE" ]; then
+  running=""
+  alive "$PREV_STATE/slurmctld.pid" slurmctld && running="$running slurmctld"
+  for f in "$PREV_STATE"/slurmd-*.pid; do alive "$f" slurmd && running="$running slurmd"; done
+  alive "$PREV_STATE/slurmdbd.pid" slurmdbd && running="$running slurmdbd"
+  alive "$PREV_STATE/mysql/mariadb.pid" mariadbd && running="$running mariadbd"
+  if [ -n "$running" ]; then
+    log "ERROR: a cluster with its state in $PREV_STATE is running ($(echo $running)); stop it first with" \
+        "slurm/local_cluster/stop.sh (it finds that state through $CONF), then run start.sh again"
+    exit 1
+  fi
+fi
 
 # 1. node names must resolve: the first node of a job becomes MASTER_ADDR
 for n in $HOST $NODES; do

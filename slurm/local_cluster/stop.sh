@@ -2,11 +2,20 @@
 # Idempotently stop the localhost SLURM cluster started by start.sh (one node or two, whichever runs).
 # Usage: slurm/local_cluster/stop.sh [--purge]   (--purge also deletes job state, logs and the accounting DB;
 # job ids then start again from 1, so use a fresh submitit folder / run_dir afterwards)
-# Processes are stopped by the pids in their pid files (SIGTERM, then SIGKILL after 15 s).
+# Processes are stopped by the pids in their pid files (SIGTERM, then SIGKILL after 15 s). The state
+# directory is the running cluster's: the one /etc/slurm/slurm.conf names when start.sh wrote it (also
+# a cluster an older start.sh kept in /tmp/roformer-slurm), else $ROFORMER_SLURM_ROOT/state
+# (common.sh; default ${TMPDIR:-/tmp}/roformer-slurm-<uid>). --purge checks that root as start.sh does.
 set -uo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+. "$HERE/common.sh"
 
-BASE=${LOCAL_SLURM_DIR:-/tmp/roformer-slurm}
-STATE=$BASE/state
+CONF=/etc/slurm/slurm.conf
+STATE=$(cluster_root)/state
+if head -n 1 "$CONF" 2>/dev/null | grep -q '^# Written by slurm/local_cluster/start.sh'; then
+  conf_state=$(sed -n 's|^StateSaveLocation=\(.*\)/ctld$|\1|p' "$CONF" | head -n 1)
+  STATE=${conf_state:-$STATE}
+fi
 MYSOCK=/run/mysqld/mysqld.sock
 log() { echo "[local_cluster/stop $(date +%T)] $*"; }
 pid_of() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null && [ "$(cat /proc/"$(cat "$1")"/comm 2>/dev/null)" = "$2" ] && cat "$1"; }
@@ -49,7 +58,11 @@ fi
 stop_pid munged "$(pid_of /run/munge/munged.pid munged)"
 
 if [ "${1:-}" = "--purge" ]; then
-  log "purging $STATE"; rm -rf "$STATE"
+  if check_root "$(dirname -- "$STATE")"; then
+    log "purging $STATE"; rm -rf -- "$STATE"
+  else
+    log "not purging $STATE"; exit 1
+  fi
 fi
 left=$(for n in slurmctld slurmd slurmstepd slurmdbd mariadbd munged; do pgrep -a -x $n; done)
 [ -n "$left" ] && { log "WARNING, still running:"; echo "$left"; exit 1; }

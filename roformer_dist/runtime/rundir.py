@@ -1,0 +1,104 @@
+"""Run directories that no one else can tamper with.
+
+A run directory holds what a later launch trusts: checkpoints that are resumed and pruned, the
+submitit pickles a requeue unpickles, the config. On a shared filesystem another user, or a member
+of the group, who can write there can make a run resume their checkpoint, delete another run's files
+through a ``checkpoints`` symlink, or replace a pickle. So, before anything is read or written:
+
+- missing directories are created with ``run_dir_mode`` (default ``0750``: no write for the group or
+  others; the umask cannot widen it, it is set with ``chmod``);
+- the run directory must be owned by the user running the job, and may not be writable by the group
+  or others beyond what ``run_dir_mode`` allows (``0770`` lets a team share one run directory);
+- its ``checkpoints/``, ``logs/`` and ``tb/`` are checked the same way with ``lstat``: a symlink there
+  is refused, not followed.
+
+A directory that fails is a :class:`~roformer_dist.errors.ConfigError` (exit status 2) naming the
+directory, its owner or mode, and the ``chmod`` that fixes it. The run directory itself may be a
+symlink (a user pointing ``runs/`` at scratch space); what it points to is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from roformer_dist.config import DEFAULT_RUN_DIR_MODE, parse_mode
+from roformer_dist.errors import ConfigError, StorageError
+
+__all__ = ["SUBDIRS", "prepare_run_dir", "check_run_dir"]
+
+SUBDIRS = ("checkpoints", "logs", "tb")
+"""The subdirectories whose contents a later launch trusts."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _check(path: Path, st: os.stat_result, mode: int) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"run_dir: {path} is not a directory")
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(f"run_dir: {path} belongs to {_owner(st.st_uid)}, not to you ({_owner(me)}): a run "
+                          "resumes and prunes only its own user's checkpoints; choose another run_dir")
+    extra = stat.S_IMODE(st.st_mode) & 0o022 & ~mode
+    if extra:
+        who = " and ".join(w for w, bit in (("the group", 0o020), ("others", 0o002)) if extra & bit)
+        raise ConfigError(f"run_dir: {path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}, "
+                          f"run_dir_mode {mode:04o}): whoever can write there can replace what a resume "
+                          f"loads; run `chmod go-w {path}` or set run_dir_mode")
+
+
+def check_run_dir(run_dir: str | os.PathLike, mode: int) -> None:
+    """The checks of the module docstring on an existing run directory and its trusted subdirectories."""
+    run_dir = Path(run_dir)
+    _check(run_dir, run_dir.stat(), mode)
+    for name in SUBDIRS:
+        sub = run_dir / name
+        try:
+            st = sub.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(f"run_dir: {sub} is a symlink (to {os.readlink(sub)}); it is not followed: a run "
+                              "would resume and prune what it points to. Remove the link")
+        _check(sub, st, mode)
+
+
+def _mkdir(path: Path, mode: int) -> None:
+    """Create ``path`` and its missing parents; those created get exactly ``mode``."""
+    missing = []
+    p = path
+    while not p.exists() and not p.is_symlink():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:
+            continue  # created by another rank or launch a moment ago: checked below like any other
+        os.chmod(d, mode)
+
+
+def prepare_run_dir(run_dir: str | os.PathLike, mode_text: str = DEFAULT_RUN_DIR_MODE) -> Path:
+    """Create ``run_dir`` (and missing parents) and its :data:`SUBDIRS` with ``mode_text``, and check them
+    (module docstring). ConfigError for a directory that is not safe to use, StorageError when it cannot
+    be created."""
+    mode = parse_mode(mode_text)
+    run_dir = Path(run_dir)
+    try:
+        _mkdir(run_dir, mode)
+        check_run_dir(run_dir, mode)  # before creating anything inside: a symlinked subdirectory stays as it is
+        for name in SUBDIRS:
+            _mkdir(run_dir / name, mode)
+    except OSError as e:
+        raise StorageError.from_os_error(e, "creating the run directory") from None
+    check_run_dir(run_dir, mode)
+    return run_dir
