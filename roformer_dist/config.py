@@ -121,6 +121,9 @@ class DataConfig:
     HTTP 5xx/408/429, connection errors, a failing pipe: command); 1 = no retry."""
     url_retry_wait_s: float = 1.0
     """Wait before the first retry of a URL; doubled before each further one (at most 30 s)."""
+    url_timeout_s: float = 600.0
+    """One read of a URL (curl, a pipe: command) that has not finished after this many seconds is killed
+    and counts as a transient failure (retried)."""
 
 
 @dataclass(frozen=True)
@@ -653,6 +656,7 @@ def _validate_data(d: DataConfig) -> None:
     _positive(d.num_workers, "data.num_workers", allow_zero=True)
     _positive(d.url_retries, "data.url_retries")
     _positive(d.url_retry_wait_s, "data.url_retry_wait_s", allow_zero=True)
+    _positive(d.url_timeout_s, "data.url_timeout_s")
 
 
 def _validate_optim(o: OptimConfig) -> None:

@@ -270,3 +270,18 @@ def test_fine_tuning_readers_refuse_an_endless_line_and_deep_json(tmp_path):
     t.write_bytes(b"sentence\tlabel\n" + b"y" * (MAX_LINE_BYTES + 1) + b"\t1\n")
     with pytest.raises(DataError, match=r"train.tsv:2: a line of"):
         read_examples(t)
+
+
+def test_the_url_time_limit_is_the_configs(small_shards):
+    from data_pipeline.source import default_retry, set_default_retry
+    from roformer_dist.train.data import resolve_data
+
+    before = default_retry()
+    try:
+        resolve_data(load_config(DEBUG, [f"data.shards={small_shards.dir}", f"data.eval_shards={small_shards.eval_dir}",
+                                         "data.url_timeout_s=7.5"]))
+        assert default_retry().timeout_s == 7.5
+    finally:
+        set_default_retry(before)
+    with pytest.raises(ConfigError, match="data.url_timeout_s"):
+        load_config(DEBUG, ["data.url_timeout_s=0"])

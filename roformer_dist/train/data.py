@@ -30,7 +30,8 @@ def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Con
     """Read the shard manifests; fill model.vocab_size; refuse mismatches before training
     (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field)."""
     # URL reads of this process and of the loaders it creates (their workers inherit the policy)
-    set_default_retry(RetryPolicy(attempts=cfg.data.url_retries, wait_s=cfg.data.url_retry_wait_s))
+    set_default_retry(RetryPolicy(attempts=cfg.data.url_retries, wait_s=cfg.data.url_retry_wait_s,
+                                  timeout_s=cfg.data.url_timeout_s))
     auto = cfg.model.vocab_size == "auto"
     try:
         manifest = check_training_data(
