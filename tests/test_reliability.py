@@ -233,7 +233,7 @@ def mount_tmpfs(path: Path, size: str, read_only: bool = False):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs",
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0750" + (",ro" if read_only else ""), "tmpfs",
                         str(path)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
