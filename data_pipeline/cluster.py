@@ -197,9 +197,9 @@ def _read_result(staging: Path, t: Task) -> dict:
         if not isinstance(r.get("seconds"), (int, float)) or isinstance(r["seconds"], bool):
             raise DataError(f"{path}: field 'seconds': expected a number, got {r.get('seconds')!r}")
         r["_stats"] = CorpusStats.from_dict(r["stats"])
+    except DataError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, DataError):
-            raise
         raise DataError(f"{path}: not a task result ({type(e).__name__}: {e})") from None
     return r
 

@@ -54,6 +54,7 @@ from .masking import mask_tokens, sample_keys
 from .shards import CorruptShardError, load_shard
 from .slots import Piece, SlotState, deal, elastic_slot_states, epoch_shard_order
 from .source import RetryPolicy, ShardSource, default_retry
+from .tario import check_token_ids
 
 __all__ = ["ShardLoader", "deal", "epoch_shard_order", "slot_sequences", "slot_batches", "elastic_slot_states",
            "merge_states", "ShardCache", "SlotState", "Piece", "Position", "BatchInfo", "STATE_FORMAT"]
@@ -112,11 +113,9 @@ class ShardCache:
         idx[sep_pos] = 0
         tokens = shard.tokens[idx]
         tokens[sep_pos] = self.sep
-        top = int(tokens.max()) if total else -1           # one pass: an id past the embedding is bad data
-        if top >= self.vocab:
-            raise CorruptShardError(f"{self.source.child(self.m['shards'][piece.shard]['name'])}: token id {top} "
-                                    f"is not below the manifest's vocab_size {self.vocab}: the shard does not "
-                                    "belong to this set's tokenizer")
+        # one pass: an id past the embedding is bad data
+        check_token_ids(int(tokens.max()) if total else -1, self.vocab,
+                        self.source.child(self.m["shards"][piece.shard]["name"]))
         marks = None
         if self.use_wwm and shard.marks is not None:
             midx = idx + np.repeat(shard.wwm_start[order] - src_start, lens)

@@ -130,9 +130,10 @@ def _check_tokenizer_entry(path, tok: dict) -> None:
     for k in ("path", "sha256"):
         if k not in tok or not (tok[k] is None or isinstance(tok[k], str)):
             raise _field_error(path, f"tokenizer.{k}", "a string (or null for a synthetic set)", tok.get(k))
-    if tok["path"] is not None and name_problem(tok["path"]) is not None:
+    problem = None if tok["path"] is None else name_problem(tok["path"])
+    if problem is not None:
         raise DataError(f"{path}: field 'tokenizer.path': expected a plain file name inside the set (like "
-                        f"tokenizer.model), got {_REPR.repr(tok['path'])}: {name_problem(tok['path'])}")
+                        f"tokenizer.model), got {_REPR.repr(tok['path'])}: {problem}")
     if tok["sha256"] is not None and not _HEX64.match(tok["sha256"]):
         raise _field_error(path, "tokenizer.sha256", "64 lowercase hex digits", tok["sha256"])
 

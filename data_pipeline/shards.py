@@ -169,6 +169,15 @@ def _manifest(entries: list[dict], vocab_size: int, dtype: str, tok: Optional[di
     }
 
 
+def _tokenizer_into_set(tokenizer: str | os.PathLike, out_dir: Path, name: str = TOKENIZER_IN_SET) -> dict:
+    """Copy the model ``tokenizer`` into the set as ``name`` (a plain file name) unless it is already that
+    file; its manifest entry ``{path, sha256}``."""
+    model_path = out_dir / check_name(name, "tokenizer_in_set")
+    if Path(tokenizer).resolve() != model_path.resolve():
+        atomic_write_bytes(model_path, Path(tokenizer).read_bytes())  # names model_path on a full disk
+    return {"path": name, "sha256": sha256_file(model_path)}
+
+
 def write_shard_set(docs: Iterable, out_dir: str | os.PathLike, vocab_size: int, *,
                     shard_size_mb: float = 64.0, max_docs_per_shard: Optional[int] = None,
                     tokenizer: str | os.PathLike | None = None, force: bool = False) -> dict:
@@ -189,10 +198,7 @@ def write_shard_set(docs: Iterable, out_dir: str | os.PathLike, vocab_size: int,
         w.close_shard()
         if not w.entries:
             raise DataError(f"{out_dir}: no documents to write")
-        tok = None
-        if tokenizer is not None:
-            atomic_write_bytes(stage.path / TOKENIZER_IN_SET, Path(tokenizer).read_bytes())
-            tok = {"path": TOKENIZER_IN_SET, "sha256": sha256_file(stage.path / TOKENIZER_IN_SET)}
+        tok = None if tokenizer is None else _tokenizer_into_set(tokenizer, stage.path)
         manifest = _manifest(w.entries, vocab_size, w.dtype.name, tok, bool(wwm), {})
         write_manifest(stage.path, manifest)
         stage.commit()
@@ -270,10 +276,8 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     out_dir = Path(out_dir)
     tok = Tokenizer(tokenizer, jieba=jieba)
     if tokenizer_in_set is not None:
-        model_path = out_dir / check_name(tokenizer_in_set, "tokenizer_in_set")
-        if Path(tokenizer).resolve() != model_path.resolve():
-            atomic_write_bytes(model_path, Path(tokenizer).read_bytes())  # names model_path on a full disk
-        tok_entry = {"path": tokenizer_in_set, "sha256": sha256_file(model_path)}
+        tok_entry = _tokenizer_into_set(tokenizer, out_dir, tokenizer_in_set)
+        model_path = out_dir / tokenizer_in_set
     else:
         model_path = Path(tokenizer)
         tok_entry = {"path": str(model_path.resolve()), "sha256": sha256_file(model_path)}

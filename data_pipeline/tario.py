@@ -32,7 +32,7 @@ import numpy as np
 from .errors import DataError, UsageError
 
 __all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter", "documents_blob",
-           "max_token_id", "MAX_SHARD_BYTES"]
+           "max_token_id", "check_token_ids", "MAX_SHARD_BYTES"]
 
 MAX_SHARD_BYTES = 1 << 34
 """The largest shard file (16 GiB): a shard is read whole into memory, by every loader worker."""
@@ -206,6 +206,13 @@ def max_token_id(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) ->
     return int(np.maximum.reduceat(tokens, bounds)[0::2].max())
 
 
+def check_token_ids(top: int, vocab_size: int, where: str) -> None:
+    """CorruptShardError naming ``where`` when the largest token id ``top`` is not below ``vocab_size``."""
+    if top >= vocab_size:
+        raise CorruptShardError(f"{where}: token id {top} is not below the manifest's vocab_size {vocab_size}: "
+                                "the shard does not belong to this set's tokenizer")
+
+
 def parse_shard(buf: bytes, name: str, dtype: str | np.dtype, entry: Optional[dict] = None,
                 verify_hash: bool = True, vocab_size: Optional[int] = None) -> ShardData:
     """Index one shard held in memory; CorruptShardError naming it (``name``: its path or URL) when it is
@@ -250,10 +257,7 @@ def parse_shard(buf: bytes, name: str, dtype: str | np.dtype, entry: Optional[di
                                     f"manifest says {entry['num_docs']} / {entry['num_tokens']}")
     tok_start = starts // dtype.itemsize
     if vocab_size is not None:
-        top = max_token_id(tokens, tok_start, lengths)
-        if top >= vocab_size:
-            raise CorruptShardError(f"{path}: token id {top} is not below the manifest's vocab_size {vocab_size}: "
-                                    "the shard does not belong to this set's tokenizer")
+        check_token_ids(max_token_id(tokens, tok_start, lengths), vocab_size, path)
     return ShardData(os.path.basename(str(path)), tokens, marks, tok_start, wwm_start, lengths)
 
 

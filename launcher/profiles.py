@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.source import is_url
-from roformer_dist.config import Config, SlurmConfig, check_line, load_config, replace
+from roformer_dist.config import ENV_NAME, Config, SlurmConfig, check_line, load_config, replace
 from roformer_dist.errors import ConfigError
 
 # Written into the sbatch script before srun: `scancel --signal=USR2 --full` (and some preemption setups)
@@ -121,7 +121,8 @@ def job_name(cfg: Config) -> str:
     return "roformer-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(cfg.run_dir).name)
 
 
-_REFERENCE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
+_REFERENCE = re.compile(rf"\$(?:{ENV_NAME.pattern}|\{{{ENV_NAME.pattern}\}})")
+"""``$NAME`` or ``${NAME}``: the one form of expansion an ``slurm.env`` value may use."""
 
 
 def _double_quoted(value: str, key: str = "slurm.env") -> str:

@@ -68,6 +68,19 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+@contextlib.contextmanager
+def fuzz_case(what: str):
+    """One fuzz case: done within 2 s, and nothing but our error classes (handled inside) escapes it;
+    a hang or any other exception fails the test naming ``what``."""
+    try:
+        with deadline(2):
+            yield
+    except Hang:
+        pytest.fail(f"{what}: hung")
+    except Exception as exc:          # noqa: BLE001 - the point: any other exception is a crash
+        pytest.fail(f"{what}: {type(exc).__name__}: {exc}")
+
+
 def _copy(small_shards, tmp_path) -> Path:
     d = tmp_path / "set"
     shutil.copytree(small_shards.dir, d)
@@ -535,22 +548,17 @@ def test_fuzz_the_tar_parser(synthetic, small_shards):
     for case in range(5000):
         e, buf, headers, mm = shards[case % len(shards)] if case % 5 else shards[-1]
         bad = _mutate_tar(rng, buf, headers)
-        try:
-            with deadline(2):
-                try:
-                    _check_parsed(parse_shard(bad, "fuzz.tar", mm["dtype"], e if case % 2 else None,
-                                              verify_hash=False, vocab_size=mm["vocab_size"]), bad)
-                    outcomes["parsed"] += 1
-                except OURS:
-                    outcomes["refused"] += 1
-                try:
-                    list(iter_tar_members(bad, "fuzz.tar"))
-                except OURS:
-                    pass
-        except Hang:
-            pytest.fail(f"case {case}: the tar parser hung on a mutated {e['name']}")
-        except Exception as exc:          # noqa: BLE001 - the point: any other exception is a crash
-            pytest.fail(f"case {case}: {type(exc).__name__}: {exc} (a mutated {e['name']})")
+        with fuzz_case(f"case {case} (a mutated {e['name']})"):
+            try:
+                _check_parsed(parse_shard(bad, "fuzz.tar", mm["dtype"], e if case % 2 else None,
+                                          verify_hash=False, vocab_size=mm["vocab_size"]), bad)
+                outcomes["parsed"] += 1
+            except OURS:
+                outcomes["refused"] += 1
+            try:
+                list(iter_tar_members(bad, "fuzz.tar"))
+            except OURS:
+                pass
     assert outcomes["refused"] > 2000 and outcomes["parsed"] > 100, outcomes
     assert time.monotonic() - t0 < 60
 
@@ -614,30 +622,25 @@ def test_fuzz_the_manifest_reader(synthetic):
     outcomes = {"parsed": 0, "refused": 0}
     for case in range(3000):
         raw = _mutate_manifest(rng, good)
-        try:
-            with deadline(2):
+        with fuzz_case(f"case {case} (on {raw[:300]!r})"):
+            try:
+                m = parse_manifest(raw, "fuzz/manifest.json")
+            except OURS:
+                outcomes["refused"] += 1
+                continue
+            outcomes["parsed"] += 1
+            for e in m["shards"]:                         # what readers do with a manifest that parses
+                assert 0 <= shard_byte_limit(e, 2) <= 1 << 34
+                src.child(e["name"])
+            if m["tokenizer"]["path"] is not None:
+                src.child(m["tokenizer"]["path"])
+            try:
+                deal(0, 0, shard_sizes(m), 3)
+            except UsageError:
+                pass
+            if case % 4 == 0:
                 try:
-                    m = parse_manifest(raw, "fuzz/manifest.json")
+                    load_shard(d, m, rng.randrange(len(m["shards"])))
                 except OURS:
-                    outcomes["refused"] += 1
-                    continue
-                outcomes["parsed"] += 1
-                for e in m["shards"]:                         # what readers do with a manifest that parses
-                    assert 0 <= shard_byte_limit(e, 2) <= 1 << 34
-                    src.child(e["name"])
-                if m["tokenizer"]["path"] is not None:
-                    src.child(m["tokenizer"]["path"])
-                try:
-                    deal(0, 0, shard_sizes(m), 3)
-                except UsageError:
                     pass
-                if case % 4 == 0:
-                    try:
-                        load_shard(d, m, rng.randrange(len(m["shards"])))
-                    except OURS:
-                        pass
-        except Hang:
-            pytest.fail(f"case {case}: the manifest reader hung on {raw[:200]!r}")
-        except Exception as exc:          # noqa: BLE001 - the point: any other exception is a crash
-            pytest.fail(f"case {case}: {type(exc).__name__}: {exc} on {raw[:300]!r}")
     assert outcomes["refused"] > 500 and outcomes["parsed"] > 50, outcomes
