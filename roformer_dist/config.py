@@ -43,6 +43,8 @@ HiddenAct = Literal["gelu", "gelu_new", "relu"]
 PositionEmbedding = Literal["rotary", "absolute"]
 RotaryBackend = Literal["auto", "reference", "compiled", "triton", "apex", "flash_attn"]
 AttentionKind = Literal["softmax", "linear"]
+Packing = Literal["document", "cross_document"]
+DocumentPositions = Literal["restart", "continue"]
 OptimizerName = Literal["adamw", "lamb"]
 LRSchedule = Literal["linear", "cosine", "constant"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -97,6 +99,10 @@ class ModelConfig:
     attention: AttentionKind = "softmax"
     """softmax (scaled dot-product, O(S^2)) | linear (the paper's section 3.3: feature map elu(x)+1,
     rotary on the feature maps, O(S) time and memory; see roformer_dist/nn/attention.py)."""
+    document_positions: DocumentPositions = "restart"
+    """Positions in rows that carry document numbers (``data.packing: document``): restart (each
+    document counts from 0, as if it were alone) | continue (the row's positions). No parameters: a
+    resumed run may change it."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,10 @@ class DataConfig:
     pipe:COMMAND, file:; ``{name}`` in it is replaced by the file name, else ``/<name>`` is appended)."""
     eval_shards: str = ""
     """Held-out shard set (a directory or URL prefix, as data.shards); empty = no eval."""
+    packing: Packing = "document"
+    """document (attention and positions stay inside each packed document: block-diagonal, see
+    roformer_dist/nn/documents.py) | cross_document (every token of a row attends to the whole row).
+    The rows are the same either way; eval uses the same packing. A resumed run may change it."""
     num_workers: int = 1
     """DataLoader worker processes per rank (0 = load in the training process)."""
     mlm_probability: float = 0.15
@@ -651,6 +661,7 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
+    _check_choices(d, "data")
     if not 0.0 < d.mlm_probability < 1.0:
         raise ConfigError(f"data.mlm_probability: expected a value in (0, 1), got {d.mlm_probability}")
     _positive(d.num_workers, "data.num_workers", allow_zero=True)

@@ -20,8 +20,9 @@ from roformer_dist.errors import CheckpointError, ConfigError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 
 FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                             "initializer_range"})
-"""Model settings a resumed run may change: the kernel used, dropout, the initialiser (already used)."""
+                             "initializer_range", "document_positions"})
+"""Model settings a resumed run may change: the kernel used, dropout, the initialiser (already used),
+how packed documents count positions (no parameters)."""
 
 _MAX_SHAPES = 8
 _ZERO_FORMAT = {0: "module optimizer", 1: "partitioned optimizer", 2: "partitioned optimizer", 3: "partitioned all"}

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from roformer_dist.config import AttentionKind
+from roformer_dist.nn import documents
+from roformer_dist.nn.documents import DocumentPlan, RowMask
 from roformer_dist.nn.rotary import rotate_pair
 
 
@@ -99,14 +101,20 @@ def softmax_attention(q, k, v, attn_mask, dropout_p: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
-def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: Optional[torch.Tensor],
+def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: RowMask,
                    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], kernel: Optional[str],
                    rotary_value: bool, dropout_p: float) -> torch.Tensor:
     """Projections (B, S, 3, H, D) -> context (B, S, H * D).
 
-    ``attn_mask``: bool (B, 1, 1, S), True = attend (softmax also takes an additive float mask) or None.
-    ``cos``/``sin``: fp32 (S, D/2) rotary tables, None for absolute positions. ``kernel``: the rotary
-    kernel (``rotary.model_kernel``). ``dropout_p``: on the softmax probabilities (0 in eval)."""
+    ``attn_mask``: bool (B, 1, 1, S), True = attend (softmax also takes an additive float mask), None,
+    or a :class:`~roformer_dist.nn.documents.DocumentPlan` (attention inside each packed document; it
+    carries its own rotary tables). ``cos``/``sin``: fp32 (S, D/2) rotary tables (or (B, S, D/2), one
+    per row), None for absolute positions. ``kernel``: the rotary kernel (``rotary.model_kernel``).
+    ``dropout_p``: on the softmax probabilities (0 in eval)."""
+    if isinstance(attn_mask, DocumentPlan):
+        if kind == "softmax" and documents.varlen_applies(attn_mask, qkv):
+            return varlen_attention(qkv, attn_mask, kernel, rotary_value, dropout_p)
+        return document_attention(kind, qkv, attn_mask, kernel, rotary_value, dropout_p)
     B, S = qkv.shape[:2]
     q, k, v = qkv.unbind(2)  # (B, S, H, D) views of one buffer
     if cos is not None and rotary_value:
@@ -120,10 +128,43 @@ def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: Optional[t
     return ctx.transpose(1, 2).reshape(B, S, -1)
 
 
+def document_attention(kind: AttentionKind, qkv: torch.Tensor, plan: DocumentPlan, kernel: Optional[str],
+                       rotary_value: bool, dropout_p: float) -> torch.Tensor:
+    """Each block of the plan as one dense attention call, the results gathered back to (B, S, H * D);
+    padding positions get a zero context."""
+    B, S, _, H, D = qkv.shape
+    gathered = qkv.reshape(B * S, 3, H, D).index_select(0, plan.slots)   # one gather (and one scatter back)
+    outs = []
+    for b, x in zip(plan.blocks, gathered.split([n * L for n, L in (b.shape for b in plan.blocks)])):
+        n, L = b.shape
+        x = x.view(n, L, 3, H, D)
+        ctx = attention_core(kind, x, b.key_mask, b.cos, b.sin, kernel, rotary_value, dropout_p).reshape(n * L, H * D)
+        outs.append(ctx if b.keep is None else ctx.index_select(0, b.keep))
+    outs.append(qkv.new_zeros(1, H * D))
+    return torch.cat(outs).index_select(0, plan.inverse).view(B, S, H * D)
+
+
+def varlen_attention(qkv: torch.Tensor, plan: DocumentPlan, kernel: Optional[str], rotary_value: bool,
+                     dropout_p: float) -> torch.Tensor:
+    """Softmax attention over the documents laid end to end, through ``documents.varlen_kernel``
+    (flash-attn's varlen kernel on CUDA): no padding at all."""
+    B, S, _, H, D = qkv.shape
+    vl = plan.varlen
+    tokens = qkv.reshape(B * S, 3, H, D).index_select(0, vl.order)[None]   # (1, T, 3, H, D)
+    q, k, v = tokens.unbind(2)
+    if vl.cos is not None:
+        if rotary_value:
+            v = rotate_pair(v, None, vl.cos, vl.sin, kernel)[0]
+        q, k = rotate_pair(q, k, vl.cos, vl.sin, kernel)
+    ctx = documents.varlen_kernel(q[0], k[0], v[0], vl.cu_seqlens, vl.max_len, dropout_p)   # (T, H, D)
+    out = torch.cat([ctx.reshape(-1, H * D), qkv.new_zeros(1, H * D)])
+    return out.index_select(0, plan.inverse).view(B, S, H * D)
+
+
 def uses_dropout_rng(kind: AttentionKind, dropout_p: float) -> bool:
     """Whether ``attention_core`` draws from the RNG (softmax attention with dropout)."""
     return kind == "softmax" and dropout_p > 0.0
 
 
-__all__ = ["attention_core", "linear_attention", "softmax_attention", "eager_softmax_attention", "feature_map",
+__all__ = ["attention_core", "document_attention", "varlen_attention", "linear_attention", "softmax_attention", "eager_softmax_attention", "feature_map",
            "key_padding_mask", "uses_dropout_rng"]

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from data_pipeline.masking import IGNORE_INDEX
 from roformer_dist.config import ModelConfig, validate_model
 from roformer_dist.nn.attention import attention_core
+from roformer_dist.nn.documents import Layout, row_layout, uses_varlen
 from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
 
@@ -78,7 +79,9 @@ class RoFormerEmbeddings(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         self.project = nn.Linear(emb, cfg.hidden_size) if emb != cfg.hidden_size else None
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids`` (B, S): the absolute positions' rows (packed documents); None = 0..S-1."""
         x = self.word_embeddings(input_ids)  # (B, S, E)
         if token_type_ids is None:
             # row 0 broadcast: same as embedding a zero tensor, without allocating one
@@ -86,7 +89,10 @@ class RoFormerEmbeddings(nn.Module):
         else:
             x = x + self.token_type_embeddings(token_type_ids)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[: input_ids.shape[1]]
+            if position_ids is None:
+                x = x + self.position_embeddings.weight[: input_ids.shape[1]]
+            else:
+                x = x + self.position_embeddings(position_ids)
         x = self.dropout(self.norm(x))
         if self.project is not None:
             x = self.project(x)
@@ -224,6 +230,17 @@ def masked_lm_loss(logits: torch.Tensor, target: torch.Tensor, criterion=cross_e
     return criterion(logits.float(), target)
 
 
+def layer_inputs(cfg: ModelConfig, rotary: Optional[RotaryCache], attention_mask: Optional[torch.Tensor],
+                 seq_len: int, device: torch.device) -> Layout:
+    """What every layer takes besides the hidden states (attn_mask, cos, sin) and the embeddings'
+    position rows, for a (B, S) mask (0 = padding, else document numbers, see
+    :mod:`roformer_dist.nn.documents`); the mask is None when nothing is masked (SDPA's fastest kernels).
+    Also the pipeline stages' code."""
+    cos, sin = rotary.get(seq_len, device) if rotary is not None else (None, None)
+    return row_layout(attention_mask, cfg.document_positions == "restart", cos, sin,
+                      blocks_only=cfg.attention == "linear", varlen=uses_varlen(cfg.attention, device))
+
+
 def rotary_cache(cfg: ModelConfig) -> Optional[RotaryCache]:
     """The cos/sin cache of a rotary model (None with absolute positions)."""
     if cfg.position_embedding != "rotary":
@@ -284,14 +301,6 @@ class RoFormerForMaskedLM(nn.Module):
             return None, None
         return self.rotary.get(seq_len, device)
 
-    @staticmethod
-    def attention_bias(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """(B, S) 1 = token, 0 = padding -> bool (B, 1, 1, S) True = attend; None stays None
-        (which lets SDPA use its fastest kernels)."""
-        if attention_mask is None:
-            return None
-        return attention_mask.bool()[:, None, None, :]
-
     def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final hidden states (B, S, hidden)."""
@@ -299,9 +308,8 @@ class RoFormerForMaskedLM(nn.Module):
         if S > self.config.max_position_embeddings and self.rotary is None:
             raise ValueError(f"sequence length {S} exceeds model.max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        hidden = self.embeddings(input_ids, token_type_ids)
-        mask = self.attention_bias(attention_mask)
-        cos, sin = self.rotary_tables(S, hidden.device)
+        mask, cos, sin, positions = layer_inputs(self.config, self.rotary, attention_mask, S, input_ids.device)
+        hidden = self.embeddings(input_ids, token_type_ids, positions)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 hidden = checkpoint(layer, hidden, mask, cos, sin, use_reentrant=False)
@@ -345,4 +353,4 @@ class RoFormerForMaskedLM(nn.Module):
 
 __all__ = ["RoFormerForMaskedLM", "RoFormerEmbeddings", "RoFormerLayer", "RoFormerSelfAttention",
            "RoFormerMLMHead", "MaskedLMOutput", "IGNORE_INDEX", "ACTIVATIONS", "select_predicted",
-           "cross_entropy_and_accuracy", "masked_lm_loss", "rotary_cache"]
+           "cross_entropy_and_accuracy", "masked_lm_loss", "rotary_cache", "layer_inputs"]

@@ -425,9 +425,16 @@ _KERNELS: dict[str, PairKernel] = {
 def rotate_pair(x1: torch.Tensor, x2: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 backend: str = "reference") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The one dispatch: rotate x1 and x2 (B, S, H, D; x2 may be None) at positions 0..S-1 with
-    ``backend`` (a config value, or a kernel name from :func:`model_kernel`); cos/sin (S, D/2) fp32.
+    ``backend`` (a config value, or a kernel name from :func:`model_kernel`); cos/sin (S, D/2) fp32, or
+    (B, S, D/2) for a table per row (packed documents that keep their row positions).
     Returns new tensors in the inputs' dtypes."""
     kernel = backend if backend == HALF_LAYOUT else resolve_backend(backend, x1.device)
+    if cos.dim() == 3:  # one table per row: the rows as one long sequence, so every kernel applies
+        B, S = x1.shape[:2]
+        def seq(x):
+            return None if x is None else x.reshape(1, B * S, *x.shape[2:])
+        o1, o2 = _KERNELS[kernel](seq(x1), seq(x2), cos.reshape(B * S, -1), sin.reshape(B * S, -1))
+        return o1.reshape(x1.shape), (None if o2 is None else o2.reshape(x2.shape))
     return _KERNELS[kernel](x1, x2, cos, sin)
 
 

@@ -9,7 +9,9 @@ Layer list (the indices are those of DeepSpeed's per-layer checkpoint files ``la
     L+2      TiedLayerSpec "vocab", forward_fn=decode   predicted positions x tied word embedding shard
 
 Every activation that crosses a stage boundary has a fixed shape for a given (micro-batch, seq_len):
-``(hidden (B, S, H) float, attention_mask (B, S) int64, labels (B, S) int64)``. The labels travel with
+``(hidden (B, S, H) float, attention_mask (B, S) int64, labels (B, S) int64)``; the mask carries the
+packed documents' numbers (``roformer_dist.nn.documents``), and each layer derives its attention plan
+from it. The labels travel with
 the activations, so only the first stage reads data (the last stage gets a dummy iterator); the
 gather of the predicted positions (a data-dependent shape) happens inside the last layer.
 
@@ -30,7 +32,9 @@ import functools
 import torch
 from torch import nn
 
-from roformer_dist.nn.model import RoFormerForMaskedLM, RoFormerMLMHead, masked_lm_loss, rotary_cache, select_predicted
+from roformer_dist.nn.documents import row_layout
+from roformer_dist.nn.model import (RoFormerForMaskedLM, RoFormerMLMHead, layer_inputs, masked_lm_loss, rotary_cache,
+                                    select_predicted)
 from roformer_dist.parallel.tensor import (VocabParallelEmbedding, parallelize_layer, vocab_parallel_bias,
                                            vocab_parallel_decode, vocab_parallel_loss, vocab_range)
 
@@ -46,6 +50,7 @@ class VocabPipe(nn.Module):
         self.embeddings.word_embeddings = VocabParallelEmbedding(model.embeddings.word_embeddings, tp_rank,
                                                                  tp_size, group)
         self.bias = vocab_parallel_bias(model.head.bias, tp_rank, tp_size)
+        self.restart = model.config.document_positions == "restart"
 
     @property
     def weight(self) -> torch.Tensor:
@@ -53,7 +58,10 @@ class VocabPipe(nn.Module):
 
     def forward(self, inputs):
         input_ids, attention_mask, token_type_ids, labels = inputs
-        hidden = self.embeddings(input_ids, token_type_ids)
+        positions = None
+        if self.embeddings.position_embeddings is not None:  # packed documents may restart their positions
+            positions = row_layout(attention_mask, self.restart).position_ids
+        hidden = self.embeddings(input_ids, token_type_ids, positions)
         hidden = hidden + 0.0 * self.bias[0]  # a zero gradient for the tied bias on this stage
         return hidden, attention_mask, labels
 
@@ -67,12 +75,12 @@ class PipeLayer(nn.Module):
     def __init__(self, model: RoFormerForMaskedLM, index: int, tp_rank: int, tp_size: int, group):
         super().__init__()
         self.layer = parallelize_layer(copy.deepcopy(model.layers[index]), tp_rank, tp_size, group)
+        self.config = model.config
         self.rotary = rotary_cache(model.config)
 
     def forward(self, inputs):
         hidden, attention_mask, labels = inputs
-        cos, sin = self.rotary.get(hidden.shape[1], hidden.device) if self.rotary is not None else (None, None)
-        mask = RoFormerForMaskedLM.attention_bias(attention_mask)
+        mask, cos, sin, _ = layer_inputs(self.config, self.rotary, attention_mask, hidden.shape[1], hidden.device)
         return self.layer(hidden, mask, cos, sin), attention_mask, labels
 
 

@@ -220,7 +220,7 @@ class ParallelRunner:
             batch = next(batches)
             out = engine(**_on(batch, engine.device))
             loss = out.loss * float("nan") if inject_nan else out.loss
-            stats.num_tokens += int(batch["attention_mask"].sum())  # the loader's CPU tensors: no device sync
+            stats.num_tokens += int(batch["attention_mask"].count_nonzero())  # the loader's CPU tensors: no device sync
             stats.num_samples += batch["input_ids"].shape[0]
             micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted))
             engine.backward(loss)
@@ -242,7 +242,7 @@ class ParallelRunner:
             items = []
             for _ in range(gas):
                 b = next(batches)
-                stats.num_tokens += int(b["attention_mask"].sum())
+                stats.num_tokens += int(b["attention_mask"].count_nonzero())
                 stats.num_samples += b["input_ids"].shape[0]
                 items.append((_pipe_inputs(b), _NO_LABELS))
             data = iter(items)

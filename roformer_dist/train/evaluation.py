@@ -38,7 +38,7 @@ def eval_loader(cfg: Config, length: int, eval_shards: Optional[str] = None):
     mbs = max(1, cfg.curriculum.tokens_per_micro_batch // length)
     return ShardLoader(eval_shards or cfg.data.eval_shards, seq_len=length, micro_batch_size=mbs, dp_rank=0,
                        dp_size=1, num_workers=0, seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
-                       whole_word_mask=cfg.data.whole_word_mask)
+                       whole_word_mask=cfg.data.whole_word_mask, packing=cfg.data.packing)
 
 
 def model_eval_step(model: torch.nn.Module, device: torch.device | str = "cpu") -> EvalStep:

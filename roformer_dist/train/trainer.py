@@ -106,7 +106,7 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
                                   seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
                                   whole_word_mask=cfg.data.whole_word_mask, skip_bad_shards=cfg.data.skip_bad_shards,
-                                  pin_memory=torch.cuda.is_available())
+                                  pin_memory=torch.cuda.is_available(), packing=cfg.data.packing)
         # dropout: one stream per replica and pipeline stage, shared by the tensor ranks of a stage
         torch.manual_seed(cfg.trainer.seed + 1 + self.runner.seed_offset)
         if found:

@@ -1,0 +1,259 @@
+"""Packed documents that stay apart: block-diagonal attention and per-document positions.
+
+The mask contract. ``attention_mask`` (B, S) is 0 on padding and positive on tokens; a row may number
+its documents 1, 2, 3, ... (the loader's ``packing="document"``), and a *document* is a run of equal
+positive values. An all-ones row is one document, so a plain 0/1 mask means what it always meant. A
+row packed by the loader reads::
+
+    [CLS] d1 ... [SEP] d2 ... [SEP] ... dn ... [SEP] [PAD] ...
+    1     1  ... 1     2  ... 2     ... n  ... n     0
+
+The row's [CLS] belongs to its first document, each document's [SEP] to that document, and an
+[SEP] the loader adds after a document cut at the row's end to the cut document.
+
+:func:`row_layout` turns a mask into what the layers take:
+
+``None``
+    every row is one document from position 0 with no padding: no mask at all, so SDPA may choose
+    its fastest kernel;
+a bool (B, 1, 1, S) key-padding mask
+    every row holds at most one document, starting at position 0 (nothing to separate);
+a :class:`DocumentPlan`
+    some row holds several documents. The documents of the whole micro-batch are sorted by length
+    and cut into *blocks* of similar length (the longest of a block at most :data:`BLOCK_RATIO`
+    times its shortest): a block is a dense (n, L) batch of n documents padded to its longest L, so
+    each block is one ordinary attention call (softmax through SDPA, or linear attention with its
+    sums over the block's rows = per document), with a key-padding mask only when its lengths
+    differ. A packed row of 18 documents of ~85 tokens then costs ~18 x 85^2 scores instead of
+    1536^2. Results are written back to the row layout with one gather.
+
+Positions (``model.document_positions``): ``restart`` counts each document from 0, so a document
+packed anywhere computes what it computes alone; ``continue`` keeps the row's positions. The plan
+carries each block's rotary tables ((L, D/2) shared when restarting, (n, L, D/2) per document when
+continuing) and, for learned absolute positions, the (B, S) position ids.
+
+On CUDA with flash-attn installed, softmax attention in half precision takes flash-attn's varlen
+kernel over the documents laid end to end (``cu_seqlens``) instead of the blocks; its CPU stand-in
+:func:`varlen_reference` (one SDPA call per document) is what the tests compare with.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BLOCK_RATIO = 2.0
+"""The longest document of a block is at most this many times its shortest (bench/packing.py)."""
+BLOCKS_BELOW = 0.35
+"""Blocks are used when their attention work (sum n L^2) is at most this fraction of the rows' (B S^2);
+else one dense call with a block-diagonal mask, which costs about what the rows cost (bench/packing.py)."""
+
+
+@dataclass
+class Block:
+    """n documents of similar length as one dense (n, L) attention batch."""
+    shape: tuple[int, int]              # (n, L)
+    key_mask: Optional[torch.Tensor]    # (n, 1, 1, L) bool, True = a token of the document; None: all length L
+    keep: Optional[torch.Tensor]        # (k,) the slots that hold tokens, None when all do
+    cos: Optional[torch.Tensor]         # (L, D/2) restart | (n, L, D/2) continue | None (no rotary)
+    sin: Optional[torch.Tensor]
+
+
+@dataclass
+class Varlen:
+    """The same documents laid end to end (in the blocks' order), for a varlen kernel."""
+    order: torch.Tensor                 # (T,) flat token of each packed position
+    cu_seqlens: torch.Tensor            # (num_docs + 1,) int32 document starts, then T
+    max_len: int
+    cos: Optional[torch.Tensor]         # (T, D/2) each token's table row, None without rotary
+    sin: Optional[torch.Tensor]
+
+
+@dataclass
+class DocumentPlan:
+    """How one micro-batch's documents are attended (see the module docstring)."""
+    blocks: list[Block]
+    slots: torch.Tensor                 # (sum n * L,) flat (B * S) token of every block slot, block after block
+                                        # (one gather for all blocks; a padding slot repeats a token)
+    inverse: torch.Tensor               # (B * S,) row of the blocks' concatenated outputs; padding -> the zero row
+    lengths: np.ndarray                 # every document's length (host), in block order
+    varlen: Optional[Varlen] = None
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.lengths)
+
+
+RowMask = Union[None, torch.Tensor, DocumentPlan]
+"""What the layers take as ``attn_mask``: nothing, a key-padding mask, or a plan."""
+
+
+def segments(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat (row-major) start and length of every document of a (B, S) mask (runs of equal positive values)."""
+    B, S = mask.shape
+    flat = mask.reshape(-1)
+    change = np.ones(flat.shape[0], bool)
+    change[1:] = flat[1:] != flat[:-1]
+    change[::S] = True
+    starts = np.flatnonzero(change)
+    lengths = np.diff(np.append(starts, flat.shape[0]))
+    tokens = flat[starts] > 0
+    return starts[tokens], lengths[tokens]
+
+
+def group_by_length(lengths: np.ndarray, ratio: Optional[float] = None) -> list[np.ndarray]:
+    """Document indices per block: longest first, a block's longest at most ``ratio`` (default
+    :data:`BLOCK_RATIO`) x its shortest."""
+    ratio = BLOCK_RATIO if ratio is None else ratio
+    order = np.argsort(-lengths, kind="stable")
+    groups, i = [], 0
+    while i < len(order):
+        longest = lengths[order[i]]
+        j = i + int(np.searchsorted(-lengths[order[i:]], -longest / ratio, side="right"))
+        groups.append(order[i:j])
+        i = j
+    return groups
+
+
+class Layout(NamedTuple):
+    """What every layer takes besides the hidden states, and the embeddings' position rows."""
+    mask: RowMask                         # the layers' attn_mask
+    cos: Optional[torch.Tensor]           # rotary tables: (S, D/2), or (B, S, D/2) per row; None without rotary
+    sin: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]  # (B, S) rows of learned absolute positions; None = 0..S-1
+
+
+def row_layout(attention_mask: Optional[torch.Tensor], restart: bool, cos: Optional[torch.Tensor] = None,
+               sin: Optional[torch.Tensor] = None, *, blocks_only: bool = False, varlen: bool = False) -> Layout:
+    """The layers' inputs for a (B, S) mask (see the module docstring). ``cos``/``sin``: the (S, D/2)
+    rotary tables of the row, None without rotary. ``blocks_only``: never the dense block-diagonal mask
+    (linear attention needs per-document sums). ``varlen``: also lay the documents out for a varlen
+    kernel. One copy of the mask to the host."""
+    if attention_mask is None:
+        return Layout(None, cos, sin, None)
+    B, S = attention_mask.shape
+    host = attention_mask.detach().cpu().numpy()
+    starts, lengths = segments(host)
+    if np.all(starts % S == 0) and np.bincount(starts // S, minlength=B).max(initial=0) <= 1:
+        if len(starts) == B and np.all(lengths == S):
+            return Layout(None, cos, sin, None)                              # whole rows: nothing to mask
+        return Layout(attention_mask.bool()[:, None, None, :], cos, sin, None)  # one document per row
+    positions = _positions(starts, B, S, restart)
+    groups = group_by_length(lengths)
+    work = sum(len(g) * float(lengths[g[0]]) ** 2 for g in groups)
+    device = attention_mask.device
+    rows = torch.from_numpy(positions).to(device)
+    if blocks_only or varlen or work <= BLOCKS_BELOW * B * S * S:
+        plan = _plan(B, S, starts, lengths, groups, positions, restart, cos, sin, varlen, device)
+        return Layout(plan, cos, sin, rows.view(B, S))
+    # few, long documents (short rows): one call with a block-diagonal mask costs about what the rows do
+    doc = np.zeros(B * S, np.int64)
+    doc[starts] = 1
+    doc = np.cumsum(doc)                     # each token's document, numbered over the batch
+    doc[host.reshape(-1) == 0] = 0           # padding: 0 (it attends only to padding, so no row is empty)
+    doc = torch.from_numpy(doc.reshape(B, S)).to(device)
+    mask = doc[:, None, :, None] == doc[:, None, None, :]                    # (B, 1, S, S)
+    if cos is not None and restart:
+        cos, sin = cos.index_select(0, rows).view(B, S, -1), sin.index_select(0, rows).view(B, S, -1)
+    return Layout(mask, cos, sin, rows.view(B, S))
+
+
+def _positions(starts: np.ndarray, B: int, S: int, restart: bool) -> np.ndarray:
+    """(B * S,) each token's offset in its document (restart) or in its row (continue)."""
+    total = B * S
+    if not restart:
+        return np.arange(total) % S
+    is_start = np.zeros(total, bool)
+    is_start[starts] = True
+    is_start[::S] = True
+    first = np.maximum.accumulate(np.where(is_start, np.arange(total), 0))
+    return np.arange(total) - first
+
+
+def _plan(B, S, starts, lengths, groups, positions, restart, cos, sin, varlen, device) -> DocumentPlan:
+    total = B * S
+    blocks, slot_parts, order_parts, block_lengths = [], [], [], []
+    for docs in groups:
+        n, L = len(docs), int(lengths[docs[0]])
+        offs = np.arange(L)
+        valid = offs[None, :] < lengths[docs][:, None]                       # (n, L)
+        slots = np.where(valid, starts[docs][:, None] + offs[None, :], starts[docs][:, None])
+        flat_valid = valid.reshape(-1)
+        uniform = bool(flat_valid.all())
+        slot_parts.append(slots.reshape(-1))
+        order_parts.append(slots.reshape(-1)[flat_valid])
+        block_lengths.append(lengths[docs])
+        bc = bs = None
+        if cos is not None:
+            if restart:
+                bc, bs = cos[:L], sin[:L]
+            else:
+                rows = torch.from_numpy(positions[slots.reshape(-1)]).to(device)
+                bc, bs = cos.index_select(0, rows).view(n, L, -1), sin.index_select(0, rows).view(n, L, -1)
+        blocks.append(Block((n, L),
+                            None if uniform else torch.from_numpy(valid[:, None, None, :]).to(device),
+                            None if uniform else torch.from_numpy(np.flatnonzero(flat_valid)).to(device), bc, bs))
+    order = np.concatenate(order_parts)
+    inverse = np.full(total, len(order), np.int64)
+    inverse[order] = np.arange(len(order))
+    plan = DocumentPlan(blocks, torch.from_numpy(np.concatenate(slot_parts)).to(device),
+                        torch.from_numpy(inverse).to(device), np.concatenate(block_lengths))
+    if varlen:
+        cu = np.zeros(len(plan.lengths) + 1, np.int32)
+        np.cumsum(plan.lengths, out=cu[1:])
+        tc = ts = None
+        if cos is not None:
+            rows = torch.from_numpy(positions[order]).to(device)
+            tc, ts = cos.index_select(0, rows), sin.index_select(0, rows)
+        plan.varlen = Varlen(torch.from_numpy(order).to(device), torch.from_numpy(cu).to(device),
+                             int(plan.lengths.max()), tc, ts)
+    return plan
+
+
+# --------------------------------------------------------------------------- varlen kernels
+
+
+def flash_varlen_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def uses_varlen(kind: str, device: torch.device) -> bool:
+    """Whether plans for this attention on ``device`` should carry the varlen layout."""
+    return kind == "softmax" and torch.device(device).type == "cuda" and flash_varlen_available()
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_len, dropout_p):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, dropout_p=dropout_p,
+                                  causal=False)
+
+
+def varlen_reference(q, k, v, cu_seqlens, max_len, dropout_p):  # noqa: ARG001 - the kernel's signature
+    """What flash-attn's varlen kernel computes, one SDPA call per document: (T, H, D) each -> (T, H, D)."""
+    bounds = cu_seqlens.tolist()
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))   # (1, H, L, D)
+        out.append(F.scaled_dot_product_attention(qi, ki, vi, dropout_p=dropout_p)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+# Swappable, as rotary.rotate_half_kernel is, so that the tests run the varlen path on CPU.
+varlen_kernel = _flash_varlen
+
+
+def varlen_applies(plan: DocumentPlan, qkv: torch.Tensor) -> bool:
+    """The varlen layout is there and the kernel takes this dtype (flash-attn: fp16 / bf16 only, unless
+    the reference stands in)."""
+    return plan.varlen is not None and (varlen_kernel is not _flash_varlen
+                                        or qkv.dtype in (torch.float16, torch.bfloat16))
+
+
+__all__ = ["row_layout", "Layout", "BLOCKS_BELOW", "DocumentPlan", "Block", "Varlen", "RowMask", "segments", "group_by_length",
+           "BLOCK_RATIO", "uses_varlen", "varlen_reference", "varlen_applies", "flash_varlen_available"]
