@@ -34,6 +34,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "hf_trainer_mlm": (None, '"step_end": ['),  # the JSON it writes for bench/e2e.py: no "bench" key
     "linear_attention": ("linear_attention", "eval MLM acc"),
     "loader": ("loader", "tar read, webdataset"),
+    "packing": ("packing", "trained x eval packing"),
     "parallel_memory": ("parallel_memory", "params MiB/rank"),
     "rope_decay": ("rope_decay", "relative upper bound B(r)"),
     "rotary": ("rotary", "fwd+bwd ms"),
@@ -41,7 +42,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "e2e", "linear_attention"}
+SLOW = {"ablation", "e2e", "linear_attention", "packing"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate"}
@@ -88,8 +89,37 @@ def test_bench_runs_in_tiny_mode(name):
         assert marker in r.stdout, f"{marker!r} not in the output{tail}"
     found = CHECKOUT_OUTPUT.search(r.stdout)
     assert found is None, f"the tiny run names a path in the checkout ({found.group(0)!r}){tail}"
+    if name in CHECKS:
+        CHECKS[name](lines, tail)
 
 
 def test_every_bench_has_its_expected_result():
     """RESULTS and SLOW name benches that exist (a renamed bench would otherwise lose its checks)."""
-    assert set(RESULTS) <= set(BENCHES) and SLOW <= set(BENCHES) and set(NEEDS) <= set(BENCHES)
+    assert set(RESULTS) | set(CHECKS) | SLOW | set(NEEDS) <= set(BENCHES)
+
+
+def check_packing(lines: list[dict], tail: str) -> None:
+    """bench/packing.py: both modes timed on the same batches, the document mode's attention work below
+    the full rows' where a row packs several documents (blocks), and finite losses for every (trained,
+    eval) packing pair, on the same eval batches (equal unigram baselines)."""
+    import math
+
+    parts = {x["part"]: x for x in lines if x.get("bench") == "packing"}
+    assert set(parts) == {"step", "quality"}, tail
+    rows = parts["step"]["rows"]
+    assert all(row["document_ms"] > 0 and row["cross_document_ms"] > 0 for row in rows), rows
+    packed = [row for row in rows if row["form"] == "blocks" and row["docs_per_row"] > 1]
+    assert packed, f"no length where the document mode ran blocks: {rows}"
+    for row in packed:
+        assert row["attention_gflop_ideal"] <= row["attention_gflop_document"] < row["attention_gflop_cross"], row
+    cells = parts["quality"]["cells"]
+    assert {(c["train"], c["eval"]) for c in cells} == {(t, e) for t in ("document", "cross_document")
+                                                         for e in ("document", "cross_document")}, cells
+    assert all(math.isfinite(c["loss"]) and math.isfinite(c["unigram_loss"]) for c in cells), cells
+    for c in cells:
+        same = [d for d in cells if d["eval"] == c["eval"] and d["length"] == c["length"]]
+        assert {d["unigram_loss"] for d in same} == {c["unigram_loss"]}, same
+
+
+CHECKS = {"packing": check_packing}
+"""bench -> a check of its JSON lines beyond RESULTS' (what its figures must satisfy)."""

@@ -129,7 +129,7 @@ def test_submodules_compose_to_forward():
     mask[2, 5:] = 0
     with torch.no_grad():
         h = model.embeddings(ids, None)
-        bias = model.attention_bias(mask)
+        bias = mask.bool()[:, None, None, :]
         cos, sin = model.rotary_tables(ids.shape[1], ids.device)
         for layer in model.layers:
             h = layer(h, bias, cos, sin)

@@ -33,13 +33,23 @@ def make_cfg(tensor=1, pipeline=1, world_size=1, zero=1, *extra):
         f"micro_batch_size: {MICRO}}}]", *extra])
 
 
+DOCUMENTS = ([[2, 3, 2, 2, 4], [3, 3, 5, 5]], [[9, 7], [5, 11]])
+"""Document lengths per row of the micro-batches (the mask numbers them, as the loader's document
+packing does): many short ones (attended as length blocks) and a few long ones (one call with a
+block-diagonal mask), so every layout is compared on both forms."""
+
+
 def micro_batch(step: int, index: int) -> dict:
     g = torch.Generator().manual_seed(1000 * step + index)
     ids = torch.randint(5, VOCAB, (MICRO, SEQ), generator=g)
-    mask = torch.ones_like(ids)
+    mask = torch.zeros_like(ids)
+    for row, lengths in enumerate(DOCUMENTS[index % 2]):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        for number, (a, b) in enumerate(zip([0] + ends, ends)):
+            mask[row, a:b] = number + 1
     mask[0, SEQ - 3:] = 0  # some padding
     ids = ids.masked_fill(mask == 0, 0)
-    labels = torch.where((torch.rand(MICRO, SEQ, generator=g) < 0.25) & (mask == 1), ids, torch.full_like(ids, -100))
+    labels = torch.where((torch.rand(MICRO, SEQ, generator=g) < 0.25) & (mask > 0), ids, torch.full_like(ids, -100))
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids), "labels": labels}
 
 

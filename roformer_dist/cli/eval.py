@@ -25,7 +25,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from roformer_dist.config import Packing, choices
 from roformer_dist.errors import ConfigError, run_command
+
+PACKINGS = choices(Packing)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", default=None,
                    help="training shard set for the unigram baseline (default: the run's data.shards)")
     p.add_argument("--batches", type=int, default=None, help="eval batches per length (default: data.eval_batches)")
+    p.add_argument("--packing", choices=PACKINGS, default=None,
+                   help="document: each packed document attended alone (as if it were the only input); "
+                        "cross_document: each row as one input. Default: the run's data.packing")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the reports as JSON")
     return p
@@ -75,7 +81,7 @@ def _main(args) -> int:
     reports, names = [], []
     for path in args.checkpoints:
         rep = evaluate_checkpoint(path, args.lengths, eval_shards=args.eval_shards, shards=args.shards,
-                                  batches=args.batches, progress=True)
+                                  batches=args.batches, packing=args.packing, progress=True)
         reports.append(rep)
         names.append(_short_name(path))
         print(format_report(rep), flush=True)

@@ -56,12 +56,14 @@ class Report:
     position_embedding: str
     trained_max_len: int
     max_position_embeddings: int
+    packing: str = "document"
+    """The eval rows' data.packing."""
     rows: list[Row] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "step": self.step, "position_embedding": self.position_embedding,
                 "trained_max_len": self.trained_max_len, "max_position_embeddings": self.max_position_embeddings,
-                "rows": [{"length": r.length, "loss": r.loss, "unigram_loss": r.unigram_loss, "gap": r.gap,
+                "packing": self.packing, "rows": [{"length": r.length, "loss": r.loss, "unigram_loss": r.unigram_loss, "gap": r.gap,
                           "mlm_acc": r.mlm_acc, "most_frequent_acc": r.most_frequent_acc,
                           "predicted": r.predicted, "note": r.note} for r in self.rows]}
 
@@ -90,9 +92,10 @@ def load_model(found: Found) -> RoFormerForMaskedLM:
 
 def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]] = None, *, eval_shards: Optional[str] = None,
                         shards: Optional[str] = None, batches: Optional[int] = None,
-                        progress: bool = False) -> Report:
+                        packing: Optional[str] = None, progress: bool = False) -> Report:
     """Evaluate the checkpoint ``path`` names (:func:`~roformer_dist.checkpoint.store.resolve`) at
-    ``lengths`` (default: the eval lengths of the run's last stage); see the module docstring."""
+    ``lengths`` (default: the eval lengths of the run's last stage); see the module docstring.
+    ``packing``: the eval rows' ``data.packing`` (default: the run's)."""
     found = resolve(path)
     state = read_trainer_state(found.dir, 0)
     cfg = from_dict(state.config)
@@ -107,6 +110,8 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
         changes["data.eval_shards"] = eval_shards
     if batches:
         changes["data.eval_batches"] = batches
+    if packing:
+        changes["data.packing"] = packing
     cfg = replace(cfg, **changes) if changes else cfg
     if not cfg.data.eval_shards:
         raise ConfigError(f"{found.dir}: the run had no data.eval_shards; pass --eval-shards")
@@ -129,7 +134,8 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
                             f"({state.tokenizer_sha256[:12]})")
     model = load_model(found)
     mc = model.config
-    report = Report(str(found.dir), found.step, mc.position_embedding, trained, mc.max_position_embeddings)
+    report = Report(str(found.dir), found.step, mc.position_embedding, trained, mc.max_position_embeddings,
+                    cfg.data.packing)
     evaluator = Evaluator(cfg)
     for length in lengths:
         ok, note = length_note(mc.position_embedding, length, trained, mc.max_position_embeddings)
@@ -151,7 +157,7 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 def format_report(report: Report) -> str:
     lines = [f"{report.checkpoint}: step {report.step}, {report.position_embedding} positions, trained up to "
-             f"length {report.trained_max_len}",
+             f"length {report.trained_max_len}, eval rows packed {report.packing}",
              f"{'length':>7} {'loss':>7} {'unigram':>8} {'gap':>7} {'mlm_acc':>8}  note"]
     for r in report.rows:
         lines.append(f"{r.length:>7} {_fmt(r.loss, '.4f'):>7} {_fmt(r.unigram_loss, '.4f'):>8} "

@@ -1,0 +1,303 @@
+"""Document packing: the loader numbers the documents of each row, and the model keeps them apart.
+
+The ground truth is each document run by itself: for every document of a packed row, the packed
+logits equal the logits of its tokens as a batch of one (softmax and linear attention, rotary and
+absolute positions, both forms of the layout: length blocks and the dense block-diagonal mask, every
+rotary kernel this machine can run, the varlen path through its CPU stand-in). The tensor- and
+pipeline-parallel layouts are compared with the plain model on document-numbered batches in
+tests/test_parallel.py; exact and elastic resume run with the loader's default (document) packing in
+tests/test_loader.py and tests/test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data_pipeline.loader import ShardLoader
+from data_pipeline.shards import write_shard_set
+from roformer_dist.config import load_config
+from roformer_dist.errors import ConfigError
+from roformer_dist.nn import documents as Dm
+from roformer_dist.nn import rotary as R
+from roformer_dist.nn.documents import DocumentPlan, row_layout
+from test_model import VOCAB, make, tiny
+
+SEP, CLS = 3, 2
+
+
+def packed_batch(lengths_per_row, S, seed=0):
+    """(ids, mask): rows of documents of the given lengths, numbered 1, 2, ... (0 = padding)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (len(lengths_per_row), S), generator=g)
+    mask = torch.zeros(len(lengths_per_row), S, dtype=torch.long)
+    for b, lengths in enumerate(lengths_per_row):
+        p = 0
+        for k, n in enumerate(lengths):
+            mask[b, p:p + n] = k + 1
+            p += n
+        ids[b, p:] = 0
+    return ids, mask
+
+
+def documents_of(mask):
+    """(row, start, length) of every document."""
+    out = []
+    for b, row in enumerate(mask.tolist()):
+        p = 0
+        while p < len(row):
+            q = p
+            while q < len(row) and row[q] == row[p]:
+                q += 1
+            if row[p] > 0:
+                out.append((b, p, q - p))
+            p = q
+    return out
+
+
+ROWS = [[5, 9, 3, 7, 1], [20, 4], [24]]   # several documents; two; one whole row (S = 25 with one pad)
+S = 25
+
+
+@pytest.fixture(params=["blocks", "dense_mask"])
+def form(request, monkeypatch):
+    """Force the layout's form: length blocks, or one call with a block-diagonal mask."""
+    monkeypatch.setattr(Dm, "BLOCKS_BELOW", 1e9 if request.param == "blocks" else 0.0)
+    return request.param
+
+
+def assert_each_document_as_alone(model, ids, mask, tol=2e-5):
+    with torch.no_grad():
+        packed = model(ids, mask).logits
+        for b, p, n in documents_of(mask):
+            alone = model(ids[b:b + 1, p:p + n], torch.ones(1, n, dtype=torch.long)).logits[0]
+            torch.testing.assert_close(packed[b, p:p + n], alone, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+@pytest.mark.parametrize("positions", ["rotary", "absolute"])
+def test_each_document_of_a_packed_row_computes_what_it_computes_alone(form, attention, positions):
+    model = make(tiny(attention=attention, position_embedding=positions, rotary_value=True)).eval()
+    ids, mask = packed_batch(ROWS, S)
+    layout = row_layout(mask, True)
+    if attention == "softmax":   # linear attention always takes the blocks (per-document sums)
+        assert isinstance(layout.mask, DocumentPlan) == (form == "blocks")
+    assert_each_document_as_alone(model, ids, mask)
+    with torch.no_grad():   # and the same rows with a 0/1 mask do attend across documents
+        crossed = model(ids, (mask > 0).long()).logits
+        assert (crossed - model(ids, mask).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["compiled", "triton", "half_layout"])
+def test_every_rotary_kernel_gives_the_reference_packed_logits(form, backend, monkeypatch):
+    """Blocks rotate with (L, D/2) tables, the dense mask with one table per row ((B, S, D/2)): each
+    kernel equals the reference on both."""
+    if backend == "triton":
+        if not R.triton_available():
+            pytest.skip("triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        import importlib
+        import sys
+        kernels = sys.modules.get("roformer_dist.nn.rotary_triton")
+        if kernels is not None and type(kernels.rope_kernel).__name__ != "InterpretedFunction":
+            importlib.reload(kernels)
+            R._triton_kernel.cache_clear()
+    cfg = tiny(num_hidden_layers=1)
+    ids, mask = packed_batch(ROWS, S)
+    ref = make(cfg).eval()
+    if backend == "half_layout":   # apex's rotate-half kernel, by its CPU stand-in, on permuted weights
+        monkeypatch.setattr(R, "rotate_half_kernel", R.rotate_half_reference)
+        monkeypatch.setattr("roformer_dist.nn.model.model_kernel", lambda b, d: R.HALF_LAYOUT)
+        other = make(cfg).eval()
+    else:
+        other = make(dataclasses.replace(cfg, rotary_backend=backend)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids, mask).logits, ref(ids, mask).logits, atol=2e-5, rtol=2e-5)
+
+
+def test_restart_and_continue_positions():
+    """Rotary scores depend only on relative positions, so for a rotary model restarting or continuing
+    the row's positions gives the same logits; learned absolute positions do not."""
+    ids, mask = packed_batch(ROWS, S)
+    for positions, same in (("rotary", True), ("absolute", False)):
+        out = []
+        for mode in ("restart", "continue"):
+            with torch.no_grad():
+                out.append(make(tiny(position_embedding=positions, document_positions=mode)).eval()(ids, mask).logits)
+        assert torch.allclose(out[0], out[1], atol=2e-5) == same, positions
+
+
+def test_a_packed_loss_and_its_gradients_are_the_sum_over_its_documents(form):
+    """Sum of the token losses of a packed micro-batch = the sum over its documents run alone, and so
+    are the parameter gradients."""
+    ids, mask = packed_batch(ROWS, S)
+    g = torch.Generator().manual_seed(1)
+    labels = torch.where((torch.rand(ids.shape, generator=g) < 0.4) & (mask > 0), ids, -100)
+    model = make(tiny())
+    out = model(ids, mask, labels=labels)
+    (out.loss * out.num_predicted).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    packed_sum = float(out.loss.detach() * out.num_predicted)
+    model.zero_grad()
+    total = 0.0
+    for b, p, n in documents_of(mask):
+        lab = labels[b:b + 1, p:p + n]
+        if (lab != -100).any():
+            o = model(ids[b:b + 1, p:p + n], torch.ones(1, n, dtype=torch.long), labels=lab)
+            (o.loss * o.num_predicted).backward()
+            total += float(o.loss.detach() * o.num_predicted)
+    assert abs(packed_sum - total) <= 1e-4 * abs(total)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_with_attention_dropout_no_gradient_crosses_a_document(form):
+    """Training mode, dropout on the probabilities (the eager CPU path, which takes the same masks): the
+    loss of one document has no gradient on the embeddings of any other."""
+    ids, mask = packed_batch(ROWS, S)
+    model = make(tiny(attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.1)).train()
+    emb = model.embeddings.word_embeddings
+    captured = {}
+
+    def keep(module, inputs, output):
+        output.retain_grad()
+        captured["x"] = output
+
+    handle = emb.register_forward_hook(keep)
+    hidden = model.encode(ids, mask)
+    handle.remove()
+    hidden[0, 5:14].sum().backward()   # row 0, document 2 (tokens 5..13)
+    grad = captured["x"].grad.abs().sum(-1)
+    assert grad[0, 5:14].sum() > 0
+    assert grad[0, :5].sum() == 0 and grad[0, 14:].sum() == 0 and grad[1:].sum() == 0
+
+
+def test_varlen_path_equals_the_blocks(monkeypatch):
+    """The varlen layout (documents end to end, cu_seqlens) through flash-attn's CPU stand-in equals the
+    blocks, forward and backward."""
+    from roformer_dist.nn.attention import attention_core
+
+    monkeypatch.setattr(Dm, "varlen_kernel", Dm.varlen_reference)
+    ids, mask = packed_batch(ROWS, S)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, S, 3, 4, 8, generator=g, requires_grad=True)
+    cos, sin = R.rotary_tables(S, 8)
+    out = []
+    for varlen in (False, True):
+        plan = row_layout(mask, True, cos, sin, blocks_only=True, varlen=varlen).mask
+        assert (plan.varlen is not None) == varlen
+        ctx = attention_core("softmax", qkv, plan, cos, sin, "reference", True, 0.0)
+        (grad,) = torch.autograd.grad((ctx * torch.arange(ctx.numel()).view_as(ctx).sin()).sum(), qkv)
+        out.append((ctx, grad))
+    valid = (mask > 0)[..., None]
+    torch.testing.assert_close(out[1][0] * valid, out[0][0] * valid, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1][1], out[0][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not (Dm.flash_varlen_available() and torch.cuda.is_available()),
+                    reason="flash-attn's varlen kernel needs flash-attn and a CUDA GPU")
+def test_flash_varlen_kernel_equals_its_reference_on_gpu():
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 57, 4, 64
+    q, k, v = (torch.randn(T, H, D, generator=g).cuda().bfloat16() for _ in range(3))
+    cu = torch.tensor([0, 5, 30, 31, 57], dtype=torch.int32, device="cuda")
+    got = Dm._flash_varlen(q, k, v, cu, 26, 0.0)
+    ref = Dm.varlen_reference(q.float(), k.float(), v.float(), cu, 26, 0.0)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_whole_rows_pass_no_mask_and_padded_rows_a_key_mask(monkeypatch):
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = make(tiny(num_hidden_layers=1)).eval()
+    ids, mask = packed_batch([[S], [S]], S)          # one document per row, no padding
+    with torch.no_grad():
+        model(ids, mask)
+        assert seen == [None]
+        seen.clear()
+        model(ids, torch.ones_like(ids))              # a plain all-ones mask: the same
+        assert seen == [None]
+        seen.clear()
+        ids, mask = packed_batch([[S], [S - 4]], S)   # padding: a key-padding mask, one call
+        model(ids, mask)
+        assert len(seen) == 1 and seen[0].shape == (2, 1, 1, S)
+        seen.clear()
+        ids, mask = packed_batch([[6, 6, 6, 7], [S]], S)
+        monkeypatch.setattr(Dm, "BLOCKS_BELOW", 1e9)    # blocks: one call per block; uniform ones unmasked
+        model(ids, mask)
+        plan = row_layout(mask, True).mask
+        assert isinstance(plan, DocumentPlan) and len(seen) == len(plan.blocks) == 2
+        assert [m is None for m in seen] == [b.key_mask is None for b in plan.blocks] == [True, False]
+        seen.clear()
+        monkeypatch.setattr(Dm, "BLOCKS_BELOW", 0.0)    # the dense form: one call, a (B, 1, S, S) mask
+        model(ids, mask)
+        assert len(seen) == 1 and seen[0].shape == (2, 1, S, S)
+
+
+def test_blocks_group_documents_of_similar_length():
+    lengths = np.array([3, 100, 60, 45, 7, 12, 51, 200])
+    groups = Dm.group_by_length(lengths, ratio=2.0)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+    for g in groups:
+        assert lengths[g].max() <= 2.0 * lengths[g].min()
+    assert [sorted(lengths[g].tolist(), reverse=True) for g in groups] == [[200, 100], [60, 51, 45], [12, 7], [3]]
+
+
+@pytest.fixture(scope="module")
+def named_docs(tmp_path_factory):
+    """Shards whose token ids name their document: ids of document i are all 5 + i."""
+    rng = np.random.default_rng(0)
+    docs = [np.full(int(rng.integers(3, 40)), 5 + i) for i in range(60)]
+    d = tmp_path_factory.mktemp("named")
+    write_shard_set(docs, d, vocab_size=100, max_docs_per_shard=10)
+    return d
+
+
+def test_the_loader_numbers_each_rows_documents(named_docs):
+    """[CLS] opens document 1, each [SEP] closes one; the tokens, masks and labels are those of
+    cross-document packing, whose mask is 1 on every token."""
+    kw = dict(seq_len=32, micro_batch_size=4, num_workers=0, seed=1, max_epochs=1, whole_word_mask=False)
+    doc = list(ShardLoader(named_docs, packing="document", **kw))
+    cross = list(ShardLoader(named_docs, packing="cross_document", **kw))
+    assert len(doc) == len(cross) > 3
+    several = 0
+    for a, b in zip(doc, cross):
+        for key in ("input_ids", "labels", "token_type_ids"):
+            assert torch.equal(a[key], b[key])
+        assert torch.equal(b["attention_mask"], (a["attention_mask"] > 0).long())
+        original = torch.where(a["labels"] != -100, a["labels"], a["input_ids"])
+        for row, numbers in zip(original.tolist(), a["attention_mask"].tolist()):
+            assert numbers[0] == 1 and row[0] == CLS
+            owner = {}
+            for i, (tok, n) in enumerate(zip(row, numbers)):
+                if n == 0:
+                    assert tok == 0
+                    continue
+                if i > 0 and numbers[i - 1] not in (0, n):
+                    assert row[i - 1] == SEP and n == numbers[i - 1] + 1   # a [SEP] closed the previous one
+                if tok >= 5:
+                    assert owner.setdefault(n, tok) == tok                 # one document per number
+            several += max(numbers) > 1
+    assert several > 0
+
+
+def test_packing_keys_are_checked(named_docs):
+    from data_pipeline.errors import UsageError
+
+    assert load_config(None, []).data.packing == "document"
+    with pytest.raises(ConfigError, match="data.packing"):
+        load_config(None, ["data.packing=diagonal"])
+    with pytest.raises(ConfigError, match="model.document_positions"):
+        load_config(None, ["model.document_positions=reset"])
+    with pytest.raises(UsageError, match="packing: expected one of document, cross_document, got 'rows'"):
+        ShardLoader(named_docs, seq_len=32, micro_batch_size=4, num_workers=0, packing="rows")
