@@ -103,6 +103,22 @@ def differences(saved_config: dict, saved_world_size: int, cfg: Config, world_si
     return out
 
 
+CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend")
+"""Settings that change what a resumed run computes without touching its parameters: logged when they differ."""
+
+
+def changed_settings(saved_config: dict, cfg: Config) -> list[str]:
+    """One line per :data:`CHANGEABLE` setting whose value differs from the checkpoint's (a setting the
+    checkpoint predates counts with its default)."""
+    out, defaults, now = [], to_dict(Config()), to_dict(cfg)
+    for dotted in CHANGEABLE:
+        section, key = dotted.split(".")
+        was = _get(saved_config, section, key, default=defaults[section][key])
+        if was != now[section][key]:
+            out.append(f"{dotted}: {was!r} in the checkpoint, {now[section][key]!r} now")
+    return out
+
+
 def check_compatible(found, state, cfg: Config, world_size: int, manifest: Optional[dict] = None) -> None:
     """Raise one CheckpointError listing every difference between checkpoint ``found`` (its rank-0
     ``TrainerState`` ``state``) and this run; nothing when it can be resumed."""

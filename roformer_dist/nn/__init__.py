@@ -2,6 +2,8 @@
 
 Owns: ``model.py`` (``RoFormerForMaskedLM``: embeddings, post-LN layers, tied MLM head, the loss at
 the predicted positions only), ``attention.py`` (softmax through SDPA, and linear attention),
+``documents.py`` (packed documents kept apart: length blocks, a block-diagonal mask or a varlen
+layout, and per-document positions, from the document numbers in the mask),
 ``rotary.py`` (the one rotary convention, adjacent pairs (2i, 2i+1), its tables and every faster
 backend tested against the reference), ``rotary_triton.py`` (the Triton kernel).
 

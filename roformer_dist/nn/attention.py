@@ -138,7 +138,8 @@ def document_attention(kind: AttentionKind, qkv: torch.Tensor, plan: DocumentPla
     for b, x in zip(plan.blocks, gathered.split([n * L for n, L in (b.shape for b in plan.blocks)])):
         n, L = b.shape
         x = x.view(n, L, 3, H, D)
-        ctx = attention_core(kind, x, b.key_mask, b.cos, b.sin, kernel, rotary_value, dropout_p).reshape(n * L, H * D)
+        ctx = attention_core(kind, x, b.key_mask, b.cos, b.sin, kernel, rotary_value, dropout_p)
+        ctx = ctx.reshape(n * L, H * D)
         outs.append(ctx if b.keep is None else ctx.index_select(0, b.keep))
     outs.append(qkv.new_zeros(1, H * D))
     return torch.cat(outs).index_select(0, plan.inverse).view(B, S, H * D)
@@ -166,5 +167,5 @@ def uses_dropout_rng(kind: AttentionKind, dropout_p: float) -> bool:
     return kind == "softmax" and dropout_p > 0.0
 
 
-__all__ = ["attention_core", "document_attention", "varlen_attention", "linear_attention", "softmax_attention", "eager_softmax_attention", "feature_map",
-           "key_padding_mask", "uses_dropout_rng"]
+__all__ = ["attention_core", "document_attention", "varlen_attention", "linear_attention", "softmax_attention",
+           "eager_softmax_attention", "feature_map", "key_padding_mask", "uses_dropout_rng"]

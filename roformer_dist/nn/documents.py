@@ -19,18 +19,24 @@ The row's [CLS] belongs to its first document, each document's [SEP] to that doc
 a bool (B, 1, 1, S) key-padding mask
     every row holds at most one document, starting at position 0 (nothing to separate);
 a :class:`DocumentPlan`
-    some row holds several documents. The documents of the whole micro-batch are sorted by length
-    and cut into *blocks* of similar length (the longest of a block at most :data:`BLOCK_RATIO`
-    times its shortest): a block is a dense (n, L) batch of n documents padded to its longest L, so
-    each block is one ordinary attention call (softmax through SDPA, or linear attention with its
-    sums over the block's rows = per document), with a key-padding mask only when its lengths
-    differ. A packed row of 18 documents of ~85 tokens then costs ~18 x 85^2 scores instead of
-    1536^2. Results are written back to the row layout with one gather.
+    some row holds several documents, and blocks pay. The documents of the whole micro-batch are
+    sorted by length and cut into *blocks* of similar length (the longest of a block at most
+    :data:`BLOCK_RATIO` times its shortest): a block is a dense (n, L) batch of n documents padded
+    to its longest L, so each block is one ordinary attention call (softmax through SDPA, or linear
+    attention with its sums over the block's rows = per document), with a key-padding mask only
+    when its lengths differ. A packed row of 30 documents of ~50 tokens then costs ~30 x 50^2
+    scores instead of 1536^2. Results are written back to the row layout with one gather;
+a bool (B, 1, S, S) block-diagonal mask
+    some row holds several documents, but the blocks' work (sum n L^2) is above
+    :data:`BLOCKS_BELOW` of the rows' (B S^2): few, long documents per row (short rows), where
+    one call with a mask costs about what the rows cost and the blocks' extra calls would not
+    pay. Linear attention never takes it (its sums must be per document).
 
 Positions (``model.document_positions``): ``restart`` counts each document from 0, so a document
 packed anywhere computes what it computes alone; ``continue`` keeps the row's positions. The plan
 carries each block's rotary tables ((L, D/2) shared when restarting, (n, L, D/2) per document when
-continuing) and, for learned absolute positions, the (B, S) position ids.
+continuing); the dense form passes one table per row ((B, S, D/2)); :class:`Layout` carries the
+(B, S) position ids for learned absolute positions.
 
 On CUDA with flash-attn installed, softmax attention in half precision takes flash-attn's varlen
 kernel over the documents laid end to end (``cu_seqlens``) instead of the blocks; its CPU stand-in
@@ -255,5 +261,6 @@ def varlen_applies(plan: DocumentPlan, qkv: torch.Tensor) -> bool:
                                         or qkv.dtype in (torch.float16, torch.bfloat16))
 
 
-__all__ = ["row_layout", "Layout", "BLOCKS_BELOW", "DocumentPlan", "Block", "Varlen", "RowMask", "segments", "group_by_length",
-           "BLOCK_RATIO", "uses_varlen", "varlen_reference", "varlen_applies", "flash_varlen_available"]
+__all__ = ["row_layout", "Layout", "DocumentPlan", "Block", "Varlen", "RowMask", "segments", "group_by_length",
+           "BLOCK_RATIO", "BLOCKS_BELOW", "uses_varlen", "varlen_reference", "varlen_applies",
+           "flash_varlen_available"]

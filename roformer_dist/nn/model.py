@@ -6,8 +6,9 @@ Architecture (matches HF ``transformers.RoFormerForMaskedLM``, see ``roformer_di
                  (-> linear embedding_size -> hidden_size when they differ)
     layers       post-LN BERT layers: x = LN(x + drop(out(attn(x)))); x = LN(x + drop(ffn(x)))
                  attention: one fused QKV GEMM, then ``attention.attention_core``: rotary and
-                 ``F.scaled_dot_product_attention`` with the padding mask (``attention="softmax"``),
-                 or the paper's linear attention with rotary feature maps (``attention="linear"``)
+                 ``F.scaled_dot_product_attention`` (``attention="softmax"``), or the paper's linear
+                 attention with rotary feature maps (``attention="linear"``); packed documents
+                 (document numbers in the mask) are kept apart (``documents.row_layout``)
     head         dense -> act -> LayerNorm -> decoder tied to the word embeddings (+ bias)
 
 With labels the vocabulary projection runs only at the predicted positions (labels != -100):
@@ -150,8 +151,10 @@ class RoFormerSelfAttention(nn.Module):
 class RoFormerLayer(nn.Module):
     """Post-LN transformer layer: (hidden (B, S, H), mask, cos, sin) -> hidden (B, S, H).
 
-    ``attn_mask``: bool (B, 1, 1, S), True = attend (or an additive float mask, or None).
-    ``cos``/``sin``: (S, head_dim/2) fp32 rotary tables, None for absolute positions.
+    ``attn_mask``: what ``documents.row_layout`` gives: None, a bool key-padding (B, 1, 1, S) or
+    block-diagonal (B, 1, S, S) mask, True = attend, or a ``DocumentPlan`` (an additive float mask works too).
+    ``cos``/``sin``: (S, head_dim/2) fp32 rotary tables (or (B, S, head_dim/2), one per row), None for
+    absolute positions.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -249,7 +252,8 @@ def rotary_cache(cfg: ModelConfig) -> Optional[RotaryCache]:
 
 
 class RoFormerForMaskedLM(nn.Module):
-    """RoFormer encoder + MLM head. ``forward(input_ids, attention_mask, token_type_ids, labels)``."""
+    """RoFormer encoder + MLM head. ``forward(input_ids, attention_mask, token_type_ids, labels)``; the mask
+    is 0 on padding and may number packed documents (1, 2, ...), which then attend only to themselves."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.checkpoint import store as ckpt
-from roformer_dist.checkpoint.compat import check_compatible
+from roformer_dist.checkpoint.compat import changed_settings, check_compatible
 from roformer_dist.checkpoint.safe_load import weights_only_loads
 from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
 from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
@@ -150,6 +150,8 @@ class Trainer:
     def resume(self, found: ckpt.Found, resumed: TrainerState) -> None:
         env = self.env
         log.info("resuming from %s (step %d, written by %d rank(s))", found.dir, found.step, found.world_size)
+        for change in changed_settings(resumed.config, self.cfg):
+            log.warning("resuming with a changed setting: %s", change)
         if self.elastic:
             log.warning("world size changed %d -> %d: the loader re-deals the unread shards", found.world_size,
                         env.world_size)
