@@ -212,17 +212,24 @@ def hf_model_dir(a, work: Path, vocab: int) -> Path:
 
 # ----------------------------------------------------------------------------------------- one run
 
-def _watch(cmd: list[str], log: Path, env: dict) -> tuple[float, list[dict]]:
-    """Run ``cmd`` (output to ``log``), watching its process tree's memory; (launch time, ranks' peaks)."""
-    with open(log, "w") as out:
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, cwd=C.REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        with C.ProcessTreeMemory(proc.pid) as mem:
-            code = proc.wait()
-    if code != 0:
+def _watch(cmd: list[str], log: Path, env: dict, retry=None) -> tuple[float, list[dict]]:
+    """Run ``cmd`` (output to ``log``), watching its process tree's memory; (launch time, ranks' peaks).
+    ``retry``: a cleanup callable; a failed run is then cleaned up and run once more (HF + DeepSpeed ranks
+    on gloo occasionally abort, SIGABRT, on this machine), and only a second failure ends the bench."""
+    for attempt in (1, 2):
+        with open(log, "w" if attempt == 1 else "a") as out:
+            t0 = time.time()
+            proc = subprocess.Popen(cmd, cwd=C.REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            with C.ProcessTreeMemory(proc.pid) as mem:
+                code = proc.wait()
+        if code == 0:
+            return t0, mem.ranks()
         tail = log.read_text(errors="replace").splitlines()[-30:]
-        sys.exit(f"bench: {' '.join(cmd)} exited with status {code}; the end of {log}:\n" + "\n".join(tail))
-    return t0, mem.ranks()
+        if retry is None or attempt == 2:
+            sys.exit(f"bench: {' '.join(cmd)} exited with status {code}; the end of {log}:\n" + "\n".join(tail))
+        print(f"bench: the run of {log.parent} exited with status {code} (log: {log}); running it once more",
+              flush=True)
+        retry()
 
 
 def run_ours(a, seq: int, ranks: int, shards: Path, run_dir: Path, env: dict) -> dict:
@@ -258,7 +265,8 @@ def run_hf(a, seq: int, hf_dir: Path, model_dir: Path, run_dir: Path, deepspeed:
         ds = run_dir / "zero2.json"
         ds.write_text(json.dumps(HF_ZERO2, indent=1))
         cmd += ["--deepspeed", str(ds)]
-    t0, mem = _watch(cmd, run_dir / "log.txt", C.child_env())
+    t0, mem = _watch(cmd, run_dir / "log.txt", C.child_env(),
+                     retry=lambda: shutil.rmtree(run_dir / "out", ignore_errors=True))
     res = json.loads((run_dir / "times.json").read_text())
     return {"launch": t0, "step_end": res["step_end"], "ranks": mem}
 

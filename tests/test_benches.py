@@ -123,3 +123,20 @@ def check_packing(lines: list[dict], tail: str) -> None:
 
 CHECKS = {"packing": check_packing}
 """bench -> a check of its JSON lines beyond RESULTS' (what its figures must satisfy)."""
+
+
+def test_e2e_runs_a_failed_baseline_once_more_and_stops_at_a_second_failure(tmp_path, monkeypatch):
+    """bench/e2e.py's runner: a run that fails is cleaned up and run again; a second failure ends the bench."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e
+
+    marker = tmp_path / "failed_once"
+    flaky = [sys.executable, "-c", f"import pathlib, sys; p = pathlib.Path({str(marker)!r}); "
+             "sys.exit(0) if p.exists() else (p.touch(), sys.exit(6))"]
+    cleaned = []
+    e2e._watch(flaky, tmp_path / "log.txt", dict(os.environ), retry=lambda: cleaned.append(True))
+    assert cleaned == [True] and marker.exists()
+    with pytest.raises(SystemExit, match="exited with status 3"):
+        e2e._watch([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "log2.txt", dict(os.environ),
+                   retry=lambda: cleaned.append(True))
+    assert cleaned == [True, True]

@@ -295,7 +295,10 @@ def test_the_loader_numbers_each_rows_documents(named_docs):
 
 def test_packing_keys_are_checked(named_docs):
     from data_pipeline.errors import UsageError
+    from data_pipeline.loader import PACKINGS
+    from roformer_dist.config import Packing, choices
 
+    assert choices(Packing) == PACKINGS        # the config's values are the loader's (it cannot import config)
     assert load_config(None, []).data.packing == "document"
     with pytest.raises(ConfigError, match="data.packing"):
         load_config(None, ["data.packing=diagonal"])

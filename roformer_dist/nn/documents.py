@@ -96,7 +96,7 @@ class DocumentPlan:
 
 
 RowMask = Union[None, torch.Tensor, DocumentPlan]
-"""What the layers take as ``attn_mask``: nothing, a key-padding mask, or a plan."""
+"""What the layers take as ``attn_mask``: nothing, a bool key-padding or block-diagonal mask, or a plan."""
 
 
 def segments(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
