@@ -26,6 +26,7 @@ from roformer_dist.nn import documents as Dm
 from roformer_dist.nn import rotary as R
 from roformer_dist.nn.documents import DocumentPlan, row_layout
 from test_model import VOCAB, make, tiny
+from test_rotary import triton_device  # noqa: F401 - a fixture
 
 SEP, CLS = 3, 2
 
@@ -93,21 +94,13 @@ def test_each_document_of_a_packed_row_computes_what_it_computes_alone(form, att
 
 
 @pytest.mark.parametrize("backend", ["triton", "half_layout"])
-def test_every_rotary_kernel_gives_the_reference_packed_logits(form, backend, monkeypatch):
+def test_every_rotary_kernel_gives_the_reference_packed_logits(form, backend, monkeypatch, request):
     """Blocks rotate with (L, D/2) tables, the dense mask with one table per row ((B, S, D/2), the rows
     as one sequence, for every kernel alike): each kernel equals the reference on both. (The compiled
     kernel takes the same shapes; it is compared with the reference in tests/test_rotary.py, and costs
     a compile per block shape here.)"""
     if backend == "triton":
-        if not R.triton_available():
-            pytest.skip("triton is not installed")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        import importlib
-        import sys
-        kernels = sys.modules.get("roformer_dist.nn.rotary_triton")
-        if kernels is not None and type(kernels.rope_kernel).__name__ != "InterpretedFunction":
-            importlib.reload(kernels)
-            R._triton_kernel.cache_clear()
+        request.getfixturevalue("triton_device")   # tests/test_rotary.py: Triton's interpreter on CPU, or skip
     cfg = tiny(num_hidden_layers=1)
     ids, mask = packed_batch(ROWS, S)
     ref = make(cfg).eval()

@@ -90,10 +90,6 @@ class DocumentPlan:
     lengths: np.ndarray                 # every document's length (host), in block order
     varlen: Optional[Varlen] = None
 
-    @property
-    def num_documents(self) -> int:
-        return len(self.lengths)
-
 
 RowMask = Union[None, torch.Tensor, DocumentPlan]
 """What the layers take as ``attn_mask``: nothing, a bool key-padding or block-diagonal mask, or a plan."""
