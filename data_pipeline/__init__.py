@@ -4,8 +4,9 @@ Stages (see each module): :mod:`.corpus` (readers, normalisation), :mod:`.tokeni
 (SentencePiece training/loading, word-start marks), :mod:`.tario` (the shard tar format),
 :mod:`.manifest` (the manifest and its checks), :mod:`.source` (shard sets in directories or at
 URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (preparation split over
-tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.loader`
-(``ShardLoader``), :mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``).
+tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.mixture`
+(corpus mixtures: sources, token shares, the interleaving), :mod:`.loader` (``ShardLoader``),
+:mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``).
 
 The pipeline imports nothing of roformer_dist or launcher (a checked contract: ``lint-imports``).
 ``roformer-data prepare|shards --tasks N`` runs its tasks through a runner handed to

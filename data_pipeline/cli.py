@@ -2,7 +2,14 @@
 
     roformer-data prepare --input corpus/ --vocab-size 32000 --out data/shards
     roformer-data prepare --input 'corpus/*.jsonl.gz' --vocab-size 32000 --out data/shards --slurm --tasks 64
+    roformer-data prepare --source news=corpus/pd_train.txt --source reviews='corpus/reviews/*.txt' \
+        --vocab-size 8000 --out data/mix [--tokenizer-weights news=0.7,reviews=0.3]
     roformer-data inspect --verify data/shards          (or an http(s)://, pipe:, file: URL prefix)
+
+``prepare --source NAME=INPUT ...`` builds a corpus mixture: one tokenizer (``OUT/tokenizer.model``)
+trained on a sample of all sources (:func:`weighted_interleave`), and one complete shard set per
+source (``OUT/NAME/``), all recording that tokenizer; the ``data.sources`` block for the trainer is
+printed at the end.
 
 Nothing is written over an existing shard set without ``--force``; a new set is built beside its
 final place and moved there only when complete, so a failure leaves nothing behind. Exit status:
@@ -15,18 +22,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 import sys
+import textwrap
 from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Optional
 
-from .errors import EXIT_DATA, EXIT_OK, UsageError, run_command
+from .errors import EXIT_DATA, EXIT_OK, DataError, UsageError, run_command
 
 log = logging.getLogger("roformer-data")
 
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""What a ``--source`` name may be: it becomes a directory name and a metric tag."""
 
-def _corpus_args(p: argparse.ArgumentParser) -> None:
+
+def _corpus_args(p: argparse.ArgumentParser, input_required: bool = True) -> None:
     g = p.add_argument_group("corpus")
-    g.add_argument("--input", "-i", nargs="+", required=True,
+    g.add_argument("--input", "-i", nargs="+", required=input_required,
                    help="files, directories or globs: .txt / .jsonl / People's Daily tagged text, optionally .gz")
     g.add_argument("--format", default="auto", choices=("auto", "txt", "jsonl", "pd"),
                    help="input format (auto: .jsonl by extension, People's Daily by its word/tag lines, else txt)")
@@ -119,7 +133,9 @@ def _warn(stats) -> None:
         log.warning("%s", w)
 
 
-def _train(args, out_prefix: Path, texts=None, stats=None) -> Path:
+def _train(args, out_prefix: Path, texts=None, stats=None, warn: bool = True) -> Path:
+    """Train the tokenizer on ``texts`` (default: the documents of ``--input``); ``warn``: log the corpus
+    warnings of ``stats`` (off where the shard build reads the whole corpus and warns itself)."""
     from .tokenizer import train_tokenizer
 
     if texts is None:
@@ -129,7 +145,8 @@ def _train(args, out_prefix: Path, texts=None, stats=None) -> Path:
                             character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,
                             input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
                             jieba=args.jieba, report=report)
-    _warn(stats)
+    if warn:
+        _warn(stats)
     print(f"tokenizer: {report['vocab_size']} pieces ({stats.summary()})")
     return model
 
@@ -141,17 +158,21 @@ def _summary(m: dict, out) -> str:
             f"{m['num_tokens'] / el / 1e3:.0f}k tokens/s")
 
 
-def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True) -> dict:
+def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True, inputs=None, out=None) -> dict:
+    """Write the shard set of ``inputs`` (default ``--input``) into the existing directory ``into``; ``out``:
+    where it will end up (default ``--out``), for the messages."""
     from .corpus import CorpusStats
     from .shards import write_shards
 
+    inputs = args.input if inputs is None else inputs
+    out = args.out if out is None else out
     stats = CorpusStats()
-    m = write_shards(args.input, tokenizer, into, workers=args.workers or os.cpu_count() or 1, shard_size_mb=args.shard_size_mb,
+    m = write_shards(inputs, tokenizer, into, workers=args.workers or os.cpu_count() or 1, shard_size_mb=args.shard_size_mb,
                      max_docs_per_shard=args.max_docs_per_shard, fmt=args.format, doc_boundary=args.doc_boundary,
                      jsonl_field=args.jsonl_field, strict=args.strict, jieba=args.jieba,
                      progress=not args.no_progress, stats=stats, warn_corpus=warn_corpus,
-                     progress_desc=f"shards -> {args.out}", max_line_bytes=_line_limit(args))
-    print(_summary(m, args.out))
+                     progress_desc=f"shards -> {out}", max_line_bytes=_line_limit(args))
+    print(_summary(m, out))
     print(f"corpus: {stats.summary()}")
     return m
 
@@ -202,6 +223,12 @@ def cmd_prepare(args) -> int:
     from .corpus import check_inputs
     from .shards import stage_output
 
+    sources = _sources(args)
+    if sources is not None:
+        return _prepare_mixture(args, sources)
+    if args.tokenizer_weights is not None:
+        raise UsageError(f"--tokenizer-weights {args.tokenizer_weights}: weights are for a mixture; give the "
+                         "corpora as --source NAME=INPUT")
     if args.tasks:
         return _cluster(args, None)
     with stage_output(args.out, args.force) as stage:   # fails now if --out exists or cannot be written
@@ -209,6 +236,206 @@ def cmd_prepare(args) -> int:
         model = _train(args, stage.path / "tokenizer")
         _build(args, model, stage.path, warn_corpus=False)
         stage.commit()
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- prepare --source (a mixture)
+
+
+def _sources(args) -> Optional[dict[str, list[str]]]:
+    """The ``--source NAME=INPUT`` flags as {name: [inputs]} in the order first given (a name given again
+    adds inputs); None with ``--input``. UsageError: both or neither given, a malformed value or bad name,
+    a cluster option."""
+    if args.source and args.input:
+        raise UsageError("--input and --source: give one or the other (--input: one shard set; --source "
+                         "NAME=INPUT, repeated: a mixture of several sets sharing one tokenizer)")
+    if not args.source:
+        if not args.input:
+            raise UsageError("prepare: give the corpus as --input FILES (one shard set) or as --source NAME=INPUT, "
+                             "repeated (a mixture)")
+        return None
+    sources: dict[str, list[str]] = {}
+    for value in args.source:
+        name, sep, inputs = value.partition("=")
+        if not sep or not inputs:
+            raise UsageError(f"--source {value}: expected NAME=INPUT (a file, directory or glob)")
+        if not SOURCE_NAME.fullmatch(name):
+            raise UsageError(f"--source {value}: the name {name!r} may hold only letters, digits, '_' and '-' "
+                             "(it becomes a directory name and a metric tag)")
+        sources.setdefault(name, []).append(inputs)
+    if args.tasks is not None or args.cluster is not None:
+        raise UsageError("--source with --tasks/--cluster/--slurm: a mixture is not prepared over tasks; run "
+                         "`roformer-data tokenizer` once (on a sample of all sources), then `roformer-data shards "
+                         "--tokenizer MODEL` per source (each may use --tasks)")
+    return sources
+
+
+def _tokenizer_weights(text: Optional[str], names: Iterable[str]) -> Optional[dict[str, float]]:
+    """``--tokenizer-weights NAME=W,...`` as {name: weight}, one positive number for every source; None
+    when not given. UsageError naming the bad item."""
+    if text is None:
+        return None
+    names = list(names)
+    weights: dict[str, float] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name:
+            raise UsageError(f"--tokenizer-weights: expected NAME=WEIGHT, got {item!r}")
+        if name not in names:
+            raise UsageError(f"--tokenizer-weights: {name!r} is not a --source (the sources: {', '.join(names)})")
+        if name in weights:
+            raise UsageError(f"--tokenizer-weights: {name!r} is given twice")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight > 0):
+            raise UsageError(f"--tokenizer-weights: {item!r}: the weight must be a positive number, got {value!r}")
+        weights[name] = weight
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise UsageError(f"--tokenizer-weights {text}: no weight for {', '.join(missing)}; give one for every "
+                         "--source (or leave the flag out: shares by size)")
+    return weights
+
+
+def weighted_interleave(sources: Mapping[str, Iterable[str]], weights: Optional[Mapping[str, float]] = None,
+                        counts: Optional[dict] = None) -> Iterator[str]:
+    """The texts of several sources as one stream whose share of *characters* from each source follows
+    ``weights`` (the tokenizer's training text of a mixture).
+
+    ``weights`` None: the sources one after another, whole (each source's share is its size, as
+    concatenating them would give). Otherwise smooth weighted round-robin by characters: the next text
+    comes from the source furthest below its share (the smallest characters-taken / weight; the first
+    given on a tie), and the stream ends as soon as a source runs out, so that every source's share of
+    the characters holds to within one text; sources not read to their end contribute their first
+    texts. Deterministic, no random numbers. ``counts`` (a dict) receives ``name -> [texts,
+    characters]`` taken. DataError when a weighted source has no text at all. The sources' iterators
+    are closed at the end.
+    """
+    counts = {} if counts is None else counts
+    its = {name: iter(texts) for name, texts in sources.items()}
+    for name in its:
+        counts[name] = [0, 0]
+    try:
+        if weights is None:
+            for name, it in its.items():
+                for text in it:
+                    counts[name][0] += 1
+                    counts[name][1] += len(text)
+                    yield text
+            return
+        while True:
+            name = min(its, key=lambda n: counts[n][1] / weights[n])
+            text = next(its[name], None)
+            if text is None:
+                if counts[name][0] == 0:
+                    raise DataError(f"source {name!r}: no text (every document was empty or invalid)")
+                return
+            counts[name][0] += 1
+            counts[name][1] += len(text)
+            yield text
+    finally:
+        for it in its.values():
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+
+def _mixture_texts(args, sources: Mapping[str, list[str]], weights, counts: dict):
+    """(stats, texts): the tokenizer's training text of a mixture (:func:`weighted_interleave`)."""
+    from .corpus import CorpusStats, read_documents
+
+    stats = CorpusStats()
+    streams = {name: (d.text for d in read_documents(inputs, args.format, args.doc_boundary, args.jsonl_field,
+                                                     args.strict, stats, max_line_bytes=_line_limit(args)))
+               for name, inputs in sources.items()}
+    return stats, weighted_interleave(streams, weights, counts)
+
+
+def _sample_line(counts: Mapping[str, list], weights) -> str:
+    """One line on what the tokenizer was trained on, per source."""
+    total = max(sum(c for _, c in counts.values()), 1)
+    parts = [f"{name} {docs} documents, {chars:,} characters ({100 * chars / total:.1f}%)"
+             for name, (docs, chars) in counts.items()]
+    how = ("by size" if weights is None else
+           "weights " + ", ".join(f"{n}={w:g}" for n, w in weights.items()))
+    return f"tokenizer sample ({how}): {'; '.join(parts)}"
+
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.vocab")
+
+
+def _is_mixture(out: Path) -> bool:
+    """Whether ``out`` holds a mixture as ``prepare --source`` writes it: the tokenizer files and shard-set
+    directories, nothing else."""
+    from .shards import MANIFEST
+
+    if not (out / TOKENIZER_FILES[0]).is_file():
+        return False
+    entries = [e for e in out.iterdir() if e.name not in TOKENIZER_FILES]
+    return bool(entries) and all(e.is_dir() and (e / MANIFEST).is_file() for e in entries)
+
+
+def _stage_mixture(out_dir, force: bool):
+    """The staging directory of a mixture at ``out_dir``: :func:`~.shards.stage_output`, which also takes an
+    existing mixture (replaced only with ``force``)."""
+    from .atomic import StagedDir
+    from .shards import stage_output
+
+    out = Path(out_dir)
+    if not (out.is_dir() and _is_mixture(out)):
+        return stage_output(out, force)
+    if not force:
+        raise UsageError(f"{out}: a mixture is already there; pass --force to replace it (the new one is built "
+                         "beside it and swapped in only when complete)")
+    try:
+        return StagedDir(out)
+    except OSError as e:
+        raise UsageError(f"{out}: cannot write the output there ({e.strerror}: {e.filename})") from None
+
+
+def _yaml_scalar(text: str) -> str:
+    """``text`` as a YAML flow scalar: plain where it reads back as that string, else double-quoted."""
+    import json
+
+    plain = re.fullmatch(r"[A-Za-z_./][A-Za-z0-9_./-]*", text) and text.lower() not in (
+        "true", "false", "yes", "no", "on", "off", "null", "y", "n", "~")
+    return text if plain else json.dumps(text, ensure_ascii=False)
+
+
+def sources_yaml(out, names: Iterable[str]) -> str:
+    """The ``data.sources`` block for the trainer's config naming the sets ``out/NAME``."""
+    lines = ["data:", "  sources:"]
+    lines += [f"    - {{name: {_yaml_scalar(n)}, shards: {_yaml_scalar(str(Path(out) / n))}}}" for n in names]
+    return "\n".join(lines)
+
+
+def _prepare_mixture(args, sources: dict[str, list[str]]) -> int:
+    """``prepare --source``: one tokenizer trained on a sample of all sources, then one shard set per source,
+    all staged together and moved into ``--out`` when every set is complete."""
+    from .corpus import check_inputs
+
+    weights = _tokenizer_weights(args.tokenizer_weights, sources)
+    counts: dict = {}
+    with _stage_mixture(args.out, args.force) as stage:   # fails now if --out exists or cannot be written
+        for inputs in sources.values():
+            check_inputs(inputs)                            # and if an input cannot be read
+        stats, texts = _mixture_texts(args, sources, weights, counts)
+        model = _train(args, stage.path / "tokenizer", texts, stats, warn=weights is None)
+        print(_sample_line(counts, weights))
+        for name, inputs in sources.items():
+            (stage.path / name).mkdir()
+            _build(args, model, stage.path / name, warn_corpus=weights is not None, inputs=inputs,
+                   out=Path(args.out) / name)
+        stage.commit()
+    print(f"mixture: {args.out}: {len(sources)} shard sets ({', '.join(sources)}) sharing {args.out}/tokenizer.model")
+    print("for the trainer's config below; the training mixture is yours to weigh: add `weight: W` to each "
+          "source for its share of the training tokens (--tokenizer-weights shaped only the tokenizer's sample)")
+    print(sources_yaml(args.out, sources))
     return EXIT_OK
 
 
@@ -313,6 +540,21 @@ EPILOG = ("exit status: 0 done, 1 a cluster task failed (killed, out of memory, 
           "half-written is kept)")
 
 
+PREPARE_EPILOG = """\
+a mixture (several shard sets sharing one tokenizer):
+  roformer-data prepare --source news=corpus/pd_train.txt \\
+      --source reviews='corpus/reviews/*.txt' --vocab-size 8000 --out data/mix \\
+      [--tokenizer-weights news=0.7,reviews=0.3]
+writes data/mix/tokenizer.model (+ .vocab) and one complete shard set per
+source, data/mix/news and data/mix/reviews (each with its copy of the
+tokenizer: every manifest records the same sha256), all built beside data/mix
+and moved there together; then prints the trainer's data.sources block. Over
+a cluster: `roformer-data tokenizer` once, then `roformer-data shards
+--tokenizer MODEL` per source.
+
+""" + textwrap.fill(EPILOG, 79, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="roformer-data", description="Chinese corpus -> SentencePiece tokenizer -> "
                                  "webdataset shards for roformer-dist pretraining.", epilog=EPILOG)
@@ -338,14 +580,31 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_args(p)
     p.set_defaults(fn=cmd_shards)
 
-    p = sub.add_parser("prepare", help="tokenizer + shards in one go", epilog=EPILOG,
-                       description="Train the tokenizer (OUT/tokenizer.model) and write the shard set into OUT "
+    p = sub.add_parser("prepare", help="tokenizer + shards in one go (--source: a mixture of shard sets)",
+                       epilog=PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=textwrap.fill(
+                                   "Train the tokenizer (OUT/tokenizer.model) and write the shard set into OUT "
                                    "(built beside OUT, moved there when complete). With --tasks N the corpus is "
                                    "split over N tasks (local processes or a SLURM job array), the tokenizer is "
-                                   "trained once on a sample first, and the tasks' shards are merged into one set.")
-    _corpus_args(p)
+                                   "trained once on a sample first, and the tasks' shards are merged into one set. "
+                                   "With --source NAME=INPUT (repeated) instead of --input: a mixture, one "
+                                   "tokenizer OUT/tokenizer.model trained on a sample of all sources and one shard "
+                                   "set OUT/NAME per source.", 79, break_on_hyphens=False))
+    _corpus_args(p, input_required=False)
+    g = p.add_argument_group("mixture (instead of --input)")
+    g.add_argument("--source", action="append", default=None, metavar="NAME=INPUT",
+                   help="a source of the mixture: NAME ([A-Za-z0-9_-]+, its directory OUT/NAME and metric tag) and "
+                        "a file, directory or glob as --input takes; repeat for more sources, or with the same "
+                        "NAME for more inputs of that source")
+    g.add_argument("--tokenizer-weights", default=None, metavar="NAME=W,...",
+                   help="each source's share of the characters the tokenizer is trained on (positive numbers, "
+                        "normalised; one for every source). The sources' documents are interleaved by smooth "
+                        "weighted round-robin on characters until the first source runs out (the others give their "
+                        "first documents). Default: every source whole, i.e. shares by size. The training "
+                        "mixture's weights are set in the trainer's config, not here")
     _tokenizer_args(p, vocab_required=True)
-    p.add_argument("--out", "-o", required=True, help="shard-set directory (the tokenizer goes inside)")
+    p.add_argument("--out", "-o", required=True,
+                   help="shard-set directory (the tokenizer goes inside); with --source: the mixture's directory")
     _shard_args(p)
     _cluster_args(p)
     p.set_defaults(fn=cmd_prepare)

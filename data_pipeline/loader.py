@@ -16,9 +16,11 @@ A chain of small stages (each a plain function or generator, testable on its own
                      last position, else with an added [SEP]; it is padded only at the end of
                      the slot's epoch (and, rarely, by one position when a document ends one
                      token before the final [SEP]).
-``slot_batches``     groups ``micro_batch_size`` sequences (one slot per batch; a batch may
-                     span an epoch boundary), masks them (:mod:`.masking`, keyed by (seed,
-                     epoch, slot, sample index)) and makes numpy arrays. With
+``slot_batches``     fills ``micro_batch_size`` rows (one slot per batch; a batch may span an
+                     epoch boundary), each row a packed sequence of one source of the slot:
+                     one for a plain shard set, else chosen by the slot's :class:`~.mixture.Mixer`
+                     (token shares, :mod:`.mixture`); masks them (:mod:`.masking`, keyed by
+                     (source seed, epoch, slot, sample index)) and makes numpy arrays. With
                      ``packing="document"`` the attention mask numbers the documents of each
                      row (1, 2, ...; the row's [CLS] opens the first, each [SEP] closes one;
                      0 = padding), else it is 1 on every token; the tokens and the masking do
@@ -26,26 +28,32 @@ A chain of small stages (each a plain function or generator, testable on its own
 ``ShardLoader``      one torch DataLoader per rank over its slots; batches come round-robin
                      over workers, as torch's DataLoader yields them.
 
-State and resume ("provenance"): every batch carries, next to the tensors, its slot's
-:class:`~.slots.SlotState` *after* that batch. The main process records it when the consumer
-takes the batch, so :meth:`ShardLoader.state_dict` is what was consumed, never what workers
-prefetched. The next worker in the round-robin is stored too, so a resumed DataLoader
-continues with the right worker. Resuming with another slot layout follows the elastic rule
-(:func:`~.slots.elastic_slot_states`).
+State and resume ("provenance"): every batch carries, next to the tensors, its slot's position
+in every source (a :class:`~.slots.SlotState` each) and its mixer credits *after* that batch, and
+the source of each row. The main process records it when the consumer takes the batch, so
+:meth:`ShardLoader.state_dict` is what was consumed, never what workers prefetched
+(:attr:`ShardLoader.last` is the provenance of the batch taken last). The next worker in the
+round-robin is stored too, so a resumed DataLoader continues with the right worker. Resuming
+with another slot layout follows the elastic rule (:func:`~.slots.elastic_slot_states`), source
+by source; the credits then start at zero.
 
-State format 2 (``state_dict()``): ``{format: 2, seed, shard_set: {num_shards, sha256},
-dp_size, slots_per_rank, slots: {"<g>": SlotState.to_dict()}, next_local: {"<dp rank>": w},
-stats}``. Format 1 (whole shards only: a slot's ``shards`` instead of ``pieces``) is read too
-and resumes exactly; the later epochs are then dealt by :func:`~.slots.deal`.
+State format 3 (``state_dict()``): ``{format: 3, seed, dp_size, slots_per_rank, sources: {name:
+{shard_set: {num_shards, sha256}, slots: {"<g>": SlotState.to_dict()}}}, credits: {"<g>": {name:
+credit}}, next_local: {"<dp rank>": w}, stats}``; ``stats`` counts batches, sequences, tokens,
+documents and bad shards, and per source (``stats["sources"][name]``) tokens, documents and
+sequences. Format 2 (one shard set: ``shard_set`` and ``slots`` at the top) is read as the source
+reading that shard set.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import hashlib
 import logging
+import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -53,18 +61,21 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .errors import DataError, UsageError
-from .manifest import read_manifest
+from .manifest import check_same_tokenizer, read_manifest
 from .masking import mask_tokens, sample_keys
+from .mixture import Mixer, Source, as_sources, shares, source_seed
 from .shards import CorruptShardError, load_shard
 from .slots import Piece, SlotState, deal, elastic_slot_states, epoch_shard_order
 from .source import RetryPolicy, ShardSource, default_retry
 from .tario import check_token_ids
 
 __all__ = ["ShardLoader", "deal", "epoch_shard_order", "slot_sequences", "slot_batches", "elastic_slot_states",
-           "merge_states", "ShardCache", "SlotState", "Piece", "Position", "BatchInfo", "STATE_FORMAT", "PACKINGS"]
+           "merge_states", "upgrade_state", "ShardCache", "SlotState", "SlotSource", "SourceSet", "Piece", "Position",
+           "BatchInfo", "STATE_FORMAT", "PACKINGS", "Source"]
 
 log = logging.getLogger(__name__)
-STATE_FORMAT = 2
+STATE_FORMAT = 3
+_SOURCE_STATS = {"tokens": 0, "docs": 0, "sequences": 0}
 PACKINGS = ("document", "cross_document")
 """``packing``: the rows are the same either way; ``document`` numbers each row's documents in the
 attention mask (so that the model keeps them apart, roformer_dist/nn/documents.py)."""
@@ -223,68 +234,108 @@ def slot_sequences(cache: ShardCache, state: SlotState, seq_len: int, *, slot: i
 class BatchInfo:
     """What a worker sends with each batch ("provenance")."""
     slot: int                 # global slot
-    state: SlotState          # the slot's state once this batch is consumed
+    states: dict              # source name -> the slot's SlotState in it once this batch is consumed
+    credits: list             # the slot's mixer credits then (the mixture's order)
     docs: int                 # documents that end in this batch
     tokens: int               # non-padding tokens
     sequences: int
     bad_shards: list          # shards skipped as bad since the slot's previous batch
+    sources: tuple = ()       # the source (name) of each row
+    source_tokens: dict = field(default_factory=dict)   # name -> non-padding tokens of its rows
+    source_docs: dict = field(default_factory=dict)     # name -> documents of its rows that end here
     local: int = 0            # the slot's index on its rank (the DataLoader worker)
 
 
-def slot_batches(cache: ShardCache, state: SlotState, *, seq_len: int, micro_batch_size: int, slot: int,
-                 total_slots: int, max_epochs: Optional[int], seed: int, mlm_probability: float,
-                 whole_word_mask: bool, packing: str = "document") -> Iterator[tuple[dict, BatchInfo]]:
-    """(batch of numpy arrays, BatchInfo) per micro-batch of one slot. ``packing``: "document" numbers
-    each row's documents in ``attention_mask`` (1, 2, ...; 0 = padding), "cross_document" marks tokens 1."""
-    m = cache.m
+@dataclass
+class SlotSource:
+    """One source as a slot reads it: its shards (cache), position and seed."""
+    name: str
+    cache: ShardCache
+    state: SlotState
+    max_epochs: Optional[int]
+
+
+def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_size: int, slot: int,
+                 total_slots: int, mlm_probability: float, whole_word_mask: bool,
+                 packing: str = "document") -> Iterator[tuple[dict, BatchInfo]]:
+    """(batch of numpy arrays, BatchInfo) per micro-batch of one slot, its rows drawn from ``sources``
+    (:class:`SlotSource`, one for a plain shard set) by a :class:`~.mixture.Mixer` with ``credits`` and
+    ``share`` (one per source). ``packing``: "document" numbers each row's documents in
+    ``attention_mask`` (1, 2, ...; 0 = padding), "cross_document" marks tokens 1."""
+    m = sources[0].cache.m
     special_ids = m["special_ids"]
     vocab = m["vocab_size"]
     special = np.zeros(max(vocab, max(special_ids.values()) + 1), bool)
     special[list(special_ids.values())] = True
     batch_size = micro_batch_size
-    use_marks = whole_word_mask and cache.use_wwm
-    sequences = slot_sequences(cache, state, seq_len, slot=slot, total_slots=total_slots, max_epochs=max_epochs)
+    use_marks = whole_word_mask and any(s.cache.use_wwm for s in sources)
+    streams = [slot_sequences(s.cache, s.state, seq_len, slot=slot, total_slots=total_slots,
+                              max_epochs=s.max_epochs) for s in sources]
+    states = {s.name: s.state for s in sources}
+    mixer = Mixer(credits)
+    active = [True] * len(sources)
     while True:
         ids = np.full((batch_size, seq_len), special_ids["pad"], np.int64)
         attention = np.zeros((batch_size, seq_len), np.int64)
         word_starts = np.ones((batch_size, seq_len), np.uint8) if use_marks else None
         epochs = np.zeros(batch_size, np.int64)
         samples = np.zeros(batch_size, np.int64)
+        origin = np.zeros(batch_size, np.int64)
         added_sep = np.zeros(batch_size, bool)
+        after: dict = {}
         row = 0
-        last = None
-        for last in sequences:
-            n = len(last.content)
+        while row < batch_size:
+            k = mixer.pick(share, active)
+            if k < 0:
+                break
+            seq = next(streams[k], None)
+            if seq is None:             # this source reached its max_epochs: the others share its part
+                active[k] = False
+                continue
+            n = len(seq.content)
             ids[row, 0] = special_ids["cls"]
-            ids[row, 1:1 + n] = last.content
+            ids[row, 1:1 + n] = seq.content
             end = 1 + n
-            if last.end_sep:
+            if seq.end_sep:
                 added_sep[row] = True
                 ids[row, end] = special_ids["sep"]
                 end += 1
             attention[row, :end] = 1
-            if use_marks:
-                word_starts[row, 1:1 + n] = last.marks
-            epochs[row], samples[row] = last.epoch, last.sample
+            if use_marks and seq.marks is not None:
+                word_starts[row, 1:1 + n] = seq.marks
+            epochs[row], samples[row], origin[row] = seq.epoch, seq.sample, k
+            after[k] = seq.after
+            mixer.charge(k, end, share, active)
             row += 1
-            if row == batch_size:
-                break
         if row == 0:
             return
         if row < batch_size:  # the very end (max_epochs): a smaller last batch
             ids, attention, epochs, samples = ids[:row], attention[:row], epochs[:row], samples[:row]
+            origin, added_sep = origin[:row], added_sep[:row]
             word_starts = word_starts[:row] if word_starts is not None else None
         is_sep = ids == special_ids["sep"]
-        docs = int(np.count_nonzero(is_sep)) - int(np.count_nonzero(added_sep[:row]))
+        row_docs = np.count_nonzero(is_sep, axis=1) - added_sep
+        row_tokens = np.count_nonzero(attention, axis=1)
         if packing == "document":  # a document's number: 1 + the [SEP]s before it ([CLS] opens the first)
             attention = np.where(attention != 0, np.cumsum(is_sep, axis=1) - is_sep + 1, 0)
-        keys = sample_keys(seed, epochs, slot, samples)
+        keys = np.empty(row, np.uint64)
+        for k in set(origin.tolist()):
+            rows = origin == k
+            keys[rows] = sample_keys(sources[k].cache.seed, epochs[rows], slot, samples[rows])
         inputs, labels = mask_tokens(ids, attention, keys, vocab_size=vocab, mask_id=special_ids["mask"],
                                      special=special, mlm_probability=mlm_probability, word_starts=word_starts)
         batch = {"input_ids": inputs, "attention_mask": attention, "token_type_ids": np.zeros_like(attention),
                  "labels": labels}
-        bad, cache.bad = cache.bad, []
-        yield batch, BatchInfo(slot, last.after.resolve(), docs, int(np.count_nonzero(attention)), row, bad)
+        for k, pos in after.items():
+            states[sources[k].name] = pos.resolve()
+        bad = []
+        for s in sources:
+            bad, s.cache.bad = bad + s.cache.bad, []
+        names = tuple(sources[k].name for k in origin.tolist())
+        tokens_by = {s.name: int(row_tokens[origin == k].sum()) for k, s in enumerate(sources)}
+        docs_by = {s.name: int(row_docs[origin == k].sum()) for k, s in enumerate(sources)}
+        yield batch, BatchInfo(slot, dict(states), list(mixer.credits), int(row_docs.sum()), int(row_tokens.sum()),
+                               row, bad, names, tokens_by, docs_by)
         if row < batch_size:
             return
 
@@ -299,15 +350,45 @@ def merge_states(states) -> dict:
     states = list(states)
     if not states:
         raise DataError("loader state: expected at least one rank's state")
-    out = {k: v for k, v in states[0].items() if k not in ("slots", "next_local")}
-    out["slots"], out["next_local"] = {}, {}
+    out = {k: v for k, v in states[0].items() if k not in ("sources", "credits", "next_local")}
+    out["sources"] = {n: {"shard_set": v.get("shard_set"), "slots": {}} for n, v in states[0]["sources"].items()}
+    out["credits"], out["next_local"] = {}, {}
     for s in states:
-        for k in ("format", "seed", "shard_set", "dp_size", "slots_per_rank"):
+        for k in ("format", "seed", "dp_size", "slots_per_rank"):
             if s.get(k) != out.get(k):
                 raise DataError(f"loader state: field {k!r} differs between ranks ({s.get(k)!r} vs "
                                 f"{out.get(k)!r}); these states are not from one run")
-        out["slots"].update(s["slots"])
+        if {n: v.get("shard_set") for n, v in s["sources"].items()} != \
+                {n: v["shard_set"] for n, v in out["sources"].items()}:
+            raise DataError("loader state: field 'sources' differs between ranks; these states are not from one run")
+        for n, v in s["sources"].items():
+            out["sources"][n]["slots"].update(v["slots"])
+        out["credits"].update(s.get("credits") or {})
         out["next_local"].update(s["next_local"])
+    return out
+
+
+def upgrade_state(state: dict, sets: list) -> dict:
+    """A saved state in the current format: format 2 (one shard set) becomes the one source of ``sets``
+    with that shard set (a run that gained sources keeps its old set's position)."""
+    fmt = state.get("format") if isinstance(state, dict) else None
+    if fmt == STATE_FORMAT:
+        return state
+    if fmt != 2:
+        raise DataError(f"loader state: field 'format': expected {STATE_FORMAT} (or 2), got {fmt!r} "
+                        "(saved by another version?)")
+    match = [st.name for st in sets if st.shard_set == state.get("shard_set")]
+    if not match:
+        where = ", ".join(f"{st.source.location} ({st.shard_set})" for st in sets)
+        raise DataError(f"loader state: field 'shard_set': saved for another shard set ({state.get('shard_set')}), "
+                        f"this loader reads {where}")
+    out = {k: v for k, v in state.items() if k not in ("shard_set", "slots")}
+    out["format"] = STATE_FORMAT
+    out["sources"] = {match[0]: {"shard_set": state["shard_set"], "slots": state["slots"]}}
+    out["credits"] = {}
+    stats = dict(state.get("stats") or {})
+    stats["sources"] = {match[0]: {k: stats.get(k, 0) for k in _SOURCE_STATS}}
+    out["stats"] = stats
     return out
 
 
@@ -317,24 +398,25 @@ def merge_states(states) -> dict:
 class _RankDataset(IterableDataset):
     """Picklable iterable over one rank's slots; DataLoader worker w serves local slot (w + rotate) % S."""
 
-    def __init__(self, loader: "ShardLoader", slot_states: dict, rotate: int):
-        self.source, self.manifest = loader.source, loader.manifest
+    def __init__(self, loader: "ShardLoader", slot_states: dict, credits: dict, rotate: int):
+        self.sets = loader.sets
         self.kw = dict(seq_len=loader.seq_len, micro_batch_size=loader.micro_batch_size,
-                       total_slots=loader.total_slots, max_epochs=loader.max_epochs, seed=loader.seed,
-                       mlm_probability=loader.mlm_probability, whole_word_mask=loader.whole_word_mask,
-                       packing=loader.packing)
-        self.skip_bad, self.verify = loader.skip_bad_shards, loader.verify_hash
+                       total_slots=loader.total_slots, mlm_probability=loader.mlm_probability,
+                       whole_word_mask=loader.whole_word_mask, packing=loader.packing)
+        self.share = [loader.shares[s.name] for s in loader.sets]
+        self.skip_bad, self.verify, self.max_epochs = loader.skip_bad_shards, loader.verify_hash, loader.max_epochs
         self.dp_rank, self.slots_per_rank = loader.dp_rank, loader.slots_per_rank
-        self.slot_states, self.rotate = slot_states, rotate
+        self.slot_states, self.credits, self.rotate = slot_states, credits, rotate
 
     def __iter__(self):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         local = (worker + self.rotate) % self.slots_per_rank
-        slot = self.dp_rank * self.slots_per_rank + local
-        cache = ShardCache(self.source, self.manifest, self.kw["seed"], self.skip_bad, self.kw["whole_word_mask"],
-                           self.verify)
-        for batch, info in slot_batches(cache, self.slot_states[str(slot)], slot=slot, **self.kw):
+        slot = str(self.dp_rank * self.slots_per_rank + local)
+        sources = [SlotSource(s.name, ShardCache(s.source, s.manifest, s.seed, self.skip_bad,
+                                                 self.kw["whole_word_mask"], self.verify),
+                              self.slot_states[s.name][slot], s.epoch_limit(self.max_epochs)) for s in self.sets]
+        for batch, info in slot_batches(sources, self.credits[slot], self.share, slot=int(slot), **self.kw):
             info.local = local
             yield {k: torch.from_numpy(v) for k, v in batch.items()}, info
 
@@ -365,24 +447,49 @@ def _stop_all_at_exit() -> None:
         loader._stop_active()
 
 
-class ShardLoader:
-    """Deterministic, resumable MLM batches from a shard set for one data-parallel rank.
+@dataclass
+class SourceSet:
+    """One source of a loader: its shard set (manifest read once), seed and repetition cap."""
+    name: str
+    source: ShardSource
+    manifest: dict
+    seed: int
+    max_epochs: Optional[float] = None
 
-    ``shard_dir``: a directory or a URL prefix (:mod:`.source`; ``retry`` bounds the re-reads of a
-    URL, default :func:`~.source.default_retry`). See the module docstring for the stages and the
-    state. ``num_workers=0`` loads in the calling process and gives exactly the batches of
-    ``num_workers=1``. Any number of shards works on any number of slots, as long as the set has a
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        return shard_sizes(self.manifest)
+
+    @property
+    def shard_set(self) -> dict:
+        h = hashlib.sha256("".join(e["sha256"] for e in self.manifest["shards"]).encode()).hexdigest()
+        return {"num_shards": len(self.manifest["shards"]), "sha256": h}
+
+    def epoch_limit(self, loader_max: Optional[int]) -> Optional[int]:
+        """Epochs this source may start: the loader's ``max_epochs`` and its own cap (rounded up)."""
+        own = None if self.max_epochs is None else max(1, math.ceil(self.max_epochs - 1e-9))
+        return own if loader_max is None else loader_max if own is None else min(own, loader_max)
+
+
+class ShardLoader:
+    """Deterministic, resumable MLM batches from a shard set, or a mixture of them, for one data-parallel rank.
+
+    ``shards``: a directory or a URL prefix (:mod:`.source`; ``retry`` bounds the re-reads of a
+    URL, default :func:`~.source.default_retry`), or several named sets: :class:`~.mixture.Source` s
+    or (name, location[, max_epochs]) tuples, mixed by ``weights`` (name -> share of tokens, any
+    scale; default: in proportion to each set's tokens), see :mod:`.mixture`. Every set must have the
+    tokenizer of the first. See the module docstring for the stages and the state.
+    ``num_workers=0`` loads in the calling process and gives exactly the batches of
+    ``num_workers=1``. Any number of shards works on any number of slots, as long as every set has a
     document per slot (:mod:`.slots`).
     """
 
-    def __init__(self, shard_dir, *, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+    def __init__(self, shards, *, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  num_workers: int = 1, seed: int = 0, mlm_probability: float = 0.15, whole_word_mask: bool = True,
                  skip_bad_shards: bool = False, pin_memory: bool = False, max_epochs: Optional[int] = None,
                  verify_hash: bool = True, prefetch_factor: int = 2, multiprocessing_context: Optional[str] = "auto",
-                 retry: Optional[RetryPolicy] = None, packing: str = "document"):
-        self.source = ShardSource(shard_dir, retry or default_retry())
-        self.shard_dir = self.source.location
-        self.manifest = read_manifest(self.source)
+                 retry: Optional[RetryPolicy] = None, packing: str = "document",
+                 weights: Optional[dict] = None):
         if seq_len < 3:
             raise UsageError(f"seq_len: expected at least 3 ([CLS] token [SEP]), got {seq_len}")
         if micro_batch_size < 1:
@@ -395,9 +502,9 @@ class ShardLoader:
             raise UsageError(f"mlm_probability: expected a value in (0, 1), got {mlm_probability}")
         if packing not in PACKINGS:
             raise UsageError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
-        self.packing = packing
         if max_epochs is not None and max_epochs < 1:
             raise UsageError(f"max_epochs: expected None or >= 1, got {max_epochs}")
+        self.packing = packing
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
         self.seed, self.mlm_probability, self.whole_word_mask = seed, mlm_probability, whole_word_mask
@@ -412,25 +519,42 @@ class ShardLoader:
         self.multiprocessing_context = multiprocessing_context
         self.slots_per_rank = max(1, num_workers)
         self.total_slots = dp_size * self.slots_per_rank
-        self.shard_sizes = shard_sizes(self.manifest)
-        num_shards, num_docs = len(self.shard_sizes), self.manifest["num_docs"]
-        if num_docs < self.total_slots:
-            raise UsageError(f"{self.shard_dir}: {num_docs} documents for {self.total_slots} loader slots (dp_size "
-                             f"{dp_size} x max(1, num_workers {num_workers})): every slot needs a document; use fewer "
-                             "workers or ranks")
-        h = hashlib.sha256("".join(s["sha256"] for s in self.manifest["shards"]).encode()).hexdigest()
-        self._shard_set = {"num_shards": num_shards, "sha256": h}
-        first = deal(seed, 0, self.shard_sizes, self.total_slots)
-        self._slots = {str(g): SlotState(0, first[g]) for g in self._my_slots()}
+        listed = as_sources(shards)
+        retry = retry or default_retry()
+        self.sets: list[SourceSet] = []
+        for src in listed:
+            where = ShardSource(src.location, retry)
+            self.sets.append(SourceSet(src.name, where, read_manifest(where), source_seed(seed, src.name, len(listed)),
+                                       src.max_epochs))
+        first = self.sets[0]
+        self.source, self.shard_dir, self.manifest = first.source, first.source.location, first.manifest
+        for st in self.sets[1:]:
+            check_same_tokenizer(st.manifest, first.manifest, f"source {st.name!r} ({st.source.location})",
+                                 f"source {first.name!r}")
+        for st in self.sets:
+            if st.manifest["num_docs"] < self.total_slots:
+                raise UsageError(f"{st.source.location}: {st.manifest['num_docs']} documents for {self.total_slots} "
+                                 f"loader slots (dp_size {dp_size} x max(1, num_workers {num_workers})): every slot "
+                                 "needs a document; use fewer workers or ranks")
+        self.shares = shares(weights, [st.name for st in self.sets],
+                             default={st.name: st.manifest["num_tokens"] for st in self.sets})
+        self._slots = {st.name: self._fresh(st) for st in self.sets}
+        self._credits = {g: [0.0] * len(self.sets) for g in self._my_slots()}
         self._next_local = 0
         self._generation = 0
         self._active = None
+        self.last: Optional[BatchInfo] = None
+        """The provenance of the batch taken last (slot, rows' sources, tokens per source, ...)."""
         _LIVE.add(self)
         self.stats = {"batches": 0, "sequences": 0, "tokens": 0, "docs": 0, "bad_shards_skipped": 0,
-                      "bad_shards": []}
+                      "bad_shards": [], "sources": {st.name: dict(_SOURCE_STATS) for st in self.sets}}
 
-    def _my_slots(self) -> range:
-        return range(self.dp_rank * self.slots_per_rank, (self.dp_rank + 1) * self.slots_per_rank)
+    def _my_slots(self) -> list[str]:
+        return [str(g) for g in range(self.dp_rank * self.slots_per_rank, (self.dp_rank + 1) * self.slots_per_rank)]
+
+    def _fresh(self, st: SourceSet) -> dict:
+        first = deal(st.seed, 0, st.sizes, self.total_slots)
+        return {g: SlotState(0, first[int(g)]) for g in self._my_slots()}
 
     # ------------------------------------------------------------------ iteration
 
@@ -451,7 +575,8 @@ class ShardLoader:
     def __iter__(self):
         self._stop_active()
         generation = self._generation
-        dataset = _RankDataset(self, dict(self._slots), self._next_local)
+        dataset = _RankDataset(self, {n: dict(v) for n, v in self._slots.items()},
+                               {g: list(c) for g, c in self._credits.items()}, self._next_local)
         dl = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
                         worker_init_fn=_worker_ignores_stop_signals if self.num_workers else None,
                         pin_memory=self.pin_memory and torch.cuda.is_available(),
@@ -465,13 +590,22 @@ class ShardLoader:
         for batch, info in it:
             if generation != self._generation:  # set_stage / load_state_dict / a newer iter() took over
                 return
-            self._slots[str(info.slot)] = info.state
+            g = str(info.slot)
+            for name, state in info.states.items():
+                self._slots[name][g] = state
+            self._credits[g] = info.credits
             self._next_local = (info.local + 1) % self.slots_per_rank
+            self.last = info
             st = self.stats
             st["batches"] += 1
             st["sequences"] += info.sequences
             st["tokens"] += info.tokens
             st["docs"] += info.docs
+            for name in info.source_tokens:
+                per = st["sources"][name]
+                per["tokens"] += info.source_tokens[name]
+                per["docs"] += info.source_docs[name]
+                per["sequences"] += info.sources.count(name)
             if info.bad_shards:
                 st["bad_shards_skipped"] += len(info.bad_shards)
                 st["bad_shards"] += info.bad_shards
@@ -481,69 +615,94 @@ class ShardLoader:
         if generation == self._generation:
             self._active = None
 
-    def set_stage(self, seq_len: int, micro_batch_size: int) -> None:
-        """New sequence length / micro-batch; the next ``iter()`` re-packs from the consumed position."""
+    def set_stage(self, seq_len: int, micro_batch_size: int, weights: Optional[dict] = None) -> None:
+        """New sequence length / micro-batch (and, given ``weights``, new shares of the sources); the next
+        ``iter()`` re-packs from the consumed position."""
         if seq_len < 3 or micro_batch_size < 1:
             raise UsageError(f"set_stage: expected seq_len >= 3 and micro_batch_size >= 1, got "
                              f"{seq_len}, {micro_batch_size}")
+        new = shares(weights, [st.name for st in self.sets]) if weights is not None else self.shares
         self._stop_active()
-        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.seq_len, self.micro_batch_size, self.shares = seq_len, micro_batch_size, new
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """What the consumer has taken (state format 2, see the module docstring)."""
-        return {"format": STATE_FORMAT, "seed": self.seed, "shard_set": dict(self._shard_set),
-                "dp_size": self.dp_size, "slots_per_rank": self.slots_per_rank,
-                "slots": {g: s.to_dict() for g, s in self._slots.items()},
+        """What the consumer has taken (state format 3, see the module docstring)."""
+        names = [st.name for st in self.sets]
+        return {"format": STATE_FORMAT, "seed": self.seed, "dp_size": self.dp_size,
+                "slots_per_rank": self.slots_per_rank,
+                "sources": {st.name: {"shard_set": st.shard_set,
+                                      "slots": {g: s.to_dict() for g, s in self._slots[st.name].items()}}
+                            for st in self.sets},
+                "credits": {g: dict(zip(names, c)) for g, c in self._credits.items()},
                 "next_local": {str(self.dp_rank): self._next_local},
-                "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}}
+                "stats": copy.deepcopy(self.stats)}
 
     def load_state_dict(self, state) -> None:
-        """Resume from ``state_dict()`` output (format 2): exactly with
+        """Resume from ``state_dict()`` output (format 3, or format 2 of a one-source loader): exactly with
         the same slot layout; with another (world size, worker count) by the elastic rule, which needs
         every old rank's state (pass the list of them, or :func:`merge_states` of them) and logs a
-        warning."""
-        state = merge_states(state)
+        warning. A source new to the mixture starts at its beginning (logged); a saved source the
+        mixture lacks is refused (a share of 0 pauses a source)."""
+        states = [state] if isinstance(state, dict) else list(state)
+        state = merge_states([upgrade_state(st, self.sets) for st in states])
         where = "loader state"
-        if state.get("format") != STATE_FORMAT:
-            raise DataError(f"{where}: field 'format': expected {STATE_FORMAT}, got {state.get('format')!r} "
-                            "(saved by another version?)")
-        if state.get("shard_set") != self._shard_set:
-            raise DataError(f"{where}: field 'shard_set': saved for another shard set "
-                            f"({state.get('shard_set')}), this loader reads {self.shard_dir} ({self._shard_set})")
         if state.get("seed") != self.seed:
             raise DataError(f"{where}: field 'seed': saved with seed {state.get('seed')}, the loader has "
                             f"seed {self.seed}")
+        mine = {st.name: st for st in self.sets}
+        saved_sources = state["sources"]
+        gone = sorted(set(saved_sources) - set(mine))
+        if gone:
+            raise DataError(f"{where}: field 'sources': the saved position reads source {gone[0]!r}, which this "
+                            f"loader lacks (it reads {', '.join(mine)}); keep the source (a weight of 0 pauses it)")
+        for name, saved in saved_sources.items():
+            if saved.get("shard_set") != mine[name].shard_set:
+                raise DataError(f"{where}: field 'shard_set': source {name!r} was saved for another shard set "
+                                f"({saved.get('shard_set')}), this loader reads {mine[name].source.location} "
+                                f"({mine[name].shard_set})")
         self._stop_active()
-        saved = {g: SlotState.from_dict(s) for g, s in state["slots"].items()}
         old_total = state["dp_size"] * state["slots_per_rank"]
-        mine = [str(g) for g in self._my_slots()]
-        if old_total == self.total_slots:
-            missing = [g for g in mine if g not in saved]
-            if missing:
-                raise DataError(f"{where}: field 'slots': no state for slot(s) {missing} of dp rank "
-                                f"{self.dp_rank}; pass this rank's saved state (or all ranks' states)")
-            self._slots = {g: saved[g] for g in mine}
-            same = state["dp_size"] == self.dp_size
-            self._next_local = state["next_local"].get(str(self.dp_rank), 0) if same else 0
-            if not same:
-                log.warning("loader: resuming %d x %d slots as %d ranks x %d workers: same %d slots, each "
-                            "continues exactly", state["dp_size"], state["slots_per_rank"], self.dp_size,
-                            self.slots_per_rank, self.total_slots)
-        else:
+        exact = old_total == self.total_slots
+        for name, st in mine.items():
+            if name not in saved_sources:
+                log.warning("loader: source %r is new to this run: it starts at its beginning", name)
+                self._slots[name] = self._fresh(st)
+                continue
+            saved = {g: SlotState.from_dict(s) for g, s in saved_sources[name]["slots"].items()}
+            if exact:
+                missing = [g for g in self._my_slots() if g not in saved]
+                if missing:
+                    raise DataError(f"{where}: field 'slots': no state for slot(s) {missing} of dp rank "
+                                    f"{self.dp_rank}; pass this rank's saved state (or all ranks' states)")
+                self._slots[name] = {g: saved[g] for g in self._my_slots()}
+                continue
             if len(saved) != old_total:
                 raise DataError(f"{where}: field 'slots': the elastic resume from {state['dp_size']} ranks x "
                                 f"{state['slots_per_rank']} slots needs all {old_total} old slots, got "
                                 f"{len(saved)}: pass every old rank's state_dict() (a list)")
-            new, msg = elastic_slot_states(saved, self.seed, self.shard_sizes, self.total_slots)
-            self._slots = {g: new[g] for g in mine}
-            self._next_local = 0
-            log.warning("loader rank %d: %s", self.dp_rank, msg)
+            new, msg = elastic_slot_states(saved, st.seed, st.sizes, self.total_slots)
+            self._slots[name] = {g: new[g] for g in self._my_slots()}
+            log.warning("loader rank %d%s: %s", self.dp_rank, f", source {name!r}" if len(mine) > 1 else "", msg)
+        credits = state.get("credits") or {}
+        self._credits = {g: [float(credits.get(g, {}).get(st.name, 0.0)) if exact else 0.0 for st in self.sets]
+                         for g in self._my_slots()}
+        same = state["dp_size"] == self.dp_size
+        self._next_local = state["next_local"].get(str(self.dp_rank), 0) if exact and same else 0
+        if exact and not same:
+            log.warning("loader: resuming %d x %d slots as %d ranks x %d workers: same %d slots, each "
+                        "continues exactly", state["dp_size"], state["slots_per_rank"], self.dp_size,
+                        self.slots_per_rank, self.total_slots)
         stats = state.get("stats")
         if isinstance(stats, dict):
-            self.stats.update({k: v for k, v in stats.items() if k in self.stats})
+            self.stats.update({k: v for k, v in stats.items() if k in self.stats and k != "sources"})
+            for name, per in (stats.get("sources") or {}).items():
+                if name in self.stats["sources"] and isinstance(per, dict):
+                    self.stats["sources"][name].update({k: v for k, v in per.items() if k in _SOURCE_STATS})
 
     def __repr__(self) -> str:
-        return (f"ShardLoader({str(self.shard_dir)!r}, seq_len={self.seq_len}, micro_batch_size="
+        where = (repr(str(self.shard_dir)) if len(self.sets) == 1 else
+                 "[" + ", ".join(f"{st.name}: {self.shares[st.name]:.3f}" for st in self.sets) + "]")
+        return (f"ShardLoader({where}, seq_len={self.seq_len}, micro_batch_size="
                 f"{self.micro_batch_size}, dp {self.dp_rank}/{self.dp_size}, workers={self.num_workers})")

@@ -281,6 +281,18 @@ def check_tokenizer(location, manifest: Optional[dict] = None, *, tokenizer: str
                         f"the model expects {vocab_size}")
 
 
+def check_same_tokenizer(m: dict, ref: dict, where: str, ref_name: str) -> None:
+    """A DataError unless manifest ``m`` (described by ``where``) has the tokenizer of ``ref`` (``ref_name``):
+    the same model (sha256), ``vocab_size``, ``special_ids`` and ``dtype``."""
+    a, b = m["tokenizer"]["sha256"], ref["tokenizer"]["sha256"]
+    if a != b:
+        raise DataError(f"{where}: field 'tokenizer.sha256' is {a and a[:16]}..., {ref_name} is {b and b[:16]}...: "
+                        "made with another tokenizer")
+    for key in ("vocab_size", "special_ids", "dtype"):
+        if m[key] != ref[key]:
+            raise DataError(f"{where}: field {key!r} is {m[key]!r}, {ref_name} is {ref[key]!r}")
+
+
 def check_training_data(shards, eval_shards=None, *, model_vocab_size: Optional[int] = None,
                         checkpoint_tokenizer_sha256: Optional[str] = None) -> dict:
     """The checks made before training starts; returns the training set's manifest.
@@ -308,15 +320,7 @@ def check_training_data(shards, eval_shards=None, *, model_vocab_size: Optional[
             check_tokenizer(eval_shards, ev)
         except DataError as e:
             raise DataError(f"data.eval_shards: {e}") from None
-        where = as_source(eval_shards).child(MANIFEST)
-        if ev["tokenizer"]["sha256"] != sha:
-            a, b = ev["tokenizer"]["sha256"], sha
-            raise DataError(f"data.eval_shards: {where}: field 'tokenizer.sha256' is {a and a[:16]}..., data.shards' "
-                            f"is {b and b[:16]}...: the eval set was made with another tokenizer")
-        for key in ("vocab_size", "special_ids", "dtype"):
-            if ev[key] != m[key]:
-                raise DataError(f"data.eval_shards: {where}: field {key!r} is {ev[key]!r}, data.shards' is "
-                                f"{m[key]!r}")
+        check_same_tokenizer(ev, m, f"data.eval_shards: {as_source(eval_shards).child(MANIFEST)}", "data.shards'")
     if checkpoint_tokenizer_sha256 and checkpoint_tokenizer_sha256 != sha:
         raise DataError(f"data.shards: tokenizer sha256 {sha and sha[:12]} differs from the checkpoint's "
                         f"{checkpoint_tokenizer_sha256[:12]}; resuming on shards of another tokenizer would "

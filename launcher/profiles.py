@@ -27,6 +27,7 @@ character (a newline would start a script line of its own). Rendering:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -103,13 +104,32 @@ def resolve(config: str, overrides: list[str], flags: JobFlags) -> Config:
     for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
         if value and not is_url(value):
             paths[key] = value
-    return replace(cfg, **{k: str(Path(v).expanduser().resolve()) for k, v in paths.items()})
+    changes = {k: _absolute(v) for k, v in paths.items()}
+    for key in ("sources", "eval_sources"):
+        listed = getattr(cfg.data, key)
+        if listed:
+            changes[f"data.{key}"] = tuple(dataclasses.replace(s, shards=s.shards if is_url(s.shards) else
+                                                               _absolute(s.shards)) for s in listed)
+    return replace(cfg, **changes)
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _shard_sets(cfg: Config) -> list[tuple[str, str]]:
+    """(config key, location) of every shard set the job reads."""
+    out = [("data.shards", cfg.data.shards)] if cfg.data.shards or not cfg.data.sources else []
+    out += [(f"data.sources[{i}] ({s.name})", s.shards) for i, s in enumerate(cfg.data.sources)]
+    out.append(("data.eval_shards", cfg.data.eval_shards))
+    out += [(f"data.eval_sources[{i}] ({s.name})", s.shards) for i, s in enumerate(cfg.data.eval_sources)]
+    return out
 
 
 def check_data(cfg: Config) -> None:
     """A local shard set is a directory with a manifest.json: refuse to queue without one. A shard set at a
     URL is checked by the job when it starts (a ``pipe:`` command may only work on the compute nodes)."""
-    for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+    for key, value in _shard_sets(cfg):
         if key == "data.shards" and not value:
             raise ConfigError("data.shards: no training shard set given")
         if value and not is_url(value) and not (Path(value) / "manifest.json").is_file():

@@ -106,10 +106,43 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    """One source of a corpus mixture (``data.sources``)."""
+    name: str = ""
+    """Its name (letters, digits, '_', '-'): in logs, metrics (``data/<name>/...``) and stage weights."""
+    shards: str = ""
+    """Its shard set (a directory or URL prefix, as data.shards)."""
+    weight: Optional[float] = None
+    """Its share of the training *tokens*, relative to the other sources' weights (0.5/0.3/0.2, or 5/3/2);
+    None = 1, or with data.size_alpha its size^alpha. A curriculum stage may override it (``weights``)."""
+    max_epochs: Optional[float] = None
+    """Repetition cap: the run draws at most this many epochs of this source (the planner lowers its
+    share and raises the others', with a warning; the loader never starts an epoch past it)."""
+
+
+@dataclass(frozen=True)
+class EvalSourceConfig:
+    """One held-out set of ``data.eval_sources``."""
+    name: str = ""
+    """Its name: eval tags ``eval_<name>/loss_<L>``."""
+    shards: str = ""
+    """Its shard set (the training sources' tokenizer)."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     shards: str = ""
     """Training shard set: a directory (manifest.json + shard-*.tar) or a URL prefix (http://, https://,
-    pipe:COMMAND, file:; ``{name}`` in it is replaced by the file name, else ``/<name>`` is appended)."""
+    pipe:COMMAND, file:; ``{name}`` in it is replaced by the file name, else ``/<name>`` is appended).
+    Or, instead, data.sources."""
+    sources: tuple[SourceConfig, ...] = ()
+    """A corpus mixture instead of data.shards: ``[{name, shards, weight, max_epochs}, ...]``, weights as
+    shares of training tokens, interleaved row by row in every micro-batch (data_pipeline/mixture.py)."""
+    size_alpha: Optional[float] = None
+    """Size smoothing of the mixture: a source's weight is multiplied by (its tokens)^alpha (1 = in
+    proportion to size, 0 = the weights alone; 0.3-0.7 as multilingual encoders use). None = off."""
+    eval_sources: tuple[EvalSourceConfig, ...] = ()
+    """Held-out sets evaluated one by one beside data.eval_shards (``eval_<name>/loss_<L>``)."""
     eval_shards: str = ""
     """Held-out shard set (a directory or URL prefix, as data.shards); empty = no eval."""
     packing: Packing = "document"
@@ -154,6 +187,9 @@ class StageConfig:
     """Re-warmup steps when lr is set."""
     eval_lengths: tuple[int, ...] = ()
     """Eval sequence lengths in this stage; empty = the stage's own seq_len."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights of this stage by source name (``{news: 0.3, books: 0.7}``); a source not named keeps
+    its data.sources weight."""
 
 
 @dataclass(frozen=True)
@@ -360,7 +396,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return {str(k): str(v) for k, v in value.items()}
+        inner = args[1] if len(args) == 2 else str
+        return {str(k): _coerce(v, inner, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -660,6 +697,54 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError(f"model.{key}: expected a probability in [0, 1), got {getattr(m, key)}")
 
 
+def training_sources(d: DataConfig) -> tuple[SourceConfig, ...]:
+    """The training mixture: data.sources, or data.shards as one source named ``main`` (weight 1)."""
+    return d.sources or ((SourceConfig("main", d.shards, 1.0),) if d.shards else ())
+
+
+def _validate_sources(cfg: Config) -> None:
+    d = cfg.data
+    if d.sources and d.shards:
+        raise ConfigError("data.sources: give data.shards (one shard set) or data.sources (a mixture), not both")
+    names = []
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", s.name):
+            raise ConfigError(f"{key}.name: expected letters, digits, '_' or '-', got {s.name!r}")
+        if s.name in names:
+            raise ConfigError(f"{key}.name: {s.name!r} is given twice")
+        names.append(s.name)
+        if not s.shards:
+            raise ConfigError(f"{key}.shards: source {s.name!r} has no shard set")
+        if s.weight is None and d.size_alpha is None and len(d.sources) > 1:
+            raise ConfigError(f"{key}.weight: source {s.name!r} has no weight (give each source a weight, or "
+                              "data.size_alpha to weigh them by size)")
+        if s.weight is not None and not 0 <= s.weight < float("inf"):
+            raise ConfigError(f"{key}.weight: expected a finite number >= 0, got {s.weight!r}")
+        if s.max_epochs is not None and not s.max_epochs > 0:
+            raise ConfigError(f"{key}.max_epochs: expected a positive number, got {s.max_epochs!r}")
+    if d.sources and sum(s.weight or 0 for s in d.sources) <= 0 and d.size_alpha is None:
+        raise ConfigError("data.sources: the weights sum to 0; expected a positive sum")
+    if d.size_alpha is not None and not 0 <= d.size_alpha <= 1:
+        raise ConfigError(f"data.size_alpha: expected a value in [0, 1], got {d.size_alpha!r}")
+    known = [s.name for s in training_sources(d)]
+    for i, st in enumerate(cfg.curriculum.stages):
+        for name, w in st.weights.items():
+            key = f"curriculum.stages[{i}].weights.{name}"
+            if name not in known:
+                raise ConfigError(f"{key}: no source {name!r} (the sources are {', '.join(known) or 'none'})")
+            if not 0 <= w < float("inf"):
+                raise ConfigError(f"{key}: expected a finite number >= 0, got {w!r}")
+    eval_names = []
+    for i, e in enumerate(d.eval_sources):
+        key = f"data.eval_sources[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", e.name) or e.name in eval_names:
+            raise ConfigError(f"{key}.name: expected a new name of letters, digits, '_' or '-', got {e.name!r}")
+        if not e.shards:
+            raise ConfigError(f"{key}.shards: eval source {e.name!r} has no shard set")
+        eval_names.append(e.name)
+
+
 def _validate_data(d: DataConfig) -> None:
     _check_choices(d, "data")
     if not 0.0 < d.mlm_probability < 1.0:
@@ -851,6 +936,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     parse_mode(cfg.run_dir_mode)
     validate_model(cfg.model)
     _validate_data(cfg.data)
+    _validate_sources(cfg)
     _validate_optim(cfg.optim)
     _validate_deepspeed(cfg.deepspeed)
     validate_layout(cfg, world_size)

@@ -159,8 +159,8 @@ def test_one_shard_on_two_ranks_two_workers_stopped_and_resumed_sees_each_docume
     phase1 = [ShardLoader(d, dp_rank=r, dp_size=2, num_workers=2, **kw) for r in range(2)]
     first = [_take(ld, 3) for ld in phase1]                      # 3 batches per rank: both workers, mid-document
     states = [ld.state_dict() for ld in phase1]
-    assert all(len(s["slots"]) == 2 for s in states)
-    pieces = [p for s in states for slot in s["slots"].values() for p in slot["pieces"]]
+    assert all(len(s["sources"]["main"]["slots"]) == 2 for s in states)
+    pieces = [p for s in states for slot in s["sources"]["main"]["slots"].values() for p in slot["pieces"]]
     assert {p[0] for p in pieces} == {0} and len(pieces) == 4      # 4 slots share the shard by document ranges
     seen_first = _tokens(first[0] + first[1])
 
@@ -217,9 +217,9 @@ def test_a_state_of_another_format_is_refused_naming_it(small_shards):
     ld = ShardLoader(small_shards.dir, **kw)
     _take(ld, 3)
     state = ld.state_dict()
-    assert state["format"] == 2
-    for other in (1, 3):
-        with pytest.raises(DataError, match=rf"field 'format': expected 2, got {other}"):
+    assert state["format"] == 3
+    for other in (1, 4):
+        with pytest.raises(DataError, match=rf"field .format.: expected 3 \(or 2\), got {other}"):
             ShardLoader(small_shards.dir, **kw).load_state_dict({**state, "format": other})
 
 

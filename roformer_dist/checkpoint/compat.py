@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from roformer_dist.config import Config, ModelConfig, build, to_dict
+from roformer_dist.config import Config, ModelConfig, build, to_dict, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 
@@ -96,15 +96,34 @@ def differences(saved_config: dict, saved_world_size: int, cfg: Config, world_si
                    "ZeRO 1 and 2 may replace each other)")
     if saved_tokenizer and tokenizer and saved_tokenizer != tokenizer:
         out.append(f"tokenizer: sha256 {saved_tokenizer[:12]}... in the checkpoint, {tokenizer[:12]}... in "
-                   f"{cfg.data.shards}/manifest.json (shards of another tokenizer would scramble the vocabulary)")
+                   f"{_first_set(cfg)}/manifest.json (shards of another tokenizer would scramble the vocabulary)")
     if saved_num_shards is not None and num_shards is not None and saved_num_shards != num_shards:
         out.append(f"data.shards: the saved loader position is in a set of {saved_num_shards} shards, "
-                   f"{cfg.data.shards} has {num_shards}")
+                   f"{_first_set(cfg)} has {num_shards}")
     return out
 
 
-CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend")
-"""Settings that change what a resumed run computes without touching its parameters: logged when they differ."""
+def _first_set(cfg: Config) -> str:
+    sources = training_sources(cfg.data)
+    return sources[0].shards if sources else ""
+
+
+CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend", "data.size_alpha")
+"""Settings that change what a resumed run computes without touching its parameters: logged when they differ
+(and the mixture's weights and caps, :func:`_mixture_settings`)."""
+
+
+def _mixture_settings(config: dict) -> dict:
+    """The mixture's weights and caps in a config dict, by dotted key (a config that predates mixtures: none)."""
+    data = config.get("data") or {}
+    out = {}
+    for src in data.get("sources") or []:
+        for key in ("weight", "max_epochs"):
+            out[f"data.sources.{src.get('name')}.{key}"] = src.get(key)
+    for i, st in enumerate(_get(config, "curriculum", "stages", default=[]) or []):
+        for name, w in ((st or {}).get("weights") or {}).items():
+            out[f"curriculum.stages[{i}].weights.{name}"] = w
+    return out
 
 
 def changed_settings(saved_config: dict, cfg: Config) -> list[str]:
@@ -116,6 +135,10 @@ def changed_settings(saved_config: dict, cfg: Config) -> list[str]:
         was = _get(saved_config, section, key, default=defaults[section][key])
         if was != now[section][key]:
             out.append(f"{dotted}: {was!r} in the checkpoint, {now[section][key]!r} now")
+    was, new = _mixture_settings(saved_config), _mixture_settings(now)
+    for key in sorted(set(was) | set(new), key=lambda k: (k.split(".")[0], k)):
+        if was.get(key) != new.get(key):
+            out.append(f"{key}: {was.get(key)!r} in the checkpoint, {new.get(key)!r} now")
     return out
 
 

@@ -106,7 +106,8 @@ def cmd_to_hf(args) -> None:
     check_exportable(cfg)
     tokenizer, jieba = (None, False) if args.no_tokenizer else find_tokenizer(args.tokenizer, source)
     if tokenizer is None and not args.no_tokenizer:
-        where = (f"the run's shard set {source.run_config.data.shards!r} was not found"
+        where = (f"the run's shard set {source.run_config.data.shards or source.run_config.data.sources[0].shards!r} "
+                 "was not found"
                  if source.run_config is not None else "a weights file names no tokenizer")
         raise DataError(f"{args.checkpoint}: no tokenizer to export ({where}); pass --tokenizer "
                         "<shard set or tokenizer.model>, or --no-tokenizer for the model alone")

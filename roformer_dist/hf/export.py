@@ -29,7 +29,7 @@ from data_pipeline.atomic import StagedDir, atomic_write_text
 from data_pipeline.manifest import read_manifest, tokenizer_path
 from data_pipeline.tokenizer import sha256_file
 from roformer_dist.checkpoint.store import Found, read_trainer_state
-from roformer_dist.config import from_dict
+from roformer_dist.config import from_dict, training_sources
 from roformer_dist.errors import ConfigError, DataError
 from roformer_dist.hf.convert import check_exportable, to_hf_model
 from roformer_dist.hf.model_card import render_model_card
@@ -110,7 +110,8 @@ def source_from_checkpoint(found: Found) -> ExportSource:
     run_dir = found.dir.parent.parent
     src = ExportSource(f"training checkpoint {found.dir}", run_config=config, trainer=trainer)
     src.eval_metrics, src.eval_step = _eval_scalars(run_dir, found.step)
-    src.shard_dir = _existing(config.data.shards, run_dir)
+    sources = training_sources(config.data)
+    src.shard_dir = _existing(sources[0].shards, run_dir) if sources else None
     eval_dir = _existing(config.data.eval_shards, run_dir)
     for attr, d in (("manifest", src.shard_dir), ("eval_manifest", eval_dir)):
         if d is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from roformer_dist.config import training_sources
+
 
 def _fmt_int(n: Any) -> str:
     return f"{int(n):,}" if isinstance(n, (int, float)) else "unknown"
@@ -43,10 +45,17 @@ def _training(source) -> list[str]:
               f"- optimiser: {cfg.optim.name}, peak lr {cfg.optim.lr:g}, {cfg.optim.warmup_steps} warm-up steps, "
               f"{cfg.optim.schedule} decay, weight decay {cfg.optim.weight_decay:g}; DeepSpeed ZeRO-"
               f"{cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}; seed {cfg.trainer.seed}"]
-    if source.manifest is not None:
+    sources = training_sources(cfg.data)
+    if len(sources) > 1:
+        listed = ", ".join(f"`{s.name}` (`{s.shards}`, weight {s.weight if s.weight is not None else 1:g}"
+                           f"{f', at most {s.max_epochs:g} epochs' if s.max_epochs is not None else ''})"
+                           for s in sources)
+        lines.append(f"- training data: a mixture of {len(sources)} sources weighted by their share of tokens: "
+                     f"{listed}{f'; sizes smoothed by alpha {cfg.data.size_alpha:g}' if cfg.data.size_alpha is not None else ''}")
+    elif source.manifest is not None:
         lines += _manifest_lines("training data", source.shard_dir, source.manifest)
     else:
-        lines.append(f"- training data: `{cfg.data.shards}` (shard set not found at export time)")
+        lines.append(f"- training data: `{sources[0].shards if sources else ''}` (shard set not found at export time)")
     if source.eval_manifest is not None:
         lines += _manifest_lines("evaluation data", cfg.data.eval_shards, source.eval_manifest)
     lines += ["", "Sequence-length curriculum (stages run in order):", "",

@@ -4,6 +4,7 @@ Owns: ``entry.py`` (``run_rank``: process group, run lock, logging, the trainer)
 ranks of a job on this machine), ``trainer.py`` (``Trainer``: load -> step -> log -> save -> eval ->
 stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
 learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
+``mixture.py`` (the corpus mixture's plan: shares per stage, draws, epochs, repetition caps),
 ``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``evaluation.py`` (eval at each length beside the
 baselines), ``baselines.py`` (unigram and most-frequent-token baselines), ``length_report.py`` (a
 checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file).

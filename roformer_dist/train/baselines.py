@@ -9,7 +9,8 @@ predict, so they are computed on the same eval batches (same masks) as the model
   model reaches by learning nothing but token frequencies;
 - the **most-frequent-token accuracy**: always predicting the training set's most frequent token.
 
-Counting reads the shards once. For big shard sets the cost is bounded by ``max_tokens``: whole
+A corpus mixture's unigram model weighs each source's frequencies by its share of the run's
+tokens (:func:`count_mixture`). Counting reads the shards once. For big shard sets the cost is bounded by ``max_tokens``: whole
 shards are read in a seeded random order until that many tokens were counted (the unigram
 distribution of tens of millions of tokens is as good as that of billions for this purpose).
 """
@@ -92,6 +93,22 @@ def count_tokens(shards: str | os.PathLike, max_tokens: int = DEFAULT_MAX_TOKENS
     return UnigramModel(counts, special, read, len(entries))
 
 
+def count_mixture(sources: dict, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0) -> UnigramModel:
+    """The unigram model of a corpus mixture: ``sources`` maps a shard set to its share of the training
+    tokens; each set is counted (at most ``max_tokens`` x its share) and its frequencies are weighed by
+    its share, as the training stream mixes them. One set: :func:`count_tokens`."""
+    if len(sources) == 1:
+        return count_tokens(next(iter(sources)), max_tokens, seed)
+    parts = [(count_tokens(shards, max(1, int(max_tokens * share)), seed), share)
+             for shards, share in sources.items() if share > 0]
+    total = sum(u.num_tokens for u, _ in parts)
+    mixed = sum(u.counts / max(1, u.num_tokens) * share for u, share in parts)
+    counts = np.rint(mixed / sum(share for _, share in parts) * total).astype(np.int64)
+    first = parts[0][0]
+    return UnigramModel(counts, first.special_ids, sum(u.num_shards_counted for u, _ in parts),
+                        sum(u.num_shards for u, _ in parts))
+
+
 class BaselineSums:
     """Running sums of the baselines over eval batches: call ``add(labels)`` per batch."""
 
@@ -126,4 +143,4 @@ class BaselineSums:
         return self.hits / max(1, self.count)
 
 
-__all__ = ["UnigramModel", "count_tokens", "BaselineSums", "DEFAULT_MAX_TOKENS"]
+__all__ = ["UnigramModel", "count_tokens", "count_mixture", "BaselineSums", "DEFAULT_MAX_TOKENS"]

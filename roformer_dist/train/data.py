@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Optional
 
 from data_pipeline.errors import UsageError
-from data_pipeline.manifest import check_training_data
+from data_pipeline.manifest import MANIFEST, as_source, check_same_tokenizer, check_tokenizer, check_training_data, \
+    read_manifest
 from data_pipeline.source import RetryPolicy, set_default_retry
-from roformer_dist.config import Config, replace
+from roformer_dist.config import Config, replace, training_sources
 from roformer_dist.errors import ConfigError, DataError
 
-__all__ = ["resolve_data", "data_error"]
+__all__ = ["resolve_data", "data_error", "source_manifests"]
 
 
 def data_error(e: Exception, during: str) -> DataError:
@@ -26,19 +27,58 @@ def data_error(e: Exception, during: str) -> DataError:
     return DataError(f"{during}: {text}")
 
 
+def source_manifests(cfg: Config, first: Optional[dict] = None) -> dict[str, dict]:
+    """Name -> manifest of every training source (``first``: the first's, already read), each checked
+    against its own tokenizer and against the first source's (DataError naming the source's key)."""
+    sources = training_sources(cfg.data)
+    out = {}
+    for i, s in enumerate(sources):
+        key = f"data.sources[{i}] ({s.name})" if cfg.data.sources else "data.shards"
+        if i == 0 and first is not None:
+            out[s.name] = first
+            continue
+        try:
+            m = read_manifest(s.shards)
+            check_tokenizer(s.shards, m)
+        except DataError as e:
+            raise DataError(f"{key}: {e}") from None
+        if i:
+            check_same_tokenizer(m, out[sources[0].name], f"{key}: {as_source(s.shards).child(MANIFEST)}",
+                                 f"source {sources[0].name!r}'s")
+        out[s.name] = m
+    return out
+
+
 def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Config, dict]:
     """Read the shard manifests; fill model.vocab_size; refuse mismatches before training
-    (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field)."""
+    (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field).
+    Returns the config and the (first) training source's manifest."""
     # URL reads of this process and of the loaders it creates (their workers inherit the policy)
     set_default_retry(RetryPolicy(attempts=cfg.data.url_retries, wait_s=cfg.data.url_retry_wait_s,
                                   timeout_s=cfg.data.url_timeout_s))
     auto = cfg.model.vocab_size == "auto"
+    sources = training_sources(cfg.data)
+    key = "data.sources[0]" if cfg.data.sources else "data.shards"
     try:
         manifest = check_training_data(
-            cfg.data.shards, cfg.data.eval_shards, model_vocab_size=None if auto else cfg.model.vocab_size,
+            sources[0].shards if sources else "", cfg.data.eval_shards,
+            model_vocab_size=None if auto else cfg.model.vocab_size,
             checkpoint_tokenizer_sha256=(resumed_state or {}).get("tokenizer_sha256"))
     except UsageError as e:  # a config key (data.shards empty, model.vocab_size) that disagrees with the data
         raise ConfigError(str(e)) from None
+    except DataError as e:
+        text = str(e)
+        raise DataError(key + text[len("data.shards"):] if text.startswith("data.shards") and cfg.data.sources
+                        else text) from None
+    source_manifests(cfg, manifest)
+    for i, e in enumerate(cfg.data.eval_sources):
+        where = f"data.eval_sources[{i}] ({e.name})"
+        try:
+            ev = read_manifest(e.shards)
+            check_tokenizer(e.shards, ev)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+        check_same_tokenizer(ev, manifest, f"{where}: {as_source(e.shards).child(MANIFEST)}", "the training data's")
     if auto:
         cfg = replace(cfg, **{"model.vocab_size": int(manifest["vocab_size"])})
     return cfg, manifest

@@ -13,6 +13,9 @@ the most-frequent-token accuracy at the same predicted positions (:mod:`roformer
 computed once per length and kept for later evals:
 
     eval/loss_<L>  eval/mlm_acc_<L>  eval/unigram_loss_<L>  eval/most_frequent_acc_<L>
+
+and each held-out set of ``data.eval_sources`` the same under ``eval_<name>/`` (the unigram model
+is the training mixture's, :func:`~roformer_dist.train.baselines.count_mixture`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from roformer_dist.train.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_tokens
-from roformer_dist.config import Config, StageConfig
+from roformer_dist.config import Config, StageConfig, training_sources
+from roformer_dist.train.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_mixture
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +59,35 @@ def model_eval_step(model: torch.nn.Module, device: torch.device | str = "cpu") 
 
 class Evaluator:
     """Evaluates at a list of lengths; holds the unigram model (counted once from the training shards)
-    and each length's baseline sums (computed at the first eval at that length)."""
+    and each length's baseline sums (computed at the first eval at that length).
 
-    def __init__(self, cfg: Config, eval_shards: Optional[str] = None, max_unigram_tokens: int = DEFAULT_MAX_TOKENS):
+    ``training_shares``: source name -> share of the run's tokens, for a mixture's unigram model
+    (default: the run's mixture plan); ``shared``: an Evaluator of the same run whose unigram model
+    this one uses (one count for every eval set)."""
+
+    def __init__(self, cfg: Config, eval_shards: Optional[str] = None, max_unigram_tokens: int = DEFAULT_MAX_TOKENS,
+                 training_shares: Optional[dict] = None, shared: Optional["Evaluator"] = None):
         self.cfg = cfg
         self.eval_shards = eval_shards or cfg.data.eval_shards
         self.max_unigram_tokens = max_unigram_tokens
+        self.training_shares, self.shared = training_shares, shared
         self._unigram: Optional[UnigramModel] = None
         self._baselines: dict[int, BaselineSums] = {}
 
     @property
     def unigram(self) -> UnigramModel:
+        if self.shared is not None:
+            return self.shared.unigram
         if self._unigram is None:
-            self._unigram = count_tokens(self.cfg.data.shards, self.max_unigram_tokens, self.cfg.trainer.seed)
+            sources = training_sources(self.cfg.data)
+            shares = self.training_shares
+            if shares is None and len(sources) > 1:
+                from roformer_dist.train.data import source_manifests
+                from roformer_dist.train.mixture import plan_mixture
+
+                shares = plan_mixture(self.cfg, source_manifests(self.cfg)).overall
+            self._unigram = count_mixture({s.shards: (shares or {}).get(s.name, 1.0) for s in sources},
+                                          self.max_unigram_tokens, self.cfg.trainer.seed)
             u = self._unigram
             log.info("unigram baseline: %d tokens counted in %d of %d training shards", u.num_tokens,
                      u.num_shards_counted, u.num_shards)
@@ -100,21 +119,24 @@ class Evaluator:
                 "most_frequent_acc": baseline.most_frequent_acc, "predicted": int(sums[2].item())}
 
     def evaluate_stage(self, stage: StageConfig, step_fn: EvalStep, dp_rank: int = 0, dp_size: int = 1,
-                       reduce: Optional[Callable[[torch.Tensor], None]] = None, step: Optional[int] = None) -> dict:
-        """The trainer's eval: every eval length of ``stage``; TensorBoard tags as in the module docstring,
-        plus ``eval/loss`` and ``eval/mlm_acc`` at the stage's own length (or its first eval length)."""
+                       reduce: Optional[Callable[[torch.Tensor], None]] = None, step: Optional[int] = None,
+                       prefix: str = "eval") -> dict:
+        """The trainer's eval: every eval length of ``stage``; TensorBoard tags as in the module docstring
+        (under ``prefix``: ``eval_<name>`` for an eval source), plus ``<prefix>/loss`` and
+        ``<prefix>/mlm_acc`` at the stage's own length (or its first eval length)."""
         lengths = stage.eval_lengths or (stage.seq_len,)
         out = {}
+        which = "" if prefix == "eval" else f" of {prefix[len('eval_'):]}"
         for length in lengths:
             r = self.evaluate_length(length, step_fn, dp_rank, dp_size, reduce)
             for key in ("loss", "unigram_loss", "mlm_acc", "most_frequent_acc"):
-                out[f"eval/{key}_{length}"] = r[key]
-            log.info("eval%s at length %d: loss %.4f, unigram %.4f (%.3f nats better), MLM accuracy %.4f "
-                     "(most frequent token %.4f), %d predictions", f" step {step}" if step is not None else "",
+                out[f"{prefix}/{key}_{length}"] = r[key]
+            log.info("eval%s%s at length %d: loss %.4f, unigram %.4f (%.3f nats better), MLM accuracy %.4f "
+                     "(most frequent token %.4f), %d predictions", which, f" step {step}" if step is not None else "",
                      length, r["loss"], r["unigram_loss"], r["unigram_loss"] - r["loss"], r["mlm_acc"],
                      r["most_frequent_acc"], r["predicted"])
         own = stage.seq_len if stage.seq_len in lengths else lengths[0]
-        out["eval/loss"], out["eval/mlm_acc"] = out[f"eval/loss_{own}"], out[f"eval/mlm_acc_{own}"]
+        out[f"{prefix}/loss"], out[f"{prefix}/mlm_acc"] = out[f"{prefix}/loss_{own}"], out[f"{prefix}/mlm_acc_{own}"]
         return out
 
 

@@ -23,7 +23,7 @@ from data_pipeline.manifest import read_manifest
 from data_pipeline.source import is_url
 from roformer_dist.checkpoint.store import Found, read_trainer_state, resolve
 from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from_state_dict
-from roformer_dist.config import from_dict, replace
+from roformer_dist.config import from_dict, replace, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 from roformer_dist.train.curriculum import trained_max_len
@@ -105,7 +105,7 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
         lengths = list(last.eval_lengths or (last.seq_len,))
     changes = {}
     if shards:
-        changes["data.shards"] = shards
+        changes["data.shards"], changes["data.sources"] = shards, ()
     if eval_shards:
         changes["data.eval_shards"] = eval_shards
     if batches:
@@ -115,19 +115,19 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
     cfg = replace(cfg, **changes) if changes else cfg
     if not cfg.data.eval_shards:
         raise ConfigError(f"{found.dir}: the run had no data.eval_shards; pass --eval-shards")
-    flags = {"shards": ("--shards", shards), "eval_shards": ("--eval-shards", eval_shards)}
-    for key, (flag, given) in flags.items():
-        where = getattr(cfg.data, key)
+    sets = [(f"data.sources[{i}]" if cfg.data.sources else "data.shards", "--shards", s.shards, shards)
+            for i, s in enumerate(training_sources(cfg.data))]
+    sets.append(("data.eval_shards", "--eval-shards", cfg.data.eval_shards, eval_shards))
+    for key, flag, where, given in sets:
         if is_url(where) and where != given:
             # a URL or pipe: command is run only when the user gives it, never from a stored config
-            raise ConfigError(f"data.{key} of the run is the URL {where!r}: shard sets at URLs are read only "
+            raise ConfigError(f"{key} of the run is the URL {where!r}: shard sets at URLs are read only "
                               f"when given on the command line; pass {flag} {shlex.quote(where)} if you trust it")
-    for key, (flag, _) in flags.items():
-        where = getattr(cfg.data, key)
+    for key, flag, where, _ in sets:
         try:
             m = read_manifest(where)
         except ValueError as e:
-            raise DataError(f"data.{key} of the run: {e} (pass {flag} if the shard set moved)") from None
+            raise DataError(f"{key} of the run: {e} (pass {flag} if the shard set moved)") from None
         sha = m["tokenizer"]["sha256"]
         if state.tokenizer_sha256 and sha and sha != state.tokenizer_sha256:
             raise DataError(f"{where}: made with another tokenizer ({sha[:12]}) than the checkpoint "

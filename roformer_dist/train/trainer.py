@@ -32,9 +32,10 @@ from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
 from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import lr_at, stage_at, total_steps
-from roformer_dist.train.data import data_error, resolve_data
+from roformer_dist.train.data import data_error, resolve_data, source_manifests
 from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
+from roformer_dist.train.mixture import loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
 
 __all__ = ["Trainer"]
@@ -64,8 +65,11 @@ class Trainer:
         self.elastic = False
         self.last_good: Optional[int] = None
         """The last step whose update was applied (for the non-finite stop's message)."""
-        self.evaluator = Evaluator(cfg) if cfg.data.eval_shards else None
+        self.evaluator: Optional[Evaluator] = None
         """Keeps the unigram counts (read at the first eval) and each length's baselines."""
+        self.source_evaluators: dict[str, Evaluator] = {}
+        """One per data.eval_sources set (sharing the unigram counts)."""
+        self._source_tokens_logged: Optional[dict] = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -75,6 +79,8 @@ class Trainer:
         cfg, env = self.cfg, self.env
         cfg, self.manifest = resolve_data(cfg, None)  # the tokenizer vs checkpoint check is check_compatible's
         validate(cfg, env.world_size)
+        self.plan = plan_mixture(cfg, source_manifests(cfg, self.manifest))
+        self._build_evaluators(cfg)
         found = ckpt.choose_resume(self.ckpt_root, env.rank, env.world_size, self.comm) \
             if cfg.checkpoint.resume else None
         resumed = ckpt.read_trainer_state(found.dir, 0) if found else None
@@ -84,6 +90,9 @@ class Trainer:
         self.policy = LoopPolicy.from_config(cfg)
         if env.rank == 0:
             log.info("resolved config:\n%s", dump_yaml(cfg))
+            log.info("%s", self.plan.table())
+            for warning in self.plan.warnings():
+                log.warning("%s", warning)
 
         self.elastic = bool(found) and found.world_size != env.world_size
         if self.elastic and cfg.deepspeed.zero_stage > 0:
@@ -102,11 +111,12 @@ class Trainer:
             cfg, model, first.stage, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
         self.dp_rank, self.dp_size = self.runner.dp_rank, self.runner.dp_size
         mbs = micro_batch_size(cfg, first.stage, env.world_size)
-        self.loader = ShardLoader(cfg.data.shards, seq_len=first.stage.seq_len, micro_batch_size=mbs,
+        self.loader = ShardLoader(loader_sources(cfg), seq_len=first.stage.seq_len, micro_batch_size=mbs,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
                                   seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
                                   whole_word_mask=cfg.data.whole_word_mask, skip_bad_shards=cfg.data.skip_bad_shards,
-                                  pin_memory=torch.cuda.is_available(), packing=cfg.data.packing)
+                                  pin_memory=torch.cuda.is_available(), packing=cfg.data.packing,
+                                  weights=self.plan.stage_weights(first.index))
         # dropout: one stream per replica and pipeline stage, shared by the tensor ranks of a stage
         torch.manual_seed(cfg.trainer.seed + 1 + self.runner.seed_offset)
         if found:
@@ -119,6 +129,15 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, cfg.logging.tensorboard)
         if env.rank == 0 and not found:
             self.metrics.text("config", "```\n" + dump_yaml(cfg) + "\n```")
+            self.metrics.text("mixture", "```\n" + self.plan.table() + "\n```")
+
+    def _build_evaluators(self, cfg: Config) -> None:
+        shares = self.plan.overall
+        if cfg.data.eval_shards:
+            self.evaluator = Evaluator(cfg, training_shares=shares)
+        for e in cfg.data.eval_sources:
+            self.source_evaluators[e.name] = Evaluator(cfg, e.shards, training_shares=shares, shared=self.evaluator)
+            self.evaluator = self.evaluator or self.source_evaluators[e.name]
 
     def preflight(self, model) -> None:
         """On GPU: one forward/backward at the largest micro-batch of the curriculum, before DeepSpeed.
@@ -179,7 +198,7 @@ class Trainer:
     def switch_stage(self, index: int) -> None:
         st = self.stages[index]
         mbs = micro_batch_size(self.cfg, st, self.env.world_size)
-        self.loader.set_stage(st.seq_len, mbs)
+        self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index))
         self.runner.set_stage(st, self.env.world_size)
         self.stage_index = index
         log.info("stage %d/%d %r: seq_len %d, global batch %d, micro-batch %d, accumulation %d",
@@ -222,8 +241,13 @@ class Trainer:
         if self.evaluator is None:
             return {}
         reduce = self._all_reduce_on_device if dist.get_world_size() > 1 else None
-        return self.evaluator.evaluate_stage(self.stages[self.stage_index], self.runner.eval_step, self.dp_rank,
-                                             self.dp_size, reduce, step=self.state.step)
+        stage, out = self.stages[self.stage_index], {}
+        sets = ([("eval", self.evaluator)] if self.cfg.data.eval_shards else []) + \
+            [(f"eval_{name}", ev) for name, ev in self.source_evaluators.items()]
+        for prefix, ev in sets:
+            out.update(ev.evaluate_stage(stage, self.runner.eval_step, self.dp_rank, self.dp_size, reduce,
+                                         step=self.state.step, prefix=prefix))
+        return out
 
     def _all_reduce_on_device(self, sums: torch.Tensor) -> None:
         """Sum a CPU tensor over all ranks, in place, on the engine's device (NCCL reduces no CPU tensors)."""
@@ -309,14 +333,19 @@ class Trainer:
                "stage": st.name, "samples": stats.num_samples, "global_batch": self.runner.global_batch_size,
                "accumulation": self.runner.accumulation_steps, "tokens_seen": s.tokens_seen,
                "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(dt, 5)}
+        logging_now = self.policy.log(s.step)
+        mixture = self._mixture_scalars() if logging_now and len(self.plan.sources) > 1 else {}
+        if mixture:
+            rec["sources"] = {name: {"tokens": int(mixture[f"data/{name}/tokens"]), "share": mixture[f"data/{name}/share"]}
+                              for name in self.loader.stats["sources"]}
         self.metrics.step_record(rec)
-        if not self.policy.log(s.step):
+        if not logging_now:
             return
         scalars = {"train/loss": loss, "train/mlm_acc": stats.mlm_acc, "train/lr": lr, "train/seq_len": st.seq_len,
                    "train/stage": at.index, "train/grad_norm": self.runner.grad_norm(),
                    "train/loss_scale": self.runner.loss_scale(), "perf/tokens_per_s": toks_per_s,
                    "perf/samples_per_s": stats.num_samples / dt if dt else 0.0, "perf/step_time_s": dt,
-                   "perf/max_mem_gb": max_mem_gb()}
+                   "perf/max_mem_gb": max_mem_gb(), **mixture}
         peak = peak_flops()
         if peak:
             fpt = self.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
@@ -326,6 +355,29 @@ class Trainer:
             shown = "nan (skipped)" if stats.nonfinite else f"{stats.loss:.4f}"
             log.info("step %d/%d [%s len %d] loss %s acc %.3f lr %.2e %.0f tok/s %.2f s/step", s.step,
                      self.total, st.name, st.seq_len, shown, stats.mlm_acc, lr, toks_per_s, dt)
+
+    def _mixture_scalars(self) -> dict:
+        """Per source: tokens drawn so far by the whole job, and its share of the tokens since the last
+        log step beside its target (``data/<name>/tokens|share|target``). Every rank takes part (one
+        small all-reduce); each data-parallel replica's batches count once."""
+        names = list(self.loader.stats["sources"])
+        counts = self.runner.reads_data and self.runner.dims.tp_rank == 0
+        mine = torch.tensor([float(self.loader.stats["sources"][n]["tokens"]) if counts else 0.0 for n in names],
+                            dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._all_reduce_on_device(mine)
+        totals = dict(zip(names, mine.tolist()))
+        before = self._source_tokens_logged or {}
+        window = {n: totals[n] - before.get(n, 0.0) for n in names}
+        spent = sum(window.values()) or 1.0
+        self._source_tokens_logged = totals
+        target = self.plan.stage_weights(self.stage_index)
+        out = {}
+        for n in names:
+            out[f"data/{n}/tokens"] = totals[n]
+            out[f"data/{n}/share"] = window[n] / spent
+            out[f"data/{n}/target"] = target[n]
+        return out
 
     def close(self) -> None:
         if self.metrics is not None:
