@@ -82,12 +82,9 @@ def eval_table(curves: dict[str, dict[int, tuple[float, int]]]) -> tuple[list[di
 
 
 def ensure_demo_data(cfg) -> None:
-    """Build the demo's shard sets when the default (demo) config is used and they are missing."""
-    if (Path(cfg.data.shards) / "manifest.json").exists() and (Path(cfg.data.eval_shards) / "manifest.json").exists():
-        return
+    """The demo's shard sets when the default (demo) config is used: built when missing, else reused."""
     from roformer_dist.cli import demo
 
-    print("== building the demo's shard sets first", flush=True)
     demo.prepare(cfg)
 
 

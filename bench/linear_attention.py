@@ -175,19 +175,28 @@ def layers_part(a) -> dict:
 
 
 def ensure_shards(data: Path, tiny: bool = False) -> None:
-    """``data``/train and ``data``/eval, built when missing: by the demo's data step with the demo's own
-    settings (so that ``make demo`` reuses data/demo rather than refusing another recipe), or with --tiny
-    from a few hundred lines (_common.tiny_shards)."""
-    if (data / "train" / "manifest.json").exists() and (data / "eval" / "manifest.json").exists():
-        return
+    """The demo's shard sets under ``data``, built when missing by the demo's data step with the demo's own
+    settings (so that ``make demo`` reuses data/demo rather than refusing another recipe); with --tiny,
+    ``data``/train and ``data``/eval from a few hundred lines (_common.tiny_shards)."""
     if tiny:
-        C.tiny_shards(data)
+        if not (data / "train" / "manifest.json").exists():
+            C.tiny_shards(data)
         return
-    from roformer_dist.cli.demo import DEMO_CONFIG, prepare
+    from roformer_dist.cli.demo import DEMO_CONFIG, data_overrides, prepare
     from roformer_dist.config import load_config
 
-    print(f"building the demo shards in {data} (the demo's data step; a few minutes)", flush=True)
-    prepare(load_config(DEMO_CONFIG, [f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}"]))
+    print(f"the demo shards in {data} (built by the demo's data step when missing: a few minutes)", flush=True)
+    prepare(load_config(DEMO_CONFIG, data_overrides(data)))
+
+
+def data_args(data: Path, tiny: bool) -> list[str]:
+    """The runs' shard sets: the tiny set, or the demo's mixture under ``data``."""
+    if tiny:
+        return [f"data.sources=[]", f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}",
+                "data.eval_sources=[]"]
+    from roformer_dist.cli.demo import data_overrides
+
+    return data_overrides(data)
 
 
 def mlm_part(a) -> dict:
@@ -197,7 +206,7 @@ def mlm_part(a) -> dict:
     ensure_shards(data, a.tiny)
     stage = (f"curriculum.stages=[{{name: s{a.mlm_seq}, seq_len: {a.mlm_seq}, global_batch_size: {a.mlm_batch}, "
              f"steps: {a.mlm_steps}, micro_batch_size: {a.mlm_batch}, eval_lengths: [{a.mlm_seq}]}}]")
-    common = [f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}", f"model={a.mlm_model}", stage,
+    common = [*data_args(data, a.tiny), f"model={a.mlm_model}", stage,
               "dist.world_size=1", "deepspeed.zero_stage=0", "trainer.save_every=0", "trainer.eval_every=0",
               "trainer.log_every=25", f"data.eval_batches={a.mlm_eval_batches}", "optim.lr=1e-3",
               "optim.warmup_steps=15", "optim.min_lr_ratio=0.1", "checkpoint.resume=false", "logging.tensorboard=true"]

@@ -17,11 +17,11 @@ Mixture, side by side (a set built here, so with --build or without --shards; --
 it): ShardLoader over a mixture of 3 sources vs ShardLoader over one set of the same data (``full``
 above). The corpus lines of the build are split into 3 parts (the first 50 %, the next 30 %, the
 last 20 % of the lines), each tokenised by ``build_shards`` with the tokenizer of the single set into
-its own shard set (their tokens add up to the single set's: asserted), mixed with weights
-0.5/0.3/0.2. Both read the same number of document tokens: the single set one epoch; the mixture
-(no epoch limit: a source may wrap into its next epoch) the first batches that hold at least as
-many document tokens, counted once in an untimed warm-up pass (non-padding tokens less [CLS] and the
-[SEP]s, which are never masked) -- the loader is deterministic, so each timed pass reads the same.
+its own shard set (their tokens add up to the single set's: asserted), each weighted by its share of
+the tokens. Both read one epoch (``max_epochs=1``): every document once, the same data and the same
+work of reading and hashing shards; the mixture's document tokens are counted in an untimed warm-up
+pass (non-padding tokens less [CLS] and the [SEP]s, which are never masked) and asserted equal to the
+set's.
 All count document tokens per second of CPU time of this (single) process
 (``time.process_time``: robust on a shared machine; wall time is printed too); medians of
 --repeats (--mixture-repeats for the mixture and its single set), all interleaved.
@@ -93,7 +93,8 @@ def full_pass(shard_dir: Path, seq_len: int, batch: int) -> int:
 
 
 MIXTURE = (("pd50", 0.5), ("pd30", 0.3), ("pd20", 0.2))
-"""The mixture's sources: name, share of the corpus lines (in order) = its weight."""
+"""The mixture's sources: name, share of the corpus lines (in order); each is weighted by its share of
+the tokens (about the same), so that the mixture reads every document once, as the single set does."""
 
 
 def batch_doc_tokens(batch, sep: int) -> int:
@@ -104,7 +105,8 @@ def batch_doc_tokens(batch, sep: int) -> int:
 
 
 def mixture_loader(sources: list[tuple[str, str]], weights: dict, seq_len: int, batch: int) -> ShardLoader:
-    return ShardLoader(sources, weights=weights, seq_len=seq_len, micro_batch_size=batch, num_workers=0, seed=0)
+    return ShardLoader(sources, weights=weights, seq_len=seq_len, micro_batch_size=batch, num_workers=0, seed=0,
+                       max_epochs=1)
 
 
 def count_doc_tokens(ld: ShardLoader, target: Optional[int] = None) -> tuple[int, int]:
@@ -216,11 +218,13 @@ def main(argv=None) -> int:
         print("mixture: not measured (it splits the corpus of a build: use --build or leave out --shards)")
     elif not args.no_mixture:
         t, sources = timed(build_mixture, Path(tmp.name), src, model, m)
-        weights = dict(MIXTURE)
+        # each source's weight is its share of the tokens, so that both read each document once
+        weights = {name: read_manifest(d)["num_tokens"] + read_manifest(d)["num_docs"] for name, d in sources}
         one = ShardLoader(shard_dir, seq_len=args.seq_len, micro_batch_size=args.batch, num_workers=0, max_epochs=1)
         assert count_doc_tokens(one)[1] == tokens, "batch_doc_tokens does not count the set's tokens"
         ld = mixture_loader(sources, weights, args.seq_len, args.batch)
-        mix_batches, mix_tokens = count_doc_tokens(ld, tokens)
+        mix_batches, mix_tokens = count_doc_tokens(ld)
+        assert mix_tokens == tokens, "the mixture's epoch does not hold the set's tokens"
         per = {k: v["tokens"] for k, v in ld.stats["sources"].items()}
         mix_shares = {k: v / sum(per.values()) for k, v in per.items()}
         print(f"mixture: {len(sources)} sources built in {t:.1f} s; {mix_batches} batches, {mix_tokens} document "

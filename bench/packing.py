@@ -56,7 +56,7 @@ import ablation  # noqa: E402
 import torch  # noqa: E402
 
 from roformer_dist.cli.eval import parse_lengths  # noqa: E402
-from roformer_dist.config import CONFIGS_DIR, load_config  # noqa: E402
+from roformer_dist.config import CONFIGS_DIR, load_config, training_sources  # noqa: E402
 
 DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
 PACKINGS = ("document", "cross_document")
@@ -139,7 +139,7 @@ def attention_gflop(model_cfg, pairs: float) -> float:
     return 3 * 2 * 2 * model_cfg.hidden_size * model_cfg.num_hidden_layers * pairs / 1e9
 
 
-def real_batches(shards: str, seq: int, batch: int, count: int) -> list[dict]:
+def real_batches(shards, seq: int, batch: int, count: int) -> list[dict]:
     """The first ``count`` batches of the shard set as tensors, documents numbered in the mask."""
     from data_pipeline.loader import ShardLoader
 
@@ -162,7 +162,7 @@ def steps_over(model, batches: list[dict], cross: bool):
     return run
 
 
-def measure_length(model, shards: str, seq: int, args) -> dict:
+def measure_length(model, shards, seq: int, args) -> dict:
     """Times, forms, documents and attention FLOPs of both modes at one length."""
     from roformer_dist.nn.documents import segments
     from roformer_dist.nn.model import layer_inputs
@@ -205,11 +205,14 @@ def step_part(args) -> None:
     from roformer_dist.nn.model import RoFormerForMaskedLM
 
     cfg = load(args)
-    shards = args.shards or cfg.data.shards
-    if not (Path(shards) / "manifest.json").exists():
-        raise SystemExit(f"packing: no shard set at {shards} (--shards; `make demo` builds the demo's)")
+    sources = training_sources(cfg.data)
+    shards = args.shards or [(s.name, s.shards) for s in sources]   # a mixture: by size, as one set of it all
+    sets = [args.shards] if args.shards else [s.shards for s in sources]
+    for where in sets:
+        if not (Path(where) / "manifest.json").exists():
+            raise SystemExit(f"packing: no shard set at {where} (--shards; `make demo` builds the demo's)")
     m = cfg.model
-    m = dataclasses.replace(m, vocab_size=read_manifest(shards)["vocab_size"],
+    m = dataclasses.replace(m, vocab_size=read_manifest(sets[0])["vocab_size"],
                             max_position_embeddings=max(m.max_position_embeddings, *args.seq))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

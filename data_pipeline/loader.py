@@ -274,6 +274,9 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
     states = {s.name: s.state for s in sources}
     mixer = Mixer(credits)
     active = [True] * len(sources)
+    seeds = [s.cache.seed for s in sources]
+    single = len(sources) == 1
+    source_names = [s.name for s in sources]
     while True:
         ids = np.full((batch_size, seq_len), special_ids["pad"], np.int64)
         attention = np.zeros((batch_size, seq_len), np.int64)
@@ -285,7 +288,7 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         after: dict = {}
         row = 0
         while row < batch_size:
-            k = mixer.pick(share, active)
+            k = (0 if active[0] else -1) if single else mixer.pick(share, active)
             if k < 0:
                 break
             seq = next(streams[k], None)
@@ -305,7 +308,8 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
                 word_starts[row, 1:1 + n] = seq.marks
             epochs[row], samples[row], origin[row] = seq.epoch, seq.sample, k
             after[k] = seq.after
-            mixer.charge(k, end, share, active)
+            if not single:
+                mixer.charge(k, end, share, active)
             row += 1
         if row == 0:
             return
@@ -318,10 +322,8 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         row_tokens = np.count_nonzero(attention, axis=1)
         if packing == "document":  # a document's number: 1 + the [SEP]s before it ([CLS] opens the first)
             attention = np.where(attention != 0, np.cumsum(is_sep, axis=1) - is_sep + 1, 0)
-        keys = np.empty(row, np.uint64)
-        for k in set(origin.tolist()):
-            rows = origin == k
-            keys[rows] = sample_keys(sources[k].cache.seed, epochs[rows], slot, samples[rows])
+        picked = origin.tolist()
+        keys = sample_keys(seeds[0] if single else [seeds[k] for k in picked], epochs, slot, samples)
         inputs, labels = mask_tokens(ids, attention, keys, vocab_size=vocab, mask_id=special_ids["mask"],
                                      special=special, mlm_probability=mlm_probability, word_starts=word_starts)
         batch = {"input_ids": inputs, "attention_mask": attention, "token_type_ids": np.zeros_like(attention),
@@ -331,9 +333,10 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         bad = []
         for s in sources:
             bad, s.cache.bad = bad + s.cache.bad, []
-        names = tuple(sources[k].name for k in origin.tolist())
-        tokens_by = {s.name: int(row_tokens[origin == k].sum()) for k, s in enumerate(sources)}
-        docs_by = {s.name: int(row_docs[origin == k].sum()) for k, s in enumerate(sources)}
+        names = tuple(sources[k].name for k in picked)
+        n = len(sources)
+        tokens_by = dict(zip(source_names, np.bincount(origin, row_tokens, n).astype(np.int64).tolist()))
+        docs_by = dict(zip(source_names, np.bincount(origin, row_docs, n).astype(np.int64).tolist()))
         yield batch, BatchInfo(slot, dict(states), list(mixer.credits), int(row_docs.sum()), int(row_tokens.sum()),
                                row, bad, names, tokens_by, docs_by)
         if row < batch_size:

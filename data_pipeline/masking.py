@@ -55,13 +55,19 @@ def _base_key(seed: int, epoch: int, slot: int) -> int:
     return _mix_int(k ^ ((slot + g) & 0xFFFFFFFFFFFFFFFF))
 
 
-def sample_keys(seed: int, epochs, slot: int, samples) -> np.ndarray:
-    """uint64 key per sample from (seed, epoch, global slot id, sample index in that slot's epoch)."""
+def sample_keys(seed, epochs, slot: int, samples) -> np.ndarray:
+    """uint64 key per sample from (seed, epoch, global slot id, sample index in that slot's epoch);
+    ``seed``: one for all samples, or one per sample (rows of several sources)."""
     epochs = np.asarray(epochs, np.int64)
     samples = np.asarray(samples, np.uint64)
     base = np.empty(epochs.shape, np.uint64)
-    for e in set(epochs.tolist()):  # usually one epoch per batch: the scalar part in Python ints
-        base[epochs == e] = _base_key(seed, e, slot)
+    if isinstance(seed, (int, np.integer)):
+        for e in set(epochs.tolist()):  # usually one epoch per batch: the scalar part in Python ints
+            base[epochs == e] = _base_key(int(seed), e, slot)
+    else:
+        pairs = list(zip(list(seed), epochs.tolist()))
+        for sd, e in set(pairs):
+            base[[p == (sd, e) for p in pairs]] = _base_key(sd, e, slot)
     with np.errstate(over="ignore"):
         return _mix(base ^ (samples + _GOLDEN))
 

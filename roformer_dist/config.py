@@ -127,6 +127,8 @@ class EvalSourceConfig:
     """Its name: eval tags ``eval_<name>/loss_<L>``."""
     shards: str = ""
     """Its shard set (the training sources' tokenizer)."""
+    batches: Optional[int] = None
+    """Batches per eval length; None = data.eval_batches."""
 
 
 @dataclass(frozen=True)
@@ -742,6 +744,8 @@ def _validate_sources(cfg: Config) -> None:
             raise ConfigError(f"{key}.name: expected a new name of letters, digits, '_' or '-', got {e.name!r}")
         if not e.shards:
             raise ConfigError(f"{key}.shards: eval source {e.name!r} has no shard set")
+        if e.batches is not None:
+            _positive(e.batches, f"{key}.batches")
         eval_names.append(e.name)
 
 

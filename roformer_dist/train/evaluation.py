@@ -63,14 +63,17 @@ class Evaluator:
 
     ``training_shares``: source name -> share of the run's tokens, for a mixture's unigram model
     (default: the run's mixture plan); ``shared``: an Evaluator of the same run whose unigram model
-    this one uses (one count for every eval set)."""
+    this one uses (one count for every eval set); ``batches``: batches per length (default
+    ``data.eval_batches``)."""
 
     def __init__(self, cfg: Config, eval_shards: Optional[str] = None, max_unigram_tokens: int = DEFAULT_MAX_TOKENS,
-                 training_shares: Optional[dict] = None, shared: Optional["Evaluator"] = None):
+                 training_shares: Optional[dict] = None, shared: Optional["Evaluator"] = None,
+                 batches: Optional[int] = None):
         self.cfg = cfg
         self.eval_shards = eval_shards or cfg.data.eval_shards
         self.max_unigram_tokens = max_unigram_tokens
         self.training_shares, self.shared = training_shares, shared
+        self.batches = batches or cfg.data.eval_batches
         self._unigram: Optional[UnigramModel] = None
         self._baselines: dict[int, BaselineSums] = {}
 
@@ -96,7 +99,7 @@ class Evaluator:
     def evaluate_length(self, length: int, step_fn: EvalStep, dp_rank: int = 0, dp_size: int = 1,
                         reduce: Optional[Callable[[torch.Tensor], None]] = None) -> dict:
         """Model and baselines at one length: {loss, mlm_acc, unigram_loss, most_frequent_acc, predicted}."""
-        n = self.cfg.data.eval_batches
+        n = self.batches
         rounds = -(-n // dp_size)
         baseline = self._baselines.get(length)
         fresh = BaselineSums(self.unigram) if baseline is None else None

@@ -136,7 +136,8 @@ class Trainer:
         if cfg.data.eval_shards:
             self.evaluator = Evaluator(cfg, training_shares=shares)
         for e in cfg.data.eval_sources:
-            self.source_evaluators[e.name] = Evaluator(cfg, e.shards, training_shares=shares, shared=self.evaluator)
+            self.source_evaluators[e.name] = Evaluator(cfg, e.shards, training_shares=shares, shared=self.evaluator,
+                                                       batches=e.batches)
             self.evaluator = self.evaluator or self.source_evaluators[e.name]
 
     def preflight(self, model) -> None:
