@@ -272,7 +272,7 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
     streams = [slot_sequences(s.cache, s.state, seq_len, slot=slot, total_slots=total_slots,
                               max_epochs=s.max_epochs) for s in sources]
     states = {s.name: s.state for s in sources}
-    mixer = Mixer(credits)
+    mixer = Mixer(credits, share)
     active = [True] * len(sources)
     seeds = [s.cache.seed for s in sources]
     single = len(sources) == 1
@@ -288,12 +288,13 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         after: dict = {}
         row = 0
         while row < batch_size:
-            k = (0 if active[0] else -1) if single else mixer.pick(share, active)
+            k = (0 if active[0] else -1) if single else mixer.pick()
             if k < 0:
                 break
             seq = next(streams[k], None)
             if seq is None:             # this source reached its max_epochs: the others share its part
                 active[k] = False
+                mixer.deactivate(k)
                 continue
             n = len(seq.content)
             ids[row, 0] = special_ids["cls"]
@@ -309,7 +310,7 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
             epochs[row], samples[row], origin[row] = seq.epoch, seq.sample, k
             after[k] = seq.after
             if not single:
-                mixer.charge(k, end, share, active)
+                mixer.charge(k, end)
             row += 1
         if row == 0:
             return

@@ -105,24 +105,33 @@ def shares(weights: Optional[Mapping[str, float]], names: Sequence[str],
 
 
 class Mixer:
-    """One slot's token credits (see the module docstring); ``credits`` in the mixture's order."""
+    """One slot's token credits (see the module docstring); ``credits`` in the mixture's order.
+    ``share``: the sources' shares; :meth:`deactivate` takes a source out (its share goes to the others)."""
 
-    def __init__(self, credits: Sequence[float]):
+    def __init__(self, credits: Sequence[float], share: Sequence[float]):
         self.credits = [float(c) for c in credits]
+        self.share = list(share)
+        self._norm()
 
-    def pick(self, share: Sequence[float], active: Sequence[bool]) -> int:
+    def _norm(self) -> None:
+        total = sum(self.share)
+        self.live = [(i, s / total) for i, s in enumerate(self.share) if s > 0] if total > 0 else []
+
+    def deactivate(self, i: int) -> None:
+        self.share[i] = 0.0
+        self._norm()
+
+    def pick(self) -> int:
         """The source of the next row; -1 when no active source has a positive share."""
-        best = -1
-        for i, (s, a) in enumerate(zip(share, active)):
-            if a and s > 0 and (best < 0 or self.credits[i] > self.credits[best]):
-                best = i
+        best, most = -1, 0.0
+        for i, _ in self.live:
+            if best < 0 or self.credits[i] > most:
+                best, most = i, self.credits[i]
         return best
 
-    def charge(self, chosen: int, tokens: int, share: Sequence[float], active: Sequence[bool]) -> None:
+    def charge(self, chosen: int, tokens: int) -> None:
         """Account a row of ``tokens`` from source ``chosen``."""
-        live = [s if a else 0.0 for s, a in zip(share, active)]
-        total = sum(live)
-        for i, s in enumerate(live):
-            if s > 0:
-                self.credits[i] += tokens * s / total
-        self.credits[chosen] -= tokens
+        c = self.credits
+        for i, s in self.live:
+            c[i] += tokens * s
+        c[chosen] -= tokens

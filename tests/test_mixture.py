@@ -204,14 +204,17 @@ def test_plan_caps_a_source_and_renormalises_the_others(sets):
 def test_mixer_and_shares_units():
     assert shares({"x": 2, "y": 6}, ["x", "y"]) == {"x": 0.25, "y": 0.75}
     assert shares(None, ["x", "y"], default={"x": 1, "y": 3}) == {"x": 0.25, "y": 0.75}
-    m = Mixer([0.0, 0.0])
+    m = Mixer([0.0, 0.0], [0.75, 0.25])
     picks = []
     for _ in range(8):
-        k = m.pick([0.75, 0.25], [True, True])
-        m.charge(k, 10, [0.75, 0.25], [True, True])
+        k = m.pick()
+        m.charge(k, 10)
         picks.append(k)
     assert picks.count(0) == 6 and abs(sum(m.credits)) < 1e-9
-    assert m.pick([0.0, 1.0], [True, False]) == -1
+    m.deactivate(0)
+    assert m.pick() == 1
+    m.deactivate(1)
+    assert m.pick() == -1
     for bad, msg in (({"x": -1}, "x: expected a finite number >= 0"), ({"x": 0, "y": 0}, "positive sum"),
                      ({"z": 1}, "unknown source 'z'"), ({"x": "many"}, "x: expected a number")):
         with pytest.raises(ValueError, match=msg):
