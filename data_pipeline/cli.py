@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Optional
 
 from .errors import EXIT_DATA, EXIT_OK, DataError, UsageError, run_command
+from .mixture import SOURCE_NAME
 
 log = logging.getLogger("roformer-data")
 
-SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
-"""What a ``--source`` name may be: it becomes a directory name and a metric tag."""
 
 
 def _corpus_args(p: argparse.ArgumentParser, input_required: bool = True) -> None:

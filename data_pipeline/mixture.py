@@ -37,11 +37,13 @@ from typing import Mapping, Optional, Sequence
 
 from .errors import UsageError
 
-__all__ = ["Source", "as_sources", "source_seed", "shares", "Mixer", "DEFAULT_NAME", "WINDOW_TOLERANCE_ROWS"]
+__all__ = ["Source", "as_sources", "source_seed", "shares", "Mixer", "DEFAULT_NAME", "SOURCE_NAME",
+           "WINDOW_TOLERANCE_ROWS"]
 
 DEFAULT_NAME = "main"
 """The name of a plain shard set read as a one-source mixture."""
-NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""What a source's name may be (``fullmatch``): it becomes a directory name and a metric tag."""
 WINDOW_TOLERANCE_ROWS = 2
 """Over any window of a slot's rows, a source's tokens differ from ``share x window tokens`` by at most
 this many rows times the number of sources."""
@@ -65,7 +67,7 @@ def as_sources(shards) -> list[Source]:
         raise UsageError("sources: expected at least one shard set")
     seen = set()
     for s in out:
-        if not NAME.match(s.name or ""):
+        if not SOURCE_NAME.fullmatch(s.name or ""):
             raise UsageError(f"sources: name {s.name!r}: expected letters, digits, '_' or '-'")
         if s.name in seen:
             raise UsageError(f"sources: name {s.name!r} is given twice")

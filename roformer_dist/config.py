@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from data_pipeline.mixture import DEFAULT_NAME, SOURCE_NAME
 from roformer_dist.errors import ConfigError
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -701,7 +702,7 @@ def validate_model(m: ModelConfig) -> None:
 
 def training_sources(d: DataConfig) -> tuple[SourceConfig, ...]:
     """The training mixture: data.sources, or data.shards as one source named ``main`` (weight 1)."""
-    return d.sources or ((SourceConfig("main", d.shards, 1.0),) if d.shards else ())
+    return d.sources or ((SourceConfig(DEFAULT_NAME, d.shards, 1.0),) if d.shards else ())
 
 
 def _validate_sources(cfg: Config) -> None:
@@ -711,7 +712,7 @@ def _validate_sources(cfg: Config) -> None:
     names = []
     for i, s in enumerate(d.sources):
         key = f"data.sources[{i}]"
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", s.name):
+        if not SOURCE_NAME.fullmatch(s.name):
             raise ConfigError(f"{key}.name: expected letters, digits, '_' or '-', got {s.name!r}")
         if s.name in names:
             raise ConfigError(f"{key}.name: {s.name!r} is given twice")
@@ -740,7 +741,7 @@ def _validate_sources(cfg: Config) -> None:
     eval_names = []
     for i, e in enumerate(d.eval_sources):
         key = f"data.eval_sources[{i}]"
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", e.name) or e.name in eval_names:
+        if not SOURCE_NAME.fullmatch(e.name) or e.name in eval_names:
             raise ConfigError(f"{key}.name: expected a new name of letters, digits, '_' or '-', got {e.name!r}")
         if not e.shards:
             raise ConfigError(f"{key}.shards: eval source {e.name!r} has no shard set")

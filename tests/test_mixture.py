@@ -279,7 +279,7 @@ def _source_tokens(run_dir, step):
 
 
 def test_trainer_on_a_mixture_resumes_exactly_logs_shares_and_evaluates_per_source(small_shards, reviews_sets,
-                                                                                  tmp_path):
+                                                                                  tmp_path, capsys):
     """(b) stop at step 4 and resume = the uninterrupted loss trace; the plan table, per-source shares
     (metrics.jsonl, TensorBoard) and per-source eval; (d) a resume with other weights logs the change and
     draws the new shares from the resume step on."""
@@ -308,6 +308,13 @@ def test_trainer_on_a_mixture_resumes_exactly_logs_shares_and_evaluates_per_sour
     news = total["news"]["tokens"] / (total["news"]["tokens"] + total["reviews"]["tokens"])
     assert abs(news - 0.7) < 0.05, total
 
+    # the checkpoint reads two sources: a config without one of them is refused before any rank starts
+    from roformer_dist.cli.train import main
+    from trainer_runs import DEBUG
+
+    code = main(["--config", str(DEBUG), "data.shards=", f"data.eval_shards={small_shards.eval_dir}", f"run_dir={changed}",
+                 f"data.sources=[{{name: news, shards: '{small_shards.dir}', weight: 1}}]", "dist.world_size=2"])
+    assert code != 0 and "reads source 'reviews', which this config lacks" in capsys.readouterr().err
     assert train(_mixture_cfg(small_shards, reviews_sets, changed, 0.2, 0.8, "trainer.stop_at_step=8")) == [EXIT_DONE] * 2
     log = (changed / "logs" / "rank0.log").read_text()
     assert "resuming with a changed setting: data.sources.news.weight: 0.7 in the checkpoint, 0.2 now" in log
@@ -352,3 +359,24 @@ def test_bad_mixtures_exit_with_a_message_naming_the_key(small_shards, reviews_s
     stages.write_text("stages:\n  - {name: s, seq_len: 128, global_batch_size: 8, steps: 2, weights: {books: 1}}\n")
     code, err = run(f"[{news}]", f"curriculum={stages}")
     assert code == 2 and "curriculum.stages[0].weights.books: no source 'books' (the sources are news)" in err, err
+
+
+def test_the_launcher_makes_every_source_path_absolute_and_checks_each(small_shards, reviews_sets, tmp_path,
+                                                                       monkeypatch):
+    from launcher.profiles import JobFlags, check_data, resolve
+    from roformer_dist.errors import ConfigError
+    from trainer_runs import DEBUG
+
+    monkeypatch.chdir(small_shards.dir.parent)
+    rel = small_shards.dir.name
+    over = ["data.shards=", "data.eval_shards=", f"data.sources=[{{name: news, shards: {rel}, weight: 1}}, "
+            f"{{name: reviews, shards: '{reviews_sets[0]}', weight: 1}}]",
+            f"data.eval_sources=[{{name: news, shards: {small_shards.eval_dir.name}}}]"]
+    cfg = resolve(str(DEBUG), over, JobFlags())
+    assert cfg.data.sources[0].shards == str(small_shards.dir) and cfg.data.sources[1].shards == str(reviews_sets[0])
+    assert cfg.data.eval_sources[0].shards == str(small_shards.eval_dir)
+    check_data(cfg)
+    bad = resolve(str(DEBUG), over[:2] + [f"data.sources=[{{name: news, shards: {rel}, weight: 1}}, "
+                                          f"{{name: gone, shards: '{tmp_path}', weight: 1}}]"], JobFlags())
+    with pytest.raises(ConfigError, match=r"data.sources\[1\] \(gone\): .* is not a shard set"):
+        check_data(bad)

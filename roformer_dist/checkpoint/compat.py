@@ -5,7 +5,8 @@ Compared (:func:`differences`): the model settings that change the parameters or
 (all of ``model.*`` except :data:`FREE_MODEL_KEYS`), the parameter names and shapes they imply, the
 model-parallel layout (tensor x pipeline; the world size may change only without it), the ZeRO stage
 (0, 1-2 and 3 save different files), the tokenizer (sha256 of the shard set's model), and the
-number of shards the loader position refers to. The curriculum, optimizer, logging and
+number of shards the loader position refers to, and the sources it reads (each must still be in the
+mixture; their shard sets are the loader's own check). The curriculum, optimizer, logging and
 checkpoint settings may change on resume.
 """
 
@@ -151,6 +152,10 @@ def check_compatible(found, state, cfg: Config, world_size: int, manifest: Optio
                         _get(manifest, "tokenizer", "sha256", default=""),
                         int(saved_shards) if isinstance(saved_shards, int) else None,
                         len(manifest["shards"]) if isinstance(manifest.get("shards"), list) else None)
+    names = {s.name for s in training_sources(cfg.data)}
+    saved_sources = _get(state.loader, "sources", default={}) or {}
+    diffs += [f"data.sources: the checkpoint's loader reads source {n!r}, which this config lacks (keep it: a weight "
+              "of 0 pauses a source)" for n in sorted(saved_sources) if n not in names]
     if diffs:
         raise CheckpointError(
             f"cannot resume from {found.dir}: it was written for another model or layout:\n"
