@@ -98,7 +98,7 @@ class FakeRunner:
 
 
 class FakeLoader:
-    def set_stage(self, seq_len, mbs):
+    def set_stage(self, seq_len, mbs, weights=None):
         pass
 
     def __iter__(self):

@@ -35,7 +35,7 @@ from roformer_dist.train.curriculum import lr_at, stage_at, total_steps
 from roformer_dist.train.data import data_error, resolve_data, source_manifests
 from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
-from roformer_dist.train.mixture import loader_sources, plan_mixture
+from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
 
 __all__ = ["Trainer"]
@@ -70,6 +70,8 @@ class Trainer:
         self.source_evaluators: dict[str, Evaluator] = {}
         """One per data.eval_sources set (sharing the unigram counts)."""
         self._source_tokens_logged: Optional[dict] = None
+        self.plan: Optional[MixturePlan] = None
+        """The corpus mixture's plan (read in setup): each stage's shares of the sources."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -199,7 +201,7 @@ class Trainer:
     def switch_stage(self, index: int) -> None:
         st = self.stages[index]
         mbs = micro_batch_size(self.cfg, st, self.env.world_size)
-        self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index))
+        self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index) if self.plan else None)
         self.runner.set_stage(st, self.env.world_size)
         self.stage_index = index
         log.info("stage %d/%d %r: seq_len %d, global batch %d, micro-batch %d, accumulation %d",
@@ -335,7 +337,7 @@ class Trainer:
                "accumulation": self.runner.accumulation_steps, "tokens_seen": s.tokens_seen,
                "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(dt, 5)}
         logging_now = self.policy.log(s.step)
-        mixture = self._mixture_scalars() if logging_now and len(self.plan.sources) > 1 else {}
+        mixture = self._mixture_scalars() if logging_now and self.plan and len(self.plan.sources) > 1 else {}
         if mixture:
             rec["sources"] = {name: {"tokens": int(mixture[f"data/{name}/tokens"]), "share": mixture[f"data/{name}/share"]}
                               for name in self.loader.stats["sources"]}
