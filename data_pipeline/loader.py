@@ -323,8 +323,8 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         row_tokens = np.count_nonzero(attention, axis=1)
         if packing == "document":  # a document's number: 1 + the [SEP]s before it ([CLS] opens the first)
             attention = np.where(attention != 0, np.cumsum(is_sep, axis=1) - is_sep + 1, 0)
-        picked = origin.tolist()
-        keys = sample_keys(seeds[0] if single else [seeds[k] for k in picked], epochs, slot, samples)
+        keys = sample_keys(seeds[0], epochs, slot, samples) if single else \
+            sample_keys(seeds, epochs, slot, samples, groups=origin)
         inputs, labels = mask_tokens(ids, attention, keys, vocab_size=vocab, mask_id=special_ids["mask"],
                                      special=special, mlm_probability=mlm_probability, word_starts=word_starts)
         batch = {"input_ids": inputs, "attention_mask": attention, "token_type_ids": np.zeros_like(attention),
@@ -333,13 +333,17 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
             states[sources[k].name] = pos.resolve()
         bad = []
         for s in sources:
-            bad, s.cache.bad = bad + s.cache.bad, []
-        names = tuple(sources[k].name for k in picked)
-        n = len(sources)
-        tokens_by = dict(zip(source_names, np.bincount(origin, row_tokens, n).astype(np.int64).tolist()))
-        docs_by = dict(zip(source_names, np.bincount(origin, row_docs, n).astype(np.int64).tolist()))
-        yield batch, BatchInfo(slot, dict(states), list(mixer.credits), int(row_docs.sum()), int(row_tokens.sum()),
-                               row, bad, names, tokens_by, docs_by)
+            if s.cache.bad:
+                bad, s.cache.bad = bad + s.cache.bad, []
+        docs, tokens = int(row_docs.sum()), int(row_tokens.sum())
+        if single:
+            names, tokens_by, docs_by = (source_names[0],) * row, {source_names[0]: tokens}, {source_names[0]: docs}
+        else:
+            names = tuple(source_names[k] for k in origin.tolist())
+            tokens_by = dict(zip(source_names, np.bincount(origin, row_tokens, len(sources)).astype(int).tolist()))
+            docs_by = dict(zip(source_names, np.bincount(origin, row_docs, len(sources)).astype(int).tolist()))
+        yield batch, BatchInfo(slot, dict(states), list(mixer.credits), docs, tokens, row, bad, names, tokens_by,
+                               docs_by)
         if row < batch_size:
             return
 
@@ -605,11 +609,16 @@ class ShardLoader:
             st["sequences"] += info.sequences
             st["tokens"] += info.tokens
             st["docs"] += info.docs
-            for name in info.source_tokens:
-                per = st["sources"][name]
-                per["tokens"] += info.source_tokens[name]
+            per_source = st["sources"]
+            for name, tokens in info.source_tokens.items():
+                per = per_source[name]
+                per["tokens"] += tokens
                 per["docs"] += info.source_docs[name]
-                per["sequences"] += info.sources.count(name)
+            if len(per_source) == 1:
+                per["sequences"] += info.sequences
+            else:
+                for name in info.sources:
+                    per_source[name]["sequences"] += 1
             if info.bad_shards:
                 st["bad_shards_skipped"] += len(info.bad_shards)
                 st["bad_shards"] += info.bad_shards

@@ -55,19 +55,18 @@ def _base_key(seed: int, epoch: int, slot: int) -> int:
     return _mix_int(k ^ ((slot + g) & 0xFFFFFFFFFFFFFFFF))
 
 
-def sample_keys(seed, epochs, slot: int, samples) -> np.ndarray:
-    """uint64 key per sample from (seed, epoch, global slot id, sample index in that slot's epoch);
-    ``seed``: one for all samples, or one per sample (rows of several sources)."""
+def sample_keys(seed, epochs, slot: int, samples, groups=None) -> np.ndarray:
+    """uint64 key per sample from (seed, epoch, global slot id, sample index in that slot's epoch).
+    ``groups`` (one small int per sample) with ``seed`` a sequence: sample i takes ``seed[groups[i]]``
+    (rows of several sources, each with its own seed)."""
     epochs = np.asarray(epochs, np.int64)
     samples = np.asarray(samples, np.uint64)
     base = np.empty(epochs.shape, np.uint64)
-    if isinstance(seed, (int, np.integer)):
+    if groups is None:
         for e in set(epochs.tolist()):  # usually one epoch per batch: the scalar part in Python ints
             base[epochs == e] = _base_key(int(seed), e, slot)
-    else:
-        pairs = list(zip(list(seed), epochs.tolist()))
-        for sd, e in set(pairs):
-            base[[p == (sd, e) for p in pairs]] = _base_key(sd, e, slot)
+    else:  # a handful of rows: one cached scalar key each
+        base[:] = [_base_key(int(seed[g]), e, slot) for g, e in zip(np.asarray(groups).tolist(), epochs.tolist())]
     with np.errstate(over="ignore"):
         return _mix(base ^ (samples + _GOLDEN))
 
