@@ -348,6 +348,8 @@ def test_bad_mixtures_exit_with_a_message_naming_the_key(small_shards, reviews_s
     for sources, status, message in cases:
         code, err = run(sources)
         assert code == status and message in err and "Traceback" not in err, (sources, code, err)
+    code, err = run(f"[{{name: news, shards: '{small_shards.dir}', weight: 1, max_epochs: 0.01}}]")
+    assert code == 2 and "more than the max_epochs caps of its sources allow" in err, err
     (tmp_path / "empty").mkdir()
     code, err = run(f"[{news}, {{name: empty, shards: '{tmp_path / 'empty'}', weight: 1}}]")
     assert code == 4 and "data.sources[1] (empty)" in err and "manifest.json" in err, err
