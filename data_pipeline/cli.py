@@ -379,24 +379,6 @@ def _is_mixture(out: Path) -> bool:
     return bool(entries) and all(e.is_dir() and (e / MANIFEST).is_file() for e in entries)
 
 
-def _stage_mixture(out_dir, force: bool):
-    """The staging directory of a mixture at ``out_dir``: :func:`~.shards.stage_output`, which also takes an
-    existing mixture (replaced only with ``force``)."""
-    from .atomic import StagedDir
-    from .shards import stage_output
-
-    out = Path(out_dir)
-    if not (out.is_dir() and _is_mixture(out)):
-        return stage_output(out, force)
-    if not force:
-        raise UsageError(f"{out}: a mixture is already there; pass --force to replace it (the new one is built "
-                         "beside it and swapped in only when complete)")
-    try:
-        return StagedDir(out)
-    except OSError as e:
-        raise UsageError(f"{out}: cannot write the output there ({e.strerror}: {e.filename})") from None
-
-
 def _yaml_scalar(text: str) -> str:
     """``text`` as a YAML flow scalar: plain where it reads back as that string, else double-quoted."""
     import json
@@ -417,10 +399,12 @@ def _prepare_mixture(args, sources: dict[str, list[str]]) -> int:
     """``prepare --source``: one tokenizer trained on a sample of all sources, then one shard set per source,
     all staged together and moved into ``--out`` when every set is complete."""
     from .corpus import check_inputs
+    from .shards import stage_output
 
     weights = _tokenizer_weights(args.tokenizer_weights, sources)
     counts: dict = {}
-    with _stage_mixture(args.out, args.force) as stage:   # fails now if --out exists or cannot be written
+    # fails now if --out holds anything but a shard set or a mixture, or cannot be written
+    with stage_output(args.out, args.force, replaceable=(_is_mixture, "a mixture")) as stage:
         for inputs in sources.values():
             check_inputs(inputs)                            # and if an input cannot be read
         stats, texts = _mixture_texts(args, sources, weights, counts)

@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -124,20 +124,24 @@ def verify_shard_set(location) -> list[str]:
 # --------------------------------------------------------------------------- output
 
 
-def stage_output(out_dir: str | os.PathLike, force: bool = False) -> StagedDir:
+def stage_output(out_dir: str | os.PathLike, force: bool = False,
+                 replaceable: Optional[tuple[Callable[[Path], bool], str]] = None) -> StagedDir:
     """A staging directory for a new shard set at ``out_dir`` (see the module docstring).
 
     UsageError when ``out_dir`` holds a shard set and ``force`` is not set, holds anything else,
-    or cannot be written (checked by creating the staging directory)."""
+    or cannot be written (checked by creating the staging directory). ``replaceable``: (test, what)
+    for another kind of output that ``force`` may replace (``prepare --source``'s mixture)."""
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir():
             raise UsageError(f"{out}: exists and is not a directory; choose another --out")
         entries = list(out.iterdir())
-        if entries and (out / MANIFEST).is_file():
+        other = replaceable is not None and bool(entries) and replaceable[0](out)
+        if entries and ((out / MANIFEST).is_file() or other):
             if not force:
-                raise UsageError(f"{out}: a shard set is already there; pass --force to replace it (the new set "
-                                 "is built beside it and swapped in only when complete)")
+                what = replaceable[1] if other else "a shard set"
+                raise UsageError(f"{out}: {what} is already there; pass --force to replace it (the new "
+                                 f"{'one' if other else 'set'} is built beside it and swapped in only when complete)")
         elif entries:
             raise UsageError(f"{out}: exists and is not a shard set ({len(entries)} entries, no {MANIFEST}); "
                              "choose another --out or empty it")
