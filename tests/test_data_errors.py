@@ -176,8 +176,8 @@ def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
 
     debug = ROOT / "configs" / "experiments" / "debug.yaml"
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", f"data.eval_shards={small_shards.eval_dir}"])
-    resolved, m = resolve_data(cfg, None)
-    assert resolved.model.vocab_size == m["vocab_size"] == small_shards.vocab_size
+    resolved, manifests = resolve_data(cfg, None)
+    assert resolved.model.vocab_size == manifests["main"]["vocab_size"] == small_shards.vocab_size
     # an eval set made with another tokenizer: the message names the field and shows two different hashes
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", f"data.eval_shards={made_set}"])
     with pytest.raises(DataError, match=r"data.eval_shards: .*field 'tokenizer.sha256' is (\w+)\.\.\., data.shards' "

@@ -81,19 +81,19 @@ def _run(args, stop: StopFlag) -> int:
         return 0
     # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
     from roformer_dist.checkpoint.store import check_writable
-    from roformer_dist.train.data import resolve_data, source_manifests
+    from roformer_dist.train.data import resolve_data
     from roformer_dist.train.mixture import plan_mixture
     from roformer_dist.train.entry import run_rank
     from roformer_dist.train.spawn import check_resume, spawn_local
 
-    resolved, manifest = resolve_data(cfg)  # manifest vs model config, before any process starts
-    plan_mixture(resolved, source_manifests(resolved, manifest))  # caps the budget cannot keep: refused here
+    resolved, manifests = resolve_data(cfg)  # manifests vs model config, before any process starts
+    plan_mixture(resolved, manifests)  # caps the budget cannot keep: refused here
     if as_rank:
         return run_rank(cfg, stop=stop)
     with RunLock(cfg.run_dir, mode=cfg.run_dir_mode) as lock:
         stop.on_abort(lock.release)
         check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
-        check_resume(resolved, manifest)
+        check_resume(resolved, next(iter(manifests.values())))
         return spawn_local(cfg, stop)
 
 

@@ -49,10 +49,11 @@ def source_manifests(cfg: Config, first: Optional[dict] = None) -> dict[str, dic
     return out
 
 
-def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Config, dict]:
+def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Config, dict[str, dict]]:
     """Read the shard manifests; fill model.vocab_size; refuse mismatches before training
     (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field).
-    Returns the config and the (first) training source's manifest."""
+    Returns the config and every training source's manifest (:func:`source_manifests`: name -> manifest,
+    the first source's first)."""
     # URL reads of this process and of the loaders it creates (their workers inherit the policy)
     set_default_retry(RetryPolicy(attempts=cfg.data.url_retries, wait_s=cfg.data.url_retry_wait_s,
                                   timeout_s=cfg.data.url_timeout_s))
@@ -70,7 +71,7 @@ def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Con
         text = str(e)
         raise DataError(key + text[len("data.shards"):] if text.startswith("data.shards") and cfg.data.sources
                         else text) from None
-    source_manifests(cfg, manifest)
+    manifests = source_manifests(cfg, manifest)
     for i, e in enumerate(cfg.data.eval_sources):
         where = f"data.eval_sources[{i}] ({e.name})"
         try:
@@ -81,4 +82,4 @@ def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Con
         check_same_tokenizer(ev, manifest, f"{where}: {as_source(e.shards).child(MANIFEST)}", "the training data's")
     if auto:
         cfg = replace(cfg, **{"model.vocab_size": int(manifest["vocab_size"])})
-    return cfg, manifest
+    return cfg, manifests

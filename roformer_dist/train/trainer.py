@@ -32,7 +32,7 @@ from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
 from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import lr_at, stage_at, total_steps
-from roformer_dist.train.data import data_error, resolve_data, source_manifests
+from roformer_dist.train.data import data_error, resolve_data
 from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
@@ -79,9 +79,10 @@ class Trainer:
         load the checkpoint. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not touched
         before the checks passed: config.yaml is written last (a damaged checkpoint may be marked BAD)."""
         cfg, env = self.cfg, self.env
-        cfg, self.manifest = resolve_data(cfg, None)  # the tokenizer vs checkpoint check is check_compatible's
+        cfg, manifests = resolve_data(cfg, None)  # the tokenizer vs checkpoint check is check_compatible's
+        self.manifest = next(iter(manifests.values()))
         validate(cfg, env.world_size)
-        self.plan = plan_mixture(cfg, source_manifests(cfg, self.manifest))
+        self.plan = plan_mixture(cfg, manifests)
         self._build_evaluators(cfg)
         found = ckpt.choose_resume(self.ckpt_root, env.rank, env.world_size, self.comm) \
             if cfg.checkpoint.resume else None
