@@ -273,7 +273,6 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
                               max_epochs=s.max_epochs) for s in sources]
     states = {s.name: s.state for s in sources}
     mixer = Mixer(credits, share)
-    active = [True] * len(sources)
     seeds = [s.cache.seed for s in sources]
     single = len(sources) == 1
     source_names = [s.name for s in sources]
@@ -288,12 +287,11 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         after: dict = {}
         row = 0
         while row < batch_size:
-            k = (0 if active[0] else -1) if single else mixer.pick()
+            k = mixer.pick()
             if k < 0:
                 break
             seq = next(streams[k], None)
             if seq is None:             # this source reached its max_epochs: the others share its part
-                active[k] = False
                 mixer.deactivate(k)
                 continue
             n = len(seq.content)
@@ -309,8 +307,7 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
                 word_starts[row, 1:1 + n] = seq.marks
             epochs[row], samples[row], origin[row] = seq.epoch, seq.sample, k
             after[k] = seq.after
-            if not single:
-                mixer.charge(k, end)
+            mixer.charge(k, end)
             row += 1
         if row == 0:
             return
