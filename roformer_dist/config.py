@@ -17,6 +17,7 @@ world size, heads vs hidden size, ...) before any process is spawned.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -42,6 +43,8 @@ DEFAULT_RUN_DIR_MODE = "0750"
 
 HiddenAct = Literal["gelu", "gelu_new", "relu"]
 PositionEmbedding = Literal["rotary", "absolute"]
+RopeScaling = Literal["none", "linear", "ntk", "yarn"]
+NewRows = Literal["mean", "init"]
 RotaryBackend = Literal["auto", "reference", "compiled", "triton", "apex", "flash_attn"]
 AttentionKind = Literal["softmax", "linear"]
 Packing = Literal["document", "cross_document"]
@@ -104,6 +107,19 @@ class ModelConfig:
     """Positions in rows that carry document numbers (``data.packing: document``): restart (each
     document counts from 0, as if it were alone) | continue (the row's positions). No parameters: a
     resumed run may change it."""
+    rope_theta: float = 10000.0
+    """Rotary base: pair i turns by ``m / rope_theta**(2i/d)`` at position m (RoFormer: 10000). Raising it
+    slows every rotation (ModernBERT's context extension). No parameters: a stage, a resume or a fork may
+    change it (as the three rope_* keys below and, with rotary positions, max_position_embeddings)."""
+    rope_scaling: RopeScaling = "none"
+    """Context extension of the rotary angles: none | linear (position interpolation: positions divided by
+    the factor) | ntk (NTK-aware: the base raised by ``factor**(d/(d-2))``) | yarn (YaRN: per-pair blend of
+    interpolation and extrapolation by wavelength, and attention temperature ``0.1 ln(factor) + 1``)."""
+    rope_scaling_factor: float = 1.0
+    """How many times longer than rope_original_max_position the model should read (>= 1)."""
+    rope_original_max_position: Optional[int] = None
+    """The length the model was trained at before the extension (yarn's wavelength bounds); None =
+    max_position_embeddings / rope_scaling_factor."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,14 @@ class StageConfig:
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights of this stage by source name (``{news: 0.3, books: 0.7}``); a source not named keeps
     its data.sources weight."""
+    rope_theta: Optional[float] = None
+    """This stage's rotary base; None = model.rope_theta."""
+    rope_scaling: Optional[RopeScaling] = None
+    """This stage's rotary scaling; None = model.rope_scaling."""
+    rope_scaling_factor: Optional[float] = None
+    """This stage's scaling factor; None = model.rope_scaling_factor."""
+    rope_original_max_position: Optional[int] = None
+    """This stage's original length; None = model.rope_original_max_position."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +225,27 @@ class CurriculumConfig:
     """The stages, run in order."""
     tokens_per_micro_batch: int = 4096
     """Token budget of a micro-batch when a stage does not fix micro_batch_size."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Where a new run's weights come from (a warm start; a fork is one from a run of ours)."""
+    from_: str = ""
+    """YAML key ``from``: '' = random initialisation; else a Hugging Face repository directory
+    (``RoFormerForMaskedLM``, or ``BertForMaskedLM`` with model.position_embedding: absolute), a
+    roformer-dist run directory (its newest complete checkpoint), a checkpoint directory, or a weights file
+    of ``roformer-convert from-hf``. Read only when the run has no checkpoint of its own: a restart resumes
+    the run, never re-initialises it."""
+    load_optimizer: bool = False
+    """Also take the optimizer state (Adam moments) from the checkpoint: only from a checkpoint of ours with
+    the same ZeRO format, tensor x pipeline layout and world size. The step counter, schedule and data
+    position always start afresh."""
+    new_rows: NewRows = "mean"
+    """Rows of a vocabulary that grew (ids beyond the parent's vocabulary): mean (the mean of the parent's
+    rows) | init (the normal initialiser, model.initializer_range)."""
+    check_tokenizer: bool = True
+    """Refuse a parent of ours trained on shards of another tokenizer (sha256 of its model); false when the
+    new vocabulary extends the parent's with the old pieces at their old ids."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +387,7 @@ class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
+    init: InitConfig = InitConfig()
     optim: OptimConfig = OptimConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -361,6 +407,12 @@ PRESET_DIRS = {
 }
 
 # --------------------------------------------------------------------------- building
+
+
+_YAML_KEYS = {"from_": "from"}
+"""Fields whose YAML key is a Python keyword: field name -> the key written and read (the field name is
+read too)."""
+_FIELD_OF = {v: k for k, v in _YAML_KEYS.items()}
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -506,6 +558,7 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    data = {(_FIELD_OF[k] if _FIELD_OF.get(k) in names else k): v for k, v in data.items()}
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
@@ -556,6 +609,7 @@ def _check_override_key(dotted: str) -> Any:
         if not _is_dataclass_type(cls):
             raise ConfigError(f"unknown config key {dotted}: {'.'.join(path)} has no sub-keys")
         hints = typing.get_type_hints(cls)
+        part = _FIELD_OF.get(part, part)
         if part not in hints:
             raise ConfigError(f"unknown config key {'.'.join(path + [part])} (in override {dotted})")
         path.append(part)
@@ -602,7 +656,7 @@ def from_dict(data: dict) -> Config:
 
 def to_dict(cfg: Any) -> Any:
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {_YAML_KEYS.get(f.name, f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, tuple):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -698,6 +752,38 @@ def validate_model(m: ModelConfig) -> None:
     for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
         if not 0.0 <= getattr(m, key) < 1.0:
             raise ConfigError(f"model.{key}: expected a probability in [0, 1), got {getattr(m, key)}")
+    validate_rope(rope_settings(m), m, "model")
+
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_position")
+"""The rotary settings (no parameters): a model's, overridden per curriculum stage."""
+
+
+def rope_settings(m: ModelConfig, stage: Optional[StageConfig] = None) -> dict[str, Any]:
+    """The rotary settings in force: the model's, with a stage's own values (not None) over them."""
+    out = {k: getattr(m, k) for k in ROPE_KEYS}
+    if stage is not None:
+        out.update({k: getattr(stage, k) for k in ROPE_KEYS if getattr(stage, k) is not None})
+    return out
+
+
+def validate_rope(rope: dict[str, Any], m: ModelConfig, where: str) -> None:
+    """``rope`` (:func:`rope_settings`) makes sense for model ``m``; errors name ``where`` (model or a stage)."""
+    theta, kind, factor, original = (rope[k] for k in ROPE_KEYS)
+    if kind not in choices(RopeScaling):
+        raise ConfigError(f"{where}.rope_scaling: expected one of {', '.join(choices(RopeScaling))}, got {kind!r}")
+    if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 1.0):
+        raise ConfigError(f"{where}.rope_theta: expected a number > 1, got {theta!r}")
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1.0):
+        raise ConfigError(f"{where}.rope_scaling_factor: expected a number >= 1 (how many times longer), "
+                          f"got {factor!r}")
+    if kind == "none" and factor != 1.0:
+        raise ConfigError(f"{where}.rope_scaling_factor: {factor} has no effect with rope_scaling none; choose "
+                          "linear, ntk or yarn")
+    if original is not None:
+        _positive(original, f"{where}.rope_original_max_position")
+    if kind != "none" and m.position_embedding != "rotary":
+        raise ConfigError(f"{where}.rope_scaling: {kind} needs model.position_embedding rotary")
 
 
 def training_sources(d: DataConfig) -> tuple[SourceConfig, ...]:
@@ -844,6 +930,13 @@ def _validate_curriculum(cfg: Config, world_size: Optional[int] = None) -> None:
                 f"data-parallel size {dp} (dist.world_size {ws} / (parallel.tensor x parallel.pipeline))")
         if st.lr is not None:
             _positive(st.lr, f"{key}.lr")
+        validate_rope(rope_settings(m, st), m, key)
+
+
+def _validate_init(i: InitConfig) -> None:
+    _check_choices(i, "init")
+    if i.load_optimizer and not i.from_:
+        raise ConfigError("init.load_optimizer: true needs init.from (the checkpoint whose optimizer state to take)")
 
 
 def _validate_trainer(t: TrainerConfig) -> None:
@@ -946,6 +1039,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_deepspeed(cfg.deepspeed)
     validate_layout(cfg, world_size)
     _validate_curriculum(cfg, world_size)
+    _validate_init(cfg.init)
     _validate_trainer(cfg.trainer)
     _validate_checkpoint(cfg.checkpoint)
     _validate_logging(cfg.logging)
