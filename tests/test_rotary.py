@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,14 +131,21 @@ def test_resolve_backend():
 # --------------------------------------------------------------------------- backends vs reference
 
 
-def _compare_backend(backend: str, device: str, dtype: torch.dtype, S: int = 24, H: int = 3, D: int = 16):
+SCALED = dict(base=500.0, scaling="yarn", factor=4.0, original_len=32)
+"""rotary_tables settings whose tables are not rotations: yarn's mscale 1.139 on cos and sin, a ramp over
+pairs 0..3 (head_dim 16), another base."""
+
+
+def _compare_backend(backend: str, device: str, dtype: torch.dtype, S: int = 24, H: int = 3, D: int = 16,
+                     rope: dict | None = None):
     """Forward and backward of ``backend`` against the reference (fp32: equal to rounding; bf16: 1 ulp).
 
-    q and k are strided views of one fused (B, S, 3, H, D) projection, as in the model."""
+    q and k are strided views of one fused (B, S, 3, H, D) projection, as in the model; ``rope``: the
+    tables' settings (``rotary_tables`` keywords; default RoFormer's)."""
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(2, S, 3, H, D, generator=g).to(device=device, dtype=dtype)
     gq, gk = (torch.randn(2, S, H, D, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    cos, sin = R.rotary_tables(S, D, device=device)
+    cos, sin = R.rotary_tables(S, D, device=device, **(rope or {}))
     outs = {}
     for name in ("reference", backend):
         base = qkv.clone().requires_grad_()
@@ -163,6 +172,10 @@ def test_compiled_backend_matches_reference(dtype):
     _compare_backend("compiled", "cpu", dtype)
 
 
+def test_compiled_backend_matches_reference_with_scaled_tables():
+    _compare_backend("compiled", "cpu", torch.float32, rope=SCALED)
+
+
 @pytest.fixture
 def triton_device(monkeypatch):
     """Where the Triton kernel runs: "cuda" on a GPU machine; otherwise "cpu" under Triton's interpreter,
@@ -187,6 +200,10 @@ def test_triton_backend_matches_reference(triton_device, dtype, S, H, D):
     """Forward and backward, q and k as strided views of one fused projection; odd lengths, head counts
     and head sizes; (13, 16, 64) spans several position tiles with a partial last one."""
     _compare_backend("triton", triton_device, dtype, S=S, H=H, D=D)
+
+
+def test_triton_backend_matches_reference_with_scaled_tables(triton_device):
+    _compare_backend("triton", triton_device, torch.float32, rope=SCALED)
 
 
 def test_triton_rotates_q_and_k_in_one_launch(triton_device, monkeypatch):
@@ -260,13 +277,14 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 @pytest.mark.skipif(not (R.flash_attn_available() and torch.cuda.is_available()),
                     reason="flash_attn backend needs flash-attn installed and a CUDA device")
+@pytest.mark.parametrize("rope", [None, SCALED], ids=["roformer", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_flash_attn_backend_matches_reference(dtype):
+def test_flash_attn_backend_matches_reference(dtype, rope):
     if dtype == torch.float32:
-        _compare_backend("flash_attn", "cuda", dtype)
+        _compare_backend("flash_attn", "cuda", dtype, rope=rope)
     else:  # flash-attn takes cos/sin in the input dtype: angles rounded to bf16, so a looser bound
         q, k = make_qk(dtype=dtype)
-        cos, sin = R.rotary_tables(q.shape[1], q.shape[-1], device="cuda")
+        cos, sin = R.rotary_tables(q.shape[1], q.shape[-1], device="cuda", **(rope or {}))
         a = R.apply_rotary(q.cuda(), k.cuda(), cos, sin, "reference")[0].float()
         b = R.apply_rotary(q.cuda(), k.cuda(), cos, sin, "flash_attn")[0].float()
         torch.testing.assert_close(b, a, atol=6e-2, rtol=3e-2)
@@ -274,9 +292,10 @@ def test_flash_attn_backend_matches_reference(dtype):
 
 @pytest.mark.skipif(not (R.apex_available() and torch.cuda.is_available()),
                     reason="apex backend needs NVIDIA apex (with its CUDA extensions) and a CUDA device")
+@pytest.mark.parametrize("rope", [None, SCALED], ids=["roformer", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_apex_backend_matches_reference(dtype):
-    _compare_backend("apex", "cuda", dtype)
+def test_apex_backend_matches_reference(dtype, rope):
+    _compare_backend("apex", "cuda", dtype, rope=rope)
 
 
 # --------------------------------------------------------------------------- rotate-half permutation (apex)
@@ -321,3 +340,142 @@ def test_apex_slow_path_equals_reference_with_rotate_half_stand_in(monkeypatch):
     got = (R._apex_interleaved(q, cos, sin), R._apex_interleaved(k, cos, sin))
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- rope base and context extension
+
+
+def formula_tables(S: int, d: int, theta: float, scaling: str, factor: float, L: float):
+    """cos, sin (S, d/2) float64 from the formulas of rotary.py's docstring, element by element in Python
+    floats (yarn's pair bounds solved from "pair j turns r times over L": L / (2 pi theta^(2j/d)) = r)."""
+    j_fast = d / 2 * math.log(L / (2 * math.pi * 32), theta)
+    j_slow = d / 2 * math.log(L / (2 * math.pi * 1), theta)
+    lo, hi = max(math.floor(j_fast), 0), min(math.ceil(j_slow), d - 1)
+    hi = hi + 0.001 if hi == lo else hi
+    mscale = 0.1 * math.log(factor) + 1 if scaling == "yarn" and factor > 1 else 1.0
+    cos, sin = np.zeros((S, d // 2)), np.zeros((S, d // 2))
+    for m in range(S):
+        for i in range(d // 2):
+            inv_freq = theta ** (-2 * i / d)
+            if scaling == "none":
+                angle = m * inv_freq
+            elif scaling == "linear":
+                angle = (m / factor) * inv_freq
+            elif scaling == "ntk":
+                angle = m * (theta * factor ** (d / (d - 2))) ** (-2 * i / d)
+            else:
+                t = min(max((i - lo) / (hi - lo), 0.0), 1.0)
+                angle = m * (inv_freq * (1 - t) + inv_freq / factor * t)
+            cos[m, i], sin[m, i] = mscale * math.cos(angle), mscale * math.sin(angle)
+    return cos, sin
+
+
+@pytest.mark.parametrize("scaling, factor", [("none", 1.0), ("linear", 4.0), ("ntk", 4.0), ("yarn", 4.0),
+                                             ("yarn", 1.0)])
+def test_scaled_tables_equal_their_formula(scaling, factor):
+    """Through the cache, as the model builds it: yarn's original length is max_len / factor."""
+    S, d, theta, max_len = 64, 16, 10000.0, 8192
+    rope = {**R.DEFAULT_ROPE, "rope_theta": theta, "rope_scaling": scaling, "rope_scaling_factor": factor}
+    cos, sin = R.RotaryCache(d, max_len, rope).get(S)
+    want_cos, want_sin = formula_tables(S, d, theta, scaling, factor, max_len / factor)
+    torch.testing.assert_close(cos, torch.from_numpy(want_cos).float(), atol=2e-7, rtol=0)
+    torch.testing.assert_close(sin, torch.from_numpy(want_sin).float(), atol=2e-7, rtol=0)
+
+
+def test_default_settings_give_the_roformer_tables_bit_for_bit():
+    cos, sin = R.RotaryCache(64, 300, R.DEFAULT_ROPE).get(300)
+    ref_cos, ref_sin = R.rotary_tables(300, 64)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert R.DEFAULT_ROPE == {"rope_theta": 10000.0, "rope_scaling": "none", "rope_scaling_factor": 1.0,
+                              "rope_original_max_position": None}
+
+
+def test_yarn_equals_hf_and_the_papers_limits():
+    """inv_freq and attention factor as HF's _compute_yarn_parameters (fp32 there); pairs that turn more
+    than 32 times over L keep their frequency, those under once are interpolated by the factor."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d, theta, factor, L = 64, 10000.0, 8.0, 512
+    hf_cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, max_position_embeddings=int(factor * L),
+                         rope_parameters={"rope_type": "yarn", "factor": factor, "rope_theta": theta,
+                                          "original_max_position_embeddings": L})
+    hf_inv, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    w, mscale = R.pair_divisors(d, theta, "yarn", factor, L)
+    torch.testing.assert_close(1 / w, hf_inv.double(), rtol=1e-6, atol=0)
+    assert mscale == pytest.approx(hf_factor, rel=1e-12) and mscale == pytest.approx(0.1 * math.log(8) + 1)
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    turns = L * inv / (2 * math.pi)
+    torch.testing.assert_close((1 / w)[turns > 32], inv[turns > 32], rtol=1e-15, atol=0)
+    torch.testing.assert_close((1 / w)[turns < 1], inv[turns < 1] / factor, rtol=1e-15, atol=0)
+    assert (turns > 32).any() and (turns < 1).any()
+
+
+def test_yarn_mscale_scales_every_score_by_its_square():
+    S, D = 32, 16
+    cos, sin = R.rotary_tables(S, D, **SCALED)
+    mscale = 0.1 * math.log(SCALED["factor"]) + 1
+    torch.testing.assert_close(cos ** 2 + sin ** 2, torch.full_like(cos, mscale ** 2), atol=1e-6, rtol=0)
+    q, k = make_qk(S=S, D=D)
+    qr, kr = R.apply_rotary(q, k, cos, sin, "reference")
+    qu, ku = R.apply_rotary(q, k, cos / mscale, sin / mscale, "reference")  # the same angles, unit length
+    torch.testing.assert_close(torch.einsum("bshd,bthd->bhst", qr, kr),
+                               mscale ** 2 * torch.einsum("bshd,bthd->bhst", qu, ku), atol=1e-4, rtol=1e-5)
+
+
+def test_reference_backward_with_scaled_tables_matches_autograd_of_naive():
+    """Backward is the conjugate rotation, which is right for tables of any length (not the inverse)."""
+    q, k = make_qk(S=24, D=16)
+    cos, sin = R.rotary_tables(24, 16, **SCALED)
+    gq, gk = make_qk(S=24, D=16, seed=1)
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    torch.autograd.backward(R.apply_rotary(q1, k1, cos, sin, "reference"), (gq, gk))
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    torch.autograd.backward((naive_rotary(q2, cos, sin), naive_rotary(k2, cos, sin)), (gq, gk))
+    torch.testing.assert_close(q1.grad, q2.grad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k1.grad, k2.grad, atol=1e-6, rtol=1e-6)
+
+
+def _tiny_model(**changes):
+    from roformer_dist.config import ModelConfig
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+
+    cfg = ModelConfig(**{**dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=48, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0, initializer_range=0.3), **changes})
+    torch.manual_seed(0)  # weights large enough that attention, and so the positions, matter
+    return RoFormerForMaskedLM(cfg).eval()
+
+
+def test_set_rope_changes_a_built_model_and_restores_it():
+    """The config's settings reach the built model; set_rope on a default model gives the same output,
+    reaches every cache (tensor-parallel form, pipeline stage layers, an engine's .module) and restores."""
+    from roformer_dist.config import rope_settings
+    from roformer_dist.parallel.pipeline import PipeLayer
+    from roformer_dist.parallel.tensor import TensorParallelMLM
+
+    yarn = dict(rope_theta=500.0, rope_scaling="yarn", rope_scaling_factor=2.0)
+    ids = torch.randint(1, 50, (2, 48), generator=torch.Generator().manual_seed(0))  # longer than 32
+    with torch.no_grad():
+        model = _tiny_model()
+        before = model(ids).logits
+        configured = _tiny_model(**yarn)
+        want = configured(ids).logits
+        assert (want - before).abs().max() > 0.1
+        assert R.set_rope(model, rope_settings(configured.config)) == 1
+        torch.testing.assert_close(model(ids).logits, want, atol=0, rtol=0)
+        assert R.set_rope(model, R.DEFAULT_ROPE) == 1
+        torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
+
+        engine = torch.nn.Module()  # as a DeepSpeed engine holds the model
+        engine.module = torch.nn.ModuleList([TensorParallelMLM(_tiny_model(), 0, 1, None),
+                                             PipeLayer(_tiny_model(), 0, 0, 1, None),
+                                             PipeLayer(_tiny_model(), 1, 0, 1, None)])
+        assert R.set_rope(engine, rope_settings(configured.config), max_len=64) == 3
+        caches = [engine.module[0].rotary, engine.module[1].rotary, engine.module[2].rotary]
+        assert all(c.rope["rope_scaling"] == "yarn" and c.max_len == 64 and c.original_len == 32.0 for c in caches)
+        forked = _tiny_model(max_position_embeddings=64, **yarn)  # a fork that raised the length
+        torch.testing.assert_close(engine.module[0](ids).logits, forked(ids).logits, atol=0, rtol=0)
+    assert R.set_rope(_tiny_model(position_embedding="absolute"), R.DEFAULT_ROPE) == 0
+    with pytest.raises(ValueError, match="rope_theta, rope_scaling"):
+        R.set_rope(model, {"rope_theta": 500.0})

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from data_pipeline.masking import IGNORE_INDEX
-from roformer_dist.config import ModelConfig, validate_model
+from roformer_dist.config import ModelConfig, rope_settings, validate_model
 from roformer_dist.nn.attention import attention_core
 from roformer_dist.nn.documents import Layout, row_layout, uses_varlen
 from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
@@ -245,10 +245,11 @@ def layer_inputs(cfg: ModelConfig, rotary: Optional[RotaryCache], attention_mask
 
 
 def rotary_cache(cfg: ModelConfig) -> Optional[RotaryCache]:
-    """The cos/sin cache of a rotary model (None with absolute positions)."""
+    """The cos/sin cache of a rotary model with its rope settings (``config.rope_settings(cfg)``; None
+    with absolute positions). ``rotary.set_rope`` changes them on a built model."""
     if cfg.position_embedding != "rotary":
         return None
-    return RotaryCache(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings)
+    return RotaryCache(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings, rope_settings(cfg))
 
 
 class RoFormerForMaskedLM(nn.Module):

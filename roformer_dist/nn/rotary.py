@@ -8,6 +8,22 @@ Convention (the one RoFormer and HF ``transformers`` use):
     i.e. the complex number x[2i] + 1j*x[2i+1] is multiplied by exp(1j*theta_i). This is the
     *interleaved* (GPT-J) layout, not the rotate-half (GPT-NeoX) layout that pairs (i, i + d/2).
 
+Base and context extension (``model.rope_theta`` = T, ``rope_scaling``, ``rope_scaling_factor`` = s,
+``rope_original_max_position`` = L; :func:`pair_divisors`), with inv_freq_i = T^(-2i/d):
+    none    angle_i(m) = m * inv_freq_i                                  (RoFormer: T = 10000)
+    linear  angle_i(m) = (m / s) * inv_freq_i               position interpolation (Chen et al. 2023)
+    ntk     angle_i(m) = m * T'^(-2i/d), T' = T * s^(d/(d-2))   NTK-aware: the base raised so that the
+            slowest pair is interpolated by s and the fastest barely changes (HF's dynamic NTK at factor s)
+    yarn    (Peng et al. 2023, HF ``_compute_yarn_parameters`` with beta_fast = 32, beta_slow = 1)
+            pair i turns L / (2 pi T^(2i/d)) times over L; c(r) = d ln(L / (2 pi r)) / (2 ln T) is the pair
+            index that turns r times; lo = max(floor(c(32)), 0), hi = min(ceil(c(1)), d - 1) (hi += 0.001
+            if equal); ramp_i = clamp((i - lo) / (hi - lo), 0, 1);
+            angle_i(m) = m * inv_freq_i * ((1 - ramp_i) + ramp_i / s): fast pairs extrapolate unchanged,
+            slow ones are interpolated by s, a linear blend between; and cos, sin are multiplied by the
+            attention factor mscale = 0.1 ln(s) + 1 (1 for s = 1), so every q.k scales by mscale^2.
+Tables are computed in float64 and rounded to float32 once. A model reconfigures its tables in place
+with :func:`set_rope` (no parameters change: a curriculum stage or an evaluation may switch settings).
+
 Shapes:
     q, k, x   (B, S, N, D)  batch, sequence, heads, head_dim; any strides with stride(-1) == 1.
               (B, S, H, D) is what a QKV projection gives without a transpose; pass
@@ -35,12 +51,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from roformer_dist.config import RotaryBackend, choices
+from roformer_dist.config import ROPE_KEYS, ModelConfig, RopeScaling, RotaryBackend, choices, rope_settings
 
 BACKENDS: tuple[str, ...] = choices(RotaryBackend)
 """The values of ``model.rotary_backend``."""
@@ -53,34 +70,108 @@ see :func:`half_layout_weights`): apex's kernel applies directly, no permutation
 # --------------------------------------------------------------------------- cos/sin cache
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0,
-                  device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq_len, head_dim/2), float32.
+DEFAULT_ROPE: dict[str, Any] = rope_settings(ModelConfig())
+"""RoFormer's rotary settings (base 10000, no scaling), keyed by ``config.ROPE_KEYS``."""
 
-    Angles are computed in float64 as ``m / base**(2i/d)`` and rounded once, exactly as HF's
-    ``RoFormerSinusoidalPositionalEmbedding`` does, so our tables match theirs.
-    """
+YARN_BETA_FAST = 32.0
+"""YaRN: pairs that turn more often than this over the original length keep their frequency."""
+YARN_BETA_SLOW = 1.0
+"""YaRN: pairs that turn less often than this over the original length are interpolated fully."""
+
+
+def yarn_mscale(factor: float) -> float:
+    """YaRN's attention factor for cos and sin: 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+
+
+def _yarn_ramp(head_dim: int, base: float, original_len: float, device) -> torch.Tensor:
+    """(D/2,) float64 ramp_i of the module docstring: 0 = extrapolate (keep), 1 = interpolate."""
+    def pair_turning(rotations):  # the (fractional) pair index that turns ``rotations`` times over L
+        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(pair_turning(YARN_BETA_FAST)), 0)
+    hi = min(math.ceil(pair_turning(YARN_BETA_SLOW)), head_dim - 1)
+    if hi == lo:
+        hi += 0.001
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+    return ((i - lo) / (hi - lo)).clamp(0.0, 1.0)
+
+
+def pair_divisors(head_dim: int, base: float = 10000.0, scaling: RopeScaling = "none", factor: float = 1.0,
+                  original_len: Optional[float] = None, device: Optional[torch.device] = None
+                  ) -> tuple[torch.Tensor, float]:
+    """(w, mscale): float64 (head_dim/2,) divisors with angle_i(m) = m / w_i, and the factor on cos and sin,
+    for the settings of the module docstring (``original_len``: yarn's L, needed for yarn only)."""
     if head_dim % 2:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+    if scaling not in choices(RopeScaling):
+        raise ValueError(f"rope_scaling: expected one of {', '.join(choices(RopeScaling))}, got {scaling!r}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim  # 2i/d
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    divisors = torch.pow(torch.tensor(base, dtype=torch.float64, device=device), exponents)  # T^(2i/d)
+    if scaling == "linear":
+        return divisors * factor, 1.0
+    if scaling == "yarn":
+        if original_len is None:
+            raise ValueError("rope_scaling yarn: needs the original length (rope_original_max_position)")
+        ramp = _yarn_ramp(head_dim, base, original_len, device)
+        return divisors / ((1.0 - ramp) + ramp / factor), yarn_mscale(factor)
+    return divisors, 1.0
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0, device: Optional[torch.device] = None, *,
+                  scaling: RopeScaling = "none", factor: float = 1.0, original_len: Optional[float] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim/2), float32, for the settings of :func:`pair_divisors`.
+
+    Angles are computed in float64 as ``m / w_i`` and rounded once; with the defaults (``m / base**(2i/d)``)
+    exactly as HF's ``RoFormerSinusoidalPositionalEmbedding`` does, so our tables match theirs.
+    """
+    divisors, mscale = pair_divisors(head_dim, base, scaling, factor, original_len, device)
     pos = torch.arange(seq_len, dtype=torch.float64, device=device)
-    denom = torch.pow(torch.tensor(base, dtype=torch.float64, device=device),
-                      torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
-    angles = pos[:, None] / denom[None, :]  # (S, D/2)
-    return torch.cos(angles).float(), torch.sin(angles).float()
+    angles = pos[:, None] / divisors[None, :]  # (S, D/2)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos.float(), sin.float()
+
+
+def _checked_rope(rope: Mapping[str, Any]) -> dict[str, Any]:
+    if set(rope) != set(ROPE_KEYS):
+        raise ValueError(f"rotary settings: expected the keys {', '.join(ROPE_KEYS)} (config.rope_settings), "
+                         f"got {', '.join(sorted(rope)) or 'none'}")
+    return {k: rope[k] for k in ROPE_KEYS}
 
 
 class RotaryCache:
     """float32 cos/sin tables per device, built for ``max_len`` and extended on demand.
 
+    ``rope``: the settings (``config.rope_settings``: rope_theta, rope_scaling, rope_scaling_factor,
+    rope_original_max_position); None = :data:`DEFAULT_ROPE`. ``max_len``: the longest length expected
+    (model.max_position_embeddings): the tables' first size and, with rope_original_max_position None,
+    the original length is ``max_len / rope_scaling_factor``. Any longer length is served on demand.
+
     Not an ``nn.Module`` buffer on purpose: ``model.to(torch.bfloat16)`` (DeepSpeed bf16) must not
-    round the angles.
+    round the angles, and :func:`set_rope` may change the settings of a built model.
     """
 
-    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, max_len: int, rope: Optional[Mapping[str, Any]] = None):
         self.head_dim = head_dim
-        self.max_len = max_len
-        self.base = base
+        self.configure(DEFAULT_ROPE if rope is None else rope, max_len)
+
+    def configure(self, rope: Mapping[str, Any], max_len: Optional[int] = None) -> None:
+        """New settings (and ``max_len``, if given); the cached tables are dropped."""
+        self.rope = _checked_rope(rope)
+        if max_len is not None:
+            self.max_len = max_len
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def original_len(self) -> float:
+        """yarn's original length L: rope_original_max_position, or max_len / rope_scaling_factor."""
+        original = self.rope["rope_original_max_position"]
+        return original if original is not None else self.max_len / self.rope["rope_scaling_factor"]
 
     def get(self, seq_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (seq_len, head_dim/2) float32 on ``device``."""
@@ -90,10 +181,28 @@ class RotaryCache:
             length = max(seq_len, self.max_len)
             if tables is not None:  # extending: grow geometrically so a slowly growing S rebuilds rarely
                 length = max(length, 2 * tables[0].shape[0])
-            tables = rotary_tables(length, self.head_dim, self.base, device)
+            tables = rotary_tables(length, self.head_dim, self.rope["rope_theta"], device,
+                                   scaling=self.rope["rope_scaling"], factor=self.rope["rope_scaling_factor"],
+                                   original_len=self.original_len)
             self._tables[device] = tables
         cos, sin = tables
         return cos[:seq_len], sin[:seq_len]
+
+
+def set_rope(module: torch.nn.Module, rope: Mapping[str, Any], max_len: Optional[int] = None) -> int:
+    """Give every :class:`RotaryCache` reachable from ``module`` the settings ``rope``
+    (``config.rope_settings(cfg.model, stage)``) and, if given, ``max_len`` (the model.max_position_embeddings
+    in force, e.g. raised by a fork: yarn's default original length is ``max_len / factor``); their tables
+    are rebuilt on next use. Returns how many caches changed (0 for absolute positions or a pipeline stage
+    without layers).
+
+    ``module``: a plain model, its tensor-parallel form, a pipeline stage or ``PipelineModule``, or a
+    DeepSpeed engine (its ``.module`` is a submodule): caches are found as attributes of any submodule.
+    Validate the settings first (``config.validate_rope``)."""
+    caches = {id(c): c for m in module.modules() for c in vars(m).values() if isinstance(c, RotaryCache)}
+    for cache in caches.values():
+        cache.configure(rope, max_len)
+    return len(caches)
 
 
 # --------------------------------------------------------------------------- reference (eager)
@@ -455,7 +564,8 @@ def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 __all__ = [
-    "BACKENDS", "HALF_LAYOUT", "RotaryCache", "rotary_tables", "rotate_pair", "apply_rotary", "rotate",
+    "BACKENDS", "HALF_LAYOUT", "DEFAULT_ROPE", "RotaryCache", "set_rope", "rotary_tables", "pair_divisors",
+    "yarn_mscale", "rotate_pair", "apply_rotary", "rotate",
     "rotate_reference", "resolve_backend", "model_kernel", "triton_available", "triton_interpreted",
     "apex_available", "flash_attn_available", "interleaved_to_half_index", "qk_half_permutation",
     "half_layout_weights", "rotate_half_reference", "rotate_half", "rotary_bytes",
