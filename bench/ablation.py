@@ -64,7 +64,7 @@ def train(config: str, run_dir: Path, encoding: str, overrides: list[str], log_p
 
 def eval_curves(run_dir: Path) -> dict[int, tuple[float, int]]:
     """step -> (eval/loss, seq_len of that step's stage) from the run's TensorBoard events."""
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     scalars = read_scalars(run_dir / "tb")
     seq = dict(scalars.get("train/seq_len", []))

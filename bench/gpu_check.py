@@ -104,7 +104,7 @@ def check_backends(a) -> int:
 
 
 def train_report(a) -> int:
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     run = Path(a.run_dir)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

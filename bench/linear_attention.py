@@ -200,7 +200,7 @@ def data_args(data: Path, tiny: bool) -> list[str]:
 
 
 def mlm_part(a) -> dict:
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     data = Path(a.data)
     ensure_shards(data, a.tiny)

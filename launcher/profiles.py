@@ -101,7 +101,8 @@ def resolve(config: str, overrides: list[str], flags: JobFlags) -> Config:
     check_line(cfg.run_dir, "run_dir")  # it is in the batch script: #SBATCH --output, srun, the job name
     # The job may start in another working directory than this shell's: make paths absolute.
     paths = {"run_dir": cfg.run_dir}
-    for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+    for key, value in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards),
+                       ("init.from_", cfg.init.from_)):
         if value and not is_url(value):
             paths[key] = value
     changes = {k: _absolute(v) for k, v in paths.items()}

@@ -114,7 +114,7 @@ def test_finetune_one_epoch_end_to_end(tiny_export, sentiment, tmp_path, capsys)
     # reviews longer than 48 tokens are truncated and counted, naming the file
     assert res["truncated"] > 0 and re.search(r"train\.jsonl: \d+ of 40 examples are longer", stdout)
 
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     scalars = read_scalars(out / "tb")
     assert scalars["dev/accuracy"] == [(1, pytest.approx(ep["dev_accuracy"]))]
@@ -326,7 +326,7 @@ def test_under_torchrun_two_ranks_train_one_model(tiny_export, sentiment, tmp_pa
     with the same metrics and rank 0 alone writes the outputs."""
     from roformer_dist.testing import run_distributed
 
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     results = run_distributed(_two_ranks, world_size=2, args=(tiny_export, sentiment, tmp_path / "ft"),
                               timeout=300)

@@ -77,7 +77,7 @@ def test_stages_keep_the_global_batch(reference):
 
 
 def test_tensorboard_has_contract_tags_and_continuous_steps(small_shards, tmp_path):
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     run = tmp_path / "run"
     cfg = make_cfg(small_shards, run, "trainer.log_every=1", "trainer.stop_at_step=8")

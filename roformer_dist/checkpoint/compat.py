@@ -16,14 +16,20 @@ from typing import Any, Optional
 
 import torch
 
-from roformer_dist.config import Config, ModelConfig, build, to_dict, training_sources
+from roformer_dist.config import ROPE_KEYS, Config, ModelConfig, build, to_dict, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 
 FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                             "initializer_range", "document_positions"})
+                             "initializer_range", "document_positions", *ROPE_KEYS})
 """Model settings a resumed run may change: the kernel used, dropout, the initialiser (already used),
-how packed documents count positions (no parameters)."""
+how packed documents count positions and the rotary base and scaling (no parameters); and, with rotary
+positions, max_position_embeddings (:func:`_free_keys`)."""
+
+
+def _free_keys(position_embedding: str) -> frozenset:
+    """FREE_MODEL_KEYS, and max_position_embeddings where positions have no parameters (rotary)."""
+    return FREE_MODEL_KEYS | ({"max_position_embeddings"} if position_embedding == "rotary" else set())
 
 _MAX_SHAPES = 8
 _ZERO_FORMAT = {0: "module optimizer", 1: "partitioned optimizer", 2: "partitioned optimizer", 3: "partitioned all"}
@@ -75,8 +81,10 @@ def differences(saved_config: dict, saved_world_size: int, cfg: Config, world_si
     now = to_dict(cfg.model)
     old = dict(to_dict(ModelConfig()))
     old.update(saved_config.get("model") or {})
+    free = _free_keys(cfg.model.position_embedding) if old.get("position_embedding") == cfg.model.position_embedding \
+        else FREE_MODEL_KEYS
     for key in sorted(set(now) | set(old)):
-        if key not in FREE_MODEL_KEYS and old.get(key) != now.get(key):
+        if key not in free and old.get(key) != now.get(key):
             out.append(f"model.{key}: {old.get(key)!r} in the checkpoint, {now.get(key)!r} now")
     if out:
         saved_model = _model_config(old)
@@ -109,7 +117,8 @@ def _first_set(cfg: Config) -> str:
     return sources[0].shards if sources else ""
 
 
-CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend", "data.size_alpha")
+CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend", "data.size_alpha",
+              "model.max_position_embeddings", *(f"model.{k}" for k in ROPE_KEYS))
 """Settings that change what a resumed run computes without touching its parameters: logged when they differ
 (and the mixture's weights and caps, :func:`_mixture_settings`)."""
 

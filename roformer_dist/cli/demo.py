@@ -45,7 +45,7 @@ from data_pipeline.manifest import read_manifest
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.config import CONFIGS_DIR, load_config
 from roformer_dist.finetune.run import run as finetune_run
-from roformer_dist.train.metrics import read_scalars
+from roformer_dist.runtime.events import read_scalars
 
 DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
 RECIPE_VERSION = 3

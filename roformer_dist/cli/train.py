@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="experiment YAML (configs/experiments/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument("--fork", metavar="PARENT",
+                   help="start a new run from the weights of PARENT (a run directory or checkpoint of ours, a Hugging "
+                        "Face repository, a weights file): the same as init.from=PARENT; set run_dir to a new "
+                        "directory. The parent is evaluated on this run's eval sets before the first step and "
+                        "recorded in <run_dir>/parent.json; a restart resumes the fork itself")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p
 
@@ -75,7 +80,8 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
 
 def _run(args, stop: StopFlag) -> int:
     as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    cfg = _load(args.config, args.overrides)
+    fork = [f"init.from={Path(args.fork).expanduser().resolve()}"] if args.fork else []
+    cfg = _load(args.config, args.overrides + fork)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
@@ -84,7 +90,7 @@ def _run(args, stop: StopFlag) -> int:
     from roformer_dist.train.data import resolve_data
     from roformer_dist.train.mixture import plan_mixture
     from roformer_dist.train.entry import run_rank
-    from roformer_dist.train.spawn import check_resume, spawn_local
+    from roformer_dist.train.spawn import check_resume, check_warm_start, spawn_local
 
     resolved, manifests = resolve_data(cfg)  # manifests vs model config, before any process starts
     plan_mixture(resolved, manifests)  # caps the budget cannot keep: refused here
@@ -94,6 +100,7 @@ def _run(args, stop: StopFlag) -> int:
         stop.on_abort(lock.release)
         check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
         check_resume(resolved, next(iter(manifests.values())))
+        check_warm_start(resolved, next(iter(manifests.values())))
         return spawn_local(cfg, stop)
 
 

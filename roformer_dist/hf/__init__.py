@@ -4,7 +4,7 @@ Owns: ``convert.py`` (our state dict <-> ``transformers.RoFormerForMaskedLM``, c
 ``export.py`` (a whole HF repository from our weights: ``roformer-convert to-hf``), ``tokenizer.py``
 (our SentencePiece model as a fast ``tokenizer.json``, and the agreement check), ``model_card.py``.
 
-May import: ``roformer_dist.train`` (metrics, for the model card), ``checkpoint``, ``nn``, ``config``,
+May import: ``roformer_dist.checkpoint``, ``nn``, ``runtime`` (TensorBoard events, for the model card), ``config``,
 ``errors``, ``data_pipeline``; transformers and tokenizers lazily.
 
 Start reading at ``export.py``.

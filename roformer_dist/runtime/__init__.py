@@ -5,10 +5,10 @@ their launcher), ``runlock.py`` (one writer per run directory; stale locks detec
 (run directories created with a safe mode; foreign, group-writable or symlinked ones refused),
 ``process_group.py`` (the one torch.distributed bootstrap of training and fine-tuning, ``DistEnv``,
 ``free_port``, the checkpoint layer's collectives), ``faults.py`` (the fault hooks tests set through
-the environment).
+the environment), ``events.py`` (a run's TensorBoard scalars read back).
 
 May import: ``roformer_dist.errors``, ``roformer_dist.config`` (the run directory mode), ``data_pipeline.atomic``
-(the lock record's atomic write), the standard library and torch.distributed.
+(the lock record's atomic write), the standard library, torch.distributed and tensorboard (lazily).
 
 Start reading at ``stop.py``.
 """

@@ -5,11 +5,12 @@ ranks of a job on this machine), ``trainer.py`` (``Trainer``: load -> step -> lo
 stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
 learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
 ``mixture.py`` (the corpus mixture's plan: shares per stage, draws, epochs, repetition caps),
-``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``evaluation.py`` (eval at each length beside the
+``warm_start.py`` (a new run's first weights from a Hugging Face repository, a run or a weights file:
+``init.from``, forks), ``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``evaluation.py`` (eval at each length beside the
 baselines), ``baselines.py`` (unigram and most-frequent-token baselines), ``length_report.py`` (a
 checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file).
 
-May import: ``roformer_dist.checkpoint``, ``parallel``, ``nn``, ``runtime``, ``config``, ``errors``,
+May import: ``roformer_dist.hf`` (its weight conversion, for warm starts), ``checkpoint``, ``parallel``, ``nn``, ``runtime``, ``config``, ``errors``,
 ``data_pipeline``.
 
 Start reading at ``trainer.py`` (the loop), then ``entry.py``.

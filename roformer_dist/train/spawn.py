@@ -122,6 +122,19 @@ def spawn_local(cfg: Config, stop: StopFlag) -> int:
     return bad[0] if bad else 0
 
 
+def check_warm_start(cfg: Config, manifest: dict) -> None:
+    """``init.from`` read and fitted to the model here first, when the run has no checkpoint of its own
+    (then the ranks start from it): every mismatch is one ConfigError before any rank starts."""
+    if not cfg.init.from_:
+        return
+    from roformer_dist.checkpoint import store as ckpt
+    from roformer_dist.train.warm_start import warm_start
+
+    if cfg.checkpoint.resume and ckpt.find_resume(Path(cfg.run_dir) / "checkpoints") is not None:
+        return
+    warm_start(cfg, manifest["tokenizer"]["sha256"])
+
+
 def check_resume(cfg: Config, manifest: dict) -> None:
     """The checkpoint the ranks will resume from, checked here first: a damaged one is marked and
     skipped, one written for another model or layout is refused (CheckpointError) before any rank

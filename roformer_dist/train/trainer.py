@@ -37,6 +37,7 @@ from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
+from roformer_dist.train.warm_start import Parent, optimizer_checkpoint, warm_start, write_parent
 
 __all__ = ["Trainer"]
 
@@ -72,6 +73,8 @@ class Trainer:
         self._source_tokens_logged: Optional[dict] = None
         self.plan: Optional[MixturePlan] = None
         """The corpus mixture's plan (read in setup): each stage's shares of the sources."""
+        self.parent: Optional[Parent] = None
+        """What this run's weights were initialised from (``init.from``), when it started so in this process."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -105,6 +108,14 @@ class Trainer:
 
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         model = RoFormerForMaskedLM(cfg.model)
+        if found and cfg.init.from_ and env.rank == 0:
+            log.info("init.from %s not read: resuming this run's own checkpoint", cfg.init.from_)
+        if not found and cfg.init.from_:
+            self.parent, weights = warm_start(cfg, self.manifest["tokenizer"]["sha256"])
+            model.load_state_dict(weights)
+            if env.rank == 0:
+                log.info("warm start from %s %s%s", self.parent.kind, self.parent.path,
+                         f" (step {self.parent.step})" if self.parent.step is not None else "")
         self.flops_per_token = model.flops_per_token
         if cfg.parallel.tensor == cfg.parallel.pipeline == 1:
             self.preflight(model)
@@ -124,8 +135,14 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed + 1 + self.runner.seed_offset)
         if found:
             self.resume(found, resumed)
+        elif self.parent is not None and cfg.init.load_optimizer:
+            with weights_only_loads():
+                self.runner.load_checkpoint(*optimizer_checkpoint(self.parent))
+            log.info("optimizer state taken from %s", self.parent.path)
         if env.rank == 0:
             try:
+                if self.parent is not None:
+                    write_parent(self.run_dir, self.parent)
                 save_config(cfg, self.run_dir / "config.yaml")
             except OSError as e:
                 raise StorageError.from_os_error(e, "writing config.yaml") from None
@@ -284,6 +301,9 @@ class Trainer:
                      self.total)
             return EXIT_DONE
         self.switch_stage(stage_at(self.stages, s.step).index)
+        if self.parent is not None and s.step == 0:
+            log.info("evaluating the parent before the first step")
+            self.run_eval()  # step 0 of the new curves is the parent's, on this run's eval sets
         batches = self._batches()
         while True:
             at = stage_at(self.stages, s.step)
