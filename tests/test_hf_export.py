@@ -4,6 +4,7 @@ Chinese text (People's Daily 1998, product reviews); logits; atomic, refusing, c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -253,6 +254,40 @@ def test_export_errors_are_clear(trained, tmp_path, capsys):
                          "--no-tokenizer"]) == 0
     assert not (tmp_path / "o" / "tokenizer.json").exists()
     assert "no tokenizer" in (tmp_path / "o" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("rope", [dict(rope_theta=500.0), dict(rope_scaling="yarn", rope_scaling_factor=4.0)],
+                         ids=["theta", "yarn"])
+def test_rope_settings_survive_export_and_from_pretrained(tmp_path, rope):
+    """HF keeps a stored table of other rope settings (from_pretrained does not re-create it) and reads
+    cos and sin from it as they are: HF's logits equal ours; the settings come back from config.json."""
+    from roformer_dist.config import ModelConfig, rope_settings
+    from roformer_dist.hf.convert import HF_ROPE_KEY, from_hf_pretrained
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=64, initializer_range=0.3, **rope)
+    torch.manual_seed(0)
+    ours = RoFormerForMaskedLM(cfg).eval()
+    save_weights(tmp_path / "w.pt", cfg, ours.state_dict())
+    assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "w.pt"), "--out", str(tmp_path / "hf"),
+                         "--no-tokenizer"]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())[HF_ROPE_KEY] == rope_settings(cfg)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(1, 50, (2, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    with torch.no_grad():
+        want = ours(ids, mask).logits
+        torch.testing.assert_close(hf(input_ids=ids, attention_mask=mask).logits, want, atol=1e-5, rtol=1e-5)
+        default = RoFormerForMaskedLM(dataclasses.replace(cfg, **rope_settings(ModelConfig()))).eval()
+        default.load_state_dict(ours.state_dict())
+        assert (default(ids, mask).logits - want).abs().max() > 1e-2  # the settings matter to these logits
+        back = from_hf_pretrained(tmp_path / "hf")
+        assert rope_settings(back.config) == rope_settings(cfg)
+        torch.testing.assert_close(back.eval()(ids, mask).logits, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="embed_positions.weight is not the rotary table of model.rope_theta=10000"):
+        from_hf_pretrained(tmp_path / "hf", **rope_settings(ModelConfig()))
 
 
 def test_jieba_style_tokenizer_is_exported_with_a_warning(trained, small_shards, tmp_path, capsys):

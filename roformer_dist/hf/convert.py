@@ -16,7 +16,15 @@ Key mapping (ours <- HF, ``L`` = layer index):
     head.norm.*                              <- cls.predictions.transform.LayerNorm.*
     head.bias                                <- cls.predictions.bias  (= cls.predictions.decoder.bias)
 HF's ``roformer.encoder.embed_positions.weight`` (the fixed sinusoidal table) is not a parameter of
-ours: it is ignored on the way in and written from our rotary tables on the way out.
+ours: it is written from our rotary tables on the way out and checked against them on the way in.
+
+Rotary base and scaling (``model.rope_theta`` / ``rope_scaling`` ...): HF's RoFormer builds its table with
+base 10000 at construction, but ``from_pretrained`` keeps the stored table (it is a saved weight; HF
+re-creates only missing ones) and its rotation reads cos and sin from that table as they are, so a
+table of any settings (yarn's attention factor on cos and sin included) gives our logits. The
+settings themselves go to ``config.json`` under :data:`HF_ROPE_KEY` (only when not RoFormer's; HF
+ignores the key), from which :func:`model_config_from_hf` reads them back. HF's model reads at most
+``max_position_embeddings`` positions (its table's rows).
 
 Only ``position_embedding="rotary"`` models with ``attention="softmax"`` have an HF RoFormer equivalent
 (HF's RoFormer has neither learned absolute positions nor linear attention). ``transformers`` is
@@ -32,10 +40,10 @@ from typing import Any
 import torch
 
 from roformer_dist.checkpoint.weights import model_from_state_dict
-from roformer_dist.config import ModelConfig, build
+from roformer_dist.config import ROPE_KEYS, ModelConfig, build, rope_settings
 from roformer_dist.errors import ConfigError
-from roformer_dist.nn.model import RoFormerForMaskedLM
-from roformer_dist.nn.rotary import rotary_tables
+from roformer_dist.nn.model import RoFormerForMaskedLM, rotary_cache
+from roformer_dist.nn.rotary import DEFAULT_ROPE
 
 # HF config attribute names that equal ours one to one
 _SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -63,6 +71,15 @@ _TOP_MAP = (
 )
 _PROJECT_MAP = (("embeddings.project.weight", "roformer.embeddings_project.weight"),
                 ("embeddings.project.bias", "roformer.embeddings_project.bias"))
+_TABLE = "roformer.encoder.embed_positions.weight"
+
+HF_ROPE_KEY = "roformer_dist_rope"
+"""``config.json`` key of a model's rotary settings (``config.rope_settings``) when they are not
+RoFormer's; HF's own ``rope_theta`` / ``rope_scaling`` attributes mean other things to its RoPE code."""
+
+TABLE_TOLERANCE = 1e-6
+"""Largest difference between a stored HF table and ours that still counts as the same settings (HF
+computes its default table in numpy, we in torch: they agree to ~1e-7)."""
 
 
 def _require_rotary(cfg: ModelConfig) -> None:
@@ -93,14 +110,25 @@ def _take(sd: dict, key: str, source: str = "HF state dict") -> torch.Tensor:
 
 
 def sinusoidal_table(cfg: ModelConfig) -> torch.Tensor:
-    """HF's ``embed_positions.weight``: (max_positions, head_dim) = [sin | cos], fp32."""
-    cos, sin = rotary_tables(cfg.max_position_embeddings, cfg.hidden_size // cfg.num_attention_heads)
+    """HF's ``embed_positions.weight``: (max_positions, head_dim) = [sin | cos], fp32, from our rotary
+    tables for the model's rope settings."""
+    cos, sin = rotary_cache(cfg).get(cfg.max_position_embeddings)
     return torch.cat((sin, cos), dim=-1)
+
+
+def _check_table(table: torch.Tensor, cfg: ModelConfig) -> None:
+    want = sinusoidal_table(cfg)
+    if table.shape != want.shape or not torch.allclose(table.float(), want, atol=TABLE_TOLERANCE, rtol=0):
+        settings = ", ".join(f"model.{k}={v}" for k, v in rope_settings(cfg).items())
+        raise ValueError(f"HF state dict: {_TABLE} is not the rotary table of {settings} (max_position_embeddings "
+                         f"{cfg.max_position_embeddings}); give the rope settings the model was trained with")
 
 
 def state_dict_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF RoFormerForMaskedLM state dict -> ours (a new dict; tensors are shared or concatenated)."""
     _require_rotary(cfg)
+    if isinstance(sd.get(_TABLE), torch.Tensor):
+        _check_table(sd[_TABLE], cfg)
     out = {ours: _take(sd, theirs) for ours, theirs in _TOP_MAP}
     decoder = sd.get("cls.predictions.decoder.weight")
     if decoder is not None and decoder is not out["embeddings.word_embeddings.weight"] and \
@@ -128,8 +156,7 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         out.update({theirs: _take(sd, ours, src) for ours, theirs in _PROJECT_MAP})
     out["cls.predictions.decoder.weight"] = out["roformer.embeddings.word_embeddings.weight"]
     out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
-    table = sinusoidal_table(cfg)
-    out["roformer.encoder.embed_positions.weight"] = table
+    out[_TABLE] = sinusoidal_table(cfg)
     for i in range(cfg.num_hidden_layers):
         hp = f"roformer.encoder.layer.{i}."
         for kind in ("weight", "bias"):
@@ -149,6 +176,9 @@ def hf_config_from(cfg: ModelConfig):
     if not isinstance(cfg.vocab_size, int):
         raise ValueError(f"model.vocab_size: needs an integer to build an HF config, got {cfg.vocab_size!r}")
     kwargs = {name: getattr(cfg, name) for name in _SHARED_FIELDS}
+    rope = rope_settings(cfg)
+    if rope != DEFAULT_ROPE:
+        kwargs[HF_ROPE_KEY] = rope
     return RoFormerConfig(embedding_size=cfg.embedding_size or cfg.hidden_size, **kwargs)
 
 
@@ -164,6 +194,8 @@ def model_config_from_hf(hf_cfg: Any, **overrides: Any) -> ModelConfig:
     kwargs["embedding_size"] = None if emb in (None, kwargs["hidden_size"]) else int(emb)
     if kwargs["pad_token_id"] is None:
         kwargs["pad_token_id"] = 0
+    rope = get(HF_ROPE_KEY) or {}
+    kwargs.update({k: rope[k] for k in ROPE_KEYS if k in rope})
     kwargs.update(position_embedding="rotary", **overrides)
     return build(ModelConfig, kwargs)
 
@@ -198,6 +230,6 @@ def to_hf_pretrained(model: RoFormerForMaskedLM, path: str | os.PathLike) -> Non
     to_hf_model(model).save_pretrained(str(path))
 
 
-__all__ = ["check_exportable", "state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
+__all__ = ["HF_ROPE_KEY", "check_exportable", "state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
            "from_hf_pretrained", "to_hf_pretrained", "to_hf_model",
            "sinusoidal_table"]
