@@ -126,6 +126,18 @@ def test_fork_across_zero_stages_and_layouts(tmp_path, small_shards):
     assert train(make_cfg(small_shards, tp, *fork, "trainer.stop_at_step=1")) == [0, 0]
     zero = _eval_at_zero(one)
     assert zero and zero == pytest.approx(_eval_at_zero(tp), rel=1e-5, abs=1e-6)
+    # a stage's own rotary settings are in force from its first step (here: the parent's step-0 eval)
+    scaled = tmp_path / "scaled"
+    cfg = make_cfg(small_shards, scaled, "trainer.stop_at_step=1", f"init.from={parent}", world_size=1)
+    first = dataclasses.replace(cfg.curriculum.stages[0], rope_scaling="linear", rope_scaling_factor=4.0)
+    cfg = dataclasses.replace(cfg, curriculum=dataclasses.replace(cfg.curriculum,
+                                                                  stages=(first, *cfg.curriculum.stages[1:])))
+    assert train(cfg) == [0]
+    assert _eval_at_zero(scaled).keys() == zero.keys()
+    # (a 3-step parent attends almost uniformly: its loss hardly depends on the rotation; set_rope's own tests
+    # show the tables take effect)
+    assert "stage 's128': rotary rope_theta 10000.0, rope_scaling linear, rope_scaling_factor 4.0" in \
+        (scaled / "logs" / "rank0.log").read_text()
     record = json.loads((tp / "parent.json").read_text())
     assert record["kind"] == "checkpoint" and record["step"] == 3 and record["path"].endswith("step_00000003")
     assert len(record["config_sha256"]) == 64 and record["world_size"] == 2
