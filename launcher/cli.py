@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="experiment YAML (configs/experiments/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument("--fork", metavar="PARENT", help="start a new run from PARENT's weights (init.from=PARENT; see "
+                                                 "roformer-train --help); a requeue resumes the fork itself")
     p.add_argument("--cluster", choices=("slurm", "local"),
                    help="slurm, or local = this machine without SLURM (default: slurm when sbatch exists)")
     p.add_argument("--profile", help="cluster profile configs/cluster/NAME.yaml (or a YAML path): the slurm section")
@@ -112,7 +114,8 @@ def _say(msg: str) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    cfg = profiles.resolve(args.config, args.overrides, _flags(args))
+    fork = [f"init.from={Path(args.fork).expanduser().resolve()}"] if args.fork else []
+    cfg = profiles.resolve(args.config, args.overrides + fork, _flags(args))
     profiles.check_data(cfg)
     cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
     profiles.check_submit_env(cfg.slurm, cluster)

@@ -129,13 +129,17 @@ def _shard_sets(cfg: Config) -> list[tuple[str, str]]:
 
 def check_data(cfg: Config) -> None:
     """A local shard set is a directory with a manifest.json: refuse to queue without one. A shard set at a
-    URL is checked by the job when it starts (a ``pipe:`` command may only work on the compute nodes)."""
+    URL is checked by the job when it starts (a ``pipe:`` command may only work on the compute nodes). The
+    parent of a warm start must exist (the job's ranks check that it fits the model)."""
     for key, value in _shard_sets(cfg):
         if key == "data.shards" and not value:
             raise ConfigError("data.shards: no training shard set given")
         if value and not is_url(value) and not (Path(value) / "manifest.json").is_file():
             raise ConfigError(f"{key}: {value} is not a shard set (no manifest.json; make one with "
                              "`roformer-data prepare`)")
+    if cfg.init.from_ and not Path(cfg.init.from_).exists():
+        raise ConfigError(f"init.from: {cfg.init.from_}: no such file or directory (the parent of a warm start "
+                          "or fork)")
 
 
 def job_name(cfg: Config) -> str:

@@ -148,3 +148,20 @@ def test_fork_across_zero_stages_and_layouts(tmp_path, small_shards):
     log = (tp / "logs" / "rank0.log").read_text()
     assert "resuming from" in log and "model.rope_theta: 10000.0 in the checkpoint, 20000.0 now" in log
     assert "not read: resuming this run's own checkpoint" in log
+
+
+def test_roformer_train_fork_refuses_before_any_rank_starts(tmp_path, small_shards, capsys):
+    from roformer_dist.cli.train import main
+
+    _, repo = _hf_repo(tmp_path, "roformer")  # hidden 32: the debug model is 64 wide
+    base = ["--config", "configs/experiments/debug.yaml", f"data.shards={small_shards.dir}",
+            f"data.eval_shards={small_shards.eval_dir}", "dist.world_size=1"]
+    assert main([*base, f"run_dir={tmp_path / 'a'}", "--fork", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "init.from:" in err and "missing: no such file or directory" in err and "Traceback" not in err
+    assert main([*base, f"run_dir={tmp_path / 'b'}", "--fork", str(repo)]) == 2
+    err = capsys.readouterr().err
+    assert "the parent does not fit this model" in err and "model.hidden_size: 32 in the parent, 64" in err
+    assert "Traceback" not in err and not (tmp_path / "b" / "config.yaml").exists()
+    assert main([*base, f"run_dir={tmp_path / 'c'}", f"init.from={repo}", "init.load_optimizer=true"]) == 2
+    assert "init.load_optimizer:" in capsys.readouterr().err

@@ -98,9 +98,10 @@ def _run(args, stop: StopFlag) -> int:
         return run_rank(cfg, stop=stop)
     with RunLock(cfg.run_dir, mode=cfg.run_dir_mode) as lock:
         stop.on_abort(lock.release)
+        first = next(iter(manifests.values()))
+        check_warm_start(resolved, first)
         check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
-        check_resume(resolved, next(iter(manifests.values())))
-        check_warm_start(resolved, next(iter(manifests.values())))
+        check_resume(resolved, first)
         return spawn_local(cfg, stop)
 
 
