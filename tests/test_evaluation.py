@@ -4,6 +4,7 @@ data-parallel size, ``roformer-eval``'s errors, and the rotary-vs-absolute ablat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -159,7 +160,7 @@ def test_ablation_and_length_generalisation_end_to_end(small_shards, tmp_path):
     table, and roformer-eval's report (one row per length) reproducing the trainer's own eval."""
     from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 
-    from roformer_dist.train.metrics import read_scalars
+    from roformer_dist.runtime.events import read_scalars
 
     out = tmp_path / "abl"
     cmd = [sys.executable, str(ROOT / "bench" / "ablation.py"), "--config", str(DEBUG), "--out", str(out),
@@ -196,3 +197,80 @@ def test_ablation_and_length_generalisation_end_to_end(small_shards, tmp_path):
     assert rot["loss"] is not None and "beyond the trained length 512" in rot["note"]
     assert ab["loss"] is None and "not run" in ab["note"]   # the debug model has 512 position rows
     assert "absolute positions end at 512" in proc.stdout
+
+
+class WeightsRunner:
+    """Writes what a 1-rank ZeRO-0 DeepSpeed save writes of the model: its fp32 weights."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def save_checkpoint(self, root, tag):
+        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
+        torch.save({"module": self.model.state_dict()}, Path(root) / tag / "mp_rank_00_model_states.pt")
+
+
+def tiny_checkpoint(shards, run_dir: Path, step: int, *overrides) -> Path:
+    """A complete checkpoint (the trainer's own save) of a 1-layer debug model at ``step``, untrained."""
+    from roformer_dist.checkpoint import store
+    from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState
+    from roformer_dist.config import to_dict
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+
+    cfg = debug_cfg(shards, "dist.world_size=1", "deepspeed.zero_stage=0", "model.num_hidden_layers=1",
+                    "model.initializer_range=0.2", "data.eval_batches=1", f"run_dir={run_dir}", *overrides)
+    torch.manual_seed(0)
+    model = RoFormerForMaskedLM(cfg.model)
+    sha = json.loads((shards.dir / "manifest.json").read_text())["tokenizer"]["sha256"]
+    state = TrainerState(trainer=TrainCounters(step=step), loader={"format": 1}, rng={}, world_size=1, rank=0,
+                         config=to_dict(cfg), tokenizer_sha256=sha, stage_index=0)
+    return store.save(WeightsRunner(model), run_dir / "checkpoints", step, state, 0, 1, keep_last=1)
+
+
+def test_eval_cli_sweeps_rope_settings_past_max_position_embeddings(small_shards, tmp_path, capsys):
+    """One table: the checkpoint's settings, two bases, yarn, each at 128 and at 1024 (twice the model's
+    512 positions); each row equals an eval of a model built with those settings; bad values exit 2."""
+    from roformer_dist.checkpoint.store import read_trainer_state, resolve
+    from roformer_dist.cli.eval import main
+    from roformer_dist.config import from_dict, rope_settings
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.train.evaluation import Evaluator, evaluate_model
+    from roformer_dist.train.length_report import load_model
+
+    ckpt = tiny_checkpoint(small_shards, tmp_path / "run", 6)  # stage s128 done: trained up to 128
+    out = tmp_path / "sweep.json"
+    assert main([str(ckpt), "--lengths", "128,1024", "--rope-theta", "10000,500", "--rope-scaling", "none,yarn:8",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    sweep = json.loads(out.read_text())[0]
+    labels = [r["label"] for r in sweep["rows"]]
+    assert labels == ["theta 10000 (checkpoint)", "theta 10000, yarn x8 (L 128)", "theta 500",
+                      "theta 500, yarn x8 (L 128)"]
+    for label in labels + ["unigram baseline"]:
+        assert label in printed
+    assert sweep["lengths"] == [128, 1024] and sweep["max_position_embeddings"] == 512
+
+    cfg = from_dict(read_trainer_state(ckpt, 0).config)
+    weights = load_model(resolve(ckpt)).state_dict()
+    evaluator = Evaluator(cfg)
+    for row in sweep["rows"][1:]:
+        model = RoFormerForMaskedLM(dataclasses.replace(cfg.model, **row["rope"]))
+        model.load_state_dict(weights)
+        assert rope_settings(model.config) == row["rope"]
+        want = evaluate_model(model, cfg, [128, 1024], evaluator)
+        assert row["loss"] == pytest.approx([want[128]["loss"], want[1024]["loss"]], rel=1e-6)
+        assert sweep["unigram_loss"] == pytest.approx([want[128]["unigram_loss"], want[1024]["unigram_loss"]])
+    losses = [r["loss"][1] for r in sweep["rows"]]
+    assert len(set(losses)) == len(losses)  # the settings change the loss
+
+    for flag, value, message in [("--rope-scaling", "none:2", "model.rope_scaling_factor: 2.0 has no effect"),
+                                 ("--rope-scaling", "ntk:0.5", "model.rope_scaling_factor: expected a number >= 1"),
+                                 ("--rope-scaling", "cubic", "model.rope_scaling: expected one of none, linear"),
+                                 ("--rope-theta", "1", "model.rope_theta: expected a number > 1"),
+                                 ("--rope-theta", "big", "'big': expected a number")]:
+        with pytest.raises(SystemExit) as e:
+            main([str(ckpt), flag, value])
+        assert e.value.code == 2 and message in capsys.readouterr().err, (flag, value)
+    absolute = tiny_checkpoint(small_shards, tmp_path / "abs", 6, "model.position_embedding=absolute")
+    assert main([str(absolute), "--rope-theta", "500"]) == 2
+    assert "only rotary models have rope settings to sweep" in capsys.readouterr().err

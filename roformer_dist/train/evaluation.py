@@ -25,7 +25,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from roformer_dist.config import Config, StageConfig, training_sources
+from roformer_dist.config import Config, StageConfig, rope_settings, training_sources
+from roformer_dist.nn.rotary import set_rope
 from roformer_dist.train.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_mixture
 
 log = logging.getLogger(__name__)
@@ -156,4 +157,24 @@ def evaluate_model(model: torch.nn.Module, cfg: Config, lengths: Sequence[int], 
         model.train(was_training)
 
 
-__all__ = ["Evaluator", "eval_loader", "model_eval_step", "evaluate_model"]
+def evaluate_rope_settings(model: torch.nn.Module, cfg: Config, lengths: Sequence[int], settings: Sequence[dict],
+                           evaluator: Optional[Evaluator] = None, device: torch.device | str = "cpu"
+                           ) -> list[dict[int, dict]]:
+    """A plain rotary model under each of ``settings`` (``config.rope_settings`` dicts, applied with
+    :func:`~roformer_dist.nn.rotary.set_rope`) at each length: one :func:`evaluate_model` result per
+    settings, on the same batches (one evaluator: the baselines are computed once per length). The
+    model's own settings are restored afterwards."""
+    evaluator = evaluator or Evaluator(cfg)
+    own = rope_settings(model.config)
+    try:
+        out = []
+        for rope in settings:
+            if not set_rope(model, rope):
+                raise ValueError("evaluate_rope_settings: the model has no rotary cache (absolute positions)")
+            out.append(evaluate_model(model, cfg, lengths, evaluator, device))
+        return out
+    finally:
+        set_rope(model, own)
+
+
+__all__ = ["Evaluator", "eval_loader", "model_eval_step", "evaluate_model", "evaluate_rope_settings"]

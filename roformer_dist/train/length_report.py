@@ -23,13 +23,13 @@ from data_pipeline.manifest import read_manifest
 from data_pipeline.source import is_url
 from roformer_dist.checkpoint.store import Found, read_trainer_state, resolve
 from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from_state_dict
-from roformer_dist.config import from_dict, replace, training_sources
+from roformer_dist.config import Config, from_dict, replace, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 from roformer_dist.train.curriculum import trained_max_len
 from roformer_dist.train.evaluation import Evaluator, evaluate_model
 
-__all__ = ["Row", "Report", "length_note", "load_model", "evaluate_checkpoint", "format_report",
+__all__ = ["Row", "Report", "Opened", "length_note", "load_model", "open_checkpoint", "evaluate_checkpoint", "format_report",
            "format_comparison"]
 
 
@@ -90,12 +90,25 @@ def load_model(found: Found) -> RoFormerForMaskedLM:
     return model.eval()
 
 
-def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]] = None, *, eval_shards: Optional[str] = None,
-                        shards: Optional[str] = None, batches: Optional[int] = None,
-                        packing: Optional[str] = None, progress: bool = False) -> Report:
-    """Evaluate the checkpoint ``path`` names (:func:`~roformer_dist.checkpoint.store.resolve`) at
-    ``lengths`` (default: the eval lengths of the run's last stage); see the module docstring.
-    ``packing``: the eval rows' ``data.packing`` (default: the run's)."""
+@dataclass
+class Opened:
+    """A checkpoint ready to evaluate (:func:`open_checkpoint`)."""
+    found: Found
+    cfg: Config
+    """The run's config with the command line's data changes."""
+    trained: int
+    """The longest length it was trained at."""
+    lengths: list[int]
+    """The lengths asked for, or the eval lengths of the run's last stage."""
+    model: RoFormerForMaskedLM
+
+
+def open_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]] = None, *,
+                    eval_shards: Optional[str] = None, shards: Optional[str] = None, batches: Optional[int] = None,
+                    packing: Optional[str] = None) -> Opened:
+    """The checkpoint ``path`` names (:func:`~roformer_dist.checkpoint.store.resolve`), its run config with
+    the given data changes (shard sets checked against its tokenizer; URLs only when given here) and its
+    model; ``packing``: the eval rows' ``data.packing`` (default: the run's)."""
     found = resolve(path)
     state = read_trainer_state(found.dir, 0)
     cfg = from_dict(state.config)
@@ -132,12 +145,21 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
         if state.tokenizer_sha256 and sha and sha != state.tokenizer_sha256:
             raise DataError(f"{where}: made with another tokenizer ({sha[:12]}) than the checkpoint "
                             f"({state.tokenizer_sha256[:12]})")
-    model = load_model(found)
+    return Opened(found, cfg, trained, list(lengths), load_model(found))
+
+
+def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]] = None, *, eval_shards: Optional[str] = None,
+                        shards: Optional[str] = None, batches: Optional[int] = None,
+                        packing: Optional[str] = None, progress: bool = False) -> Report:
+    """Evaluate the checkpoint ``path`` names at ``lengths`` (default: the eval lengths of the run's last
+    stage); see the module docstring and :func:`open_checkpoint` for the other arguments."""
+    c = open_checkpoint(path, lengths, eval_shards=eval_shards, shards=shards, batches=batches, packing=packing)
+    cfg, trained, model = c.cfg, c.trained, c.model
     mc = model.config
-    report = Report(str(found.dir), found.step, mc.position_embedding, trained, mc.max_position_embeddings,
+    report = Report(str(c.found.dir), c.found.step, mc.position_embedding, trained, mc.max_position_embeddings,
                     cfg.data.packing)
     evaluator = Evaluator(cfg)
-    for length in lengths:
+    for length in c.lengths:
         ok, note = length_note(mc.position_embedding, length, trained, mc.max_position_embeddings)
         row = Row(length, note=note)
         if ok:
