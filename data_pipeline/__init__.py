@@ -1,7 +1,8 @@
 """roformer-dist data pipeline: corpus -> SentencePiece -> webdataset shards -> resumable MLM loader.
 
 Stages (see each module): :mod:`.corpus` (readers, normalisation), :mod:`.tokenizer`
-(SentencePiece training/loading, word-start marks), :mod:`.tario` (the shard tar format),
+(SentencePiece training/loading, word-start marks), :mod:`.imported` (an existing HF tokenizer.json or
+WordPiece vocab.txt with its own special ids), :mod:`.tario` (the shard tar format),
 :mod:`.manifest` (the manifest and its checks), :mod:`.source` (shard sets in directories or at
 URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (preparation split over
 tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.mixture`

@@ -1,10 +1,16 @@
 """``roformer-data``: tokenizer | shards | prepare | inspect.
 
     roformer-data prepare --input corpus/ --vocab-size 32000 --out data/shards
+    roformer-data prepare --input corpus/ --tokenizer chinese_roformer_base/vocab.txt --out data/shards
     roformer-data prepare --input 'corpus/*.jsonl.gz' --vocab-size 32000 --out data/shards --slurm --tasks 64
     roformer-data prepare --source news=corpus/pd_train.txt --source reviews='corpus/reviews/*.txt' \
         --vocab-size 8000 --out data/mix [--tokenizer-weights news=0.7,reviews=0.3]
     roformer-data inspect --verify data/shards          (or an http(s)://, pipe:, file: URL prefix)
+
+``--tokenizer PATH`` (``prepare``, ``shards``) uses an existing tokenizer instead of training one: one
+of our SentencePiece models, or an imported HF ``tokenizer.json`` / WordPiece ``vocab.txt`` (or an HF
+repository directory holding one) with its own special ids (:mod:`.imported`); a file that is not one
+of those, or lacks one of [PAD] [UNK] [CLS] [SEP] [MASK], is a usage error naming it.
 
 ``prepare --source NAME=INPUT ...`` builds a corpus mixture: one tokenizer (``OUT/tokenizer.model``)
 trained on a sample of all sources (:func:`weighted_interleave`), and one complete shard set per
@@ -68,8 +74,9 @@ def _positive_int(text: str) -> int:
 
 def _tokenizer_args(p: argparse.ArgumentParser, vocab_required: bool) -> None:
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--vocab-size", type=int, required=vocab_required, default=None if vocab_required else 32000,
-                   help="vocabulary size (a soft limit: a small corpus may give fewer pieces, with a warning)")
+    g.add_argument("--vocab-size", type=int, required=vocab_required, default=None,
+                   help="vocabulary size (a soft limit: a small corpus may give fewer pieces, with a warning)"
+                        + ("" if vocab_required else "; required unless --tokenizer gives an existing tokenizer"))
     g.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"), help="SentencePiece model type")
     g.add_argument("--character-coverage", type=float, default=0.9995,
                    help="share of characters the vocabulary covers (rare ones fall back to bytes)")
@@ -157,9 +164,28 @@ def _summary(m: dict, out) -> str:
             f"{m['num_tokens'] / el / 1e3:.0f}k tokens/s")
 
 
-def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True, inputs=None, out=None) -> dict:
-    """Write the shard set of ``inputs`` (default ``--input``) into the existing directory ``into``; ``out``:
-    where it will end up (default ``--out``), for the messages."""
+def _given_tokenizer(args) -> Optional[tuple[Path, str]]:
+    """(file, kind) of ``--tokenizer`` (None without it), loaded once so that a bad one fails before any work.
+    An imported tokenizer that cannot be read or lacks a special token is a UsageError naming the file;
+    a damaged SentencePiece model stays a DataError."""
+    from .imported import SENTENCEPIECE, find_tokenizer_file, open_tokenizer
+
+    if args.tokenizer is None:
+        return None
+    path, kind = find_tokenizer_file(args.tokenizer)
+    try:
+        open_tokenizer(path, kind, args.jieba)
+    except DataError as e:
+        if kind == SENTENCEPIECE:
+            raise
+        raise UsageError(f"--tokenizer: {e}") from None
+    return path, kind
+
+
+def _build(args, tokenizer: Path, kind: str, into: Path, warn_corpus: bool = True, inputs=None, out=None) -> dict:
+    """Write the shard set of ``inputs`` (default ``--input``) into the existing directory ``into`` with the
+    tokenizer file ``tokenizer`` of ``kind``; ``out``: where it will end up (default ``--out``), for the
+    messages."""
     from .corpus import CorpusStats
     from .shards import write_shards
 
@@ -170,7 +196,7 @@ def _build(args, tokenizer: Path, into: Path, warn_corpus: bool = True, inputs=N
                      max_docs_per_shard=args.max_docs_per_shard, fmt=args.format, doc_boundary=args.doc_boundary,
                      jsonl_field=args.jsonl_field, strict=args.strict, jieba=args.jieba,
                      progress=not args.no_progress, stats=stats, warn_corpus=warn_corpus,
-                     progress_desc=f"shards -> {out}", max_line_bytes=_line_limit(args))
+                     progress_desc=f"shards -> {out}", max_line_bytes=_line_limit(args), kind=kind)
     print(_summary(m, out))
     print(f"corpus: {stats.summary()}")
     return m
@@ -206,34 +232,44 @@ def cmd_tokenizer(args) -> int:
 def cmd_shards(args) -> int:
     from .corpus import check_inputs
     from .shards import stage_output
-    from .tokenizer import Tokenizer
 
-    Tokenizer(args.tokenizer, jieba=args.jieba)
+    tokenizer, kind = _given_tokenizer(args)
     if args.tasks:
-        return _cluster(args, Path(args.tokenizer))
+        return _cluster(args, tokenizer, kind)
     with stage_output(args.out, args.force) as stage:
         check_inputs(args.input)
-        _build(args, Path(args.tokenizer), stage.path)
+        _build(args, tokenizer, kind, stage.path)
         stage.commit()
     return EXIT_OK
 
 
 def cmd_prepare(args) -> int:
     from .corpus import check_inputs
+    from .imported import SENTENCEPIECE
     from .shards import stage_output
 
+    given = _given_tokenizer(args)
+    if given is None and args.vocab_size is None:
+        raise UsageError("prepare: --vocab-size is required to train the tokenizer (or give an existing one "
+                         "with --tokenizer)")
+    if given is not None and args.vocab_size is not None:
+        raise UsageError(f"--vocab-size {args.vocab_size} with --tokenizer {args.tokenizer}: the vocabulary is "
+                         "the given tokenizer's; leave --vocab-size out")
     sources = _sources(args)
     if sources is not None:
-        return _prepare_mixture(args, sources)
+        return _prepare_mixture(args, sources, given)
     if args.tokenizer_weights is not None:
         raise UsageError(f"--tokenizer-weights {args.tokenizer_weights}: weights are for a mixture; give the "
                          "corpora as --source NAME=INPUT")
+    tokenizer, kind = given or (None, SENTENCEPIECE)
     if args.tasks:
-        return _cluster(args, None)
+        return _cluster(args, tokenizer, kind)
     with stage_output(args.out, args.force) as stage:   # fails now if --out exists or cannot be written
         check_inputs(args.input)                        # and if an input cannot be read
-        model = _train(args, stage.path / "tokenizer")
-        _build(args, model, stage.path, warn_corpus=False)
+        if tokenizer is None:
+            _build(args, _train(args, stage.path / "tokenizer"), kind, stage.path, warn_corpus=False)
+        else:
+            _build(args, tokenizer, kind, stage.path)
         stage.commit()
     return EXIT_OK
 
@@ -365,15 +401,18 @@ def _sample_line(counts: Mapping[str, list], weights) -> str:
     return f"tokenizer sample ({how}): {'; '.join(parts)}"
 
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.vocab")
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.vocab", "tokenizer.json", "vocab.txt")
+"""What a mixture holds besides its shard sets: a trained SentencePiece model (and its .vocab), or the given
+tokenizer under its kind's name (:data:`.imported.KINDS`)."""
 
 
 def _is_mixture(out: Path) -> bool:
     """Whether ``out`` holds a mixture as ``prepare --source`` writes it: the tokenizer files and shard-set
     directories, nothing else."""
+    from .imported import KINDS
     from .shards import MANIFEST
 
-    if not (out / TOKENIZER_FILES[0]).is_file():
+    if not any((out / name).is_file() for name in KINDS.values()):
         return False
     entries = [e for e in out.iterdir() if e.name not in TOKENIZER_FILES]
     return bool(entries) and all(e.is_dir() and (e / MANIFEST).is_file() for e in entries)
@@ -395,35 +434,45 @@ def sources_yaml(out, names: Iterable[str]) -> str:
     return "\n".join(lines)
 
 
-def _prepare_mixture(args, sources: dict[str, list[str]]) -> int:
-    """``prepare --source``: one tokenizer trained on a sample of all sources, then one shard set per source,
-    all staged together and moved into ``--out`` when every set is complete."""
+def _prepare_mixture(args, sources: dict[str, list[str]], given: Optional[tuple[Path, str]]) -> int:
+    """``prepare --source``: one tokenizer trained on a sample of all sources (or ``given``: the file and kind
+    of ``--tokenizer``, copied), then one shard set per source, all staged together and moved into ``--out``
+    when every set is complete."""
+    from .cluster import copy_tokenizer
     from .corpus import check_inputs
+    from .imported import SENTENCEPIECE
     from .shards import stage_output
 
+    if given is not None and args.tokenizer_weights is not None:
+        raise UsageError(f"--tokenizer-weights {args.tokenizer_weights} with --tokenizer {args.tokenizer}: the "
+                         "weights shape the sample a tokenizer is trained on, and the given one is not trained")
     weights = _tokenizer_weights(args.tokenizer_weights, sources)
     counts: dict = {}
     # fails now if --out holds anything but a shard set or a mixture, or cannot be written
     with stage_output(args.out, args.force, replaceable=(_is_mixture, "a mixture")) as stage:
         for inputs in sources.values():
             check_inputs(inputs)                            # and if an input cannot be read
-        stats, texts = _mixture_texts(args, sources, weights, counts)
-        model = _train(args, stage.path / "tokenizer", texts, stats, warn=weights is None)
-        print(_sample_line(counts, weights))
+        if given is None:
+            stats, texts = _mixture_texts(args, sources, weights, counts)
+            model, kind = _train(args, stage.path / "tokenizer", texts, stats, warn=weights is None), SENTENCEPIECE
+            print(_sample_line(counts, weights))
+        else:
+            model, kind = copy_tokenizer(given[0], stage.path, given[1]), given[1]
         for name, inputs in sources.items():
             (stage.path / name).mkdir()
-            _build(args, model, stage.path / name, warn_corpus=weights is not None, inputs=inputs,
-                   out=Path(args.out) / name)
+            _build(args, model, kind, stage.path / name, warn_corpus=weights is not None or given is not None,
+                   inputs=inputs, out=Path(args.out) / name)
         stage.commit()
-    print(f"mixture: {args.out}: {len(sources)} shard sets ({', '.join(sources)}) sharing {args.out}/tokenizer.model")
+    print(f"mixture: {args.out}: {len(sources)} shard sets ({', '.join(sources)}) sharing {args.out}/{model.name}")
     print("for the trainer's config below; the training mixture is yours to weigh: add `weight: W` to each "
           "source for its share of the training tokens (--tokenizer-weights shaped only the tokenizer's sample)")
     print(sources_yaml(args.out, sources))
     return EXIT_OK
 
 
-def _cluster(args, tokenizer) -> int:
-    """--tasks N: the tokenizer trained once on a sample (prepare), the tasks, the merge (:mod:`.cluster`)."""
+def _cluster(args, tokenizer: Optional[Path], kind: str) -> int:
+    """--tasks N: the tokenizer trained once on a sample (prepare; ``tokenizer`` None) or the given file of
+    ``kind`` copied, the tasks, the merge (:mod:`.cluster`)."""
     import time
 
     from . import cluster
@@ -436,7 +485,7 @@ def _cluster(args, tokenizer) -> int:
         raise UsageError("--tasks: preparing over tasks needs the cluster runner of the launcher; run the "
                          "roformer-data command (launcher.prepare.main), not data_pipeline.cli directly")
     mode = args.cluster or ("slurm" if _has_sbatch() else "local")
-    spec = cluster.Spec.from_args(args)
+    spec = cluster.Spec.from_args(args, kind)
     t0 = time.time()
     with stage_output(args.out, args.force) as stage:   # beside --out: every node must see it
         check_inputs(args.input)
@@ -444,7 +493,7 @@ def _cluster(args, tokenizer) -> int:
             stats, texts = cluster.sample_texts(spec, args.sample_docs)
             _train(args, stage.path / "tokenizer", texts, stats)
         else:
-            cluster.copy_tokenizer(tokenizer, stage.path)
+            cluster.copy_tokenizer(tokenizer, stage.path, kind)
         tasks = cluster.plan(spec, args.tasks)
         if len(tasks) < args.tasks:
             log.warning("--tasks %d: the input makes only %d task(s) (compressed files and blank-line separated "
@@ -471,10 +520,10 @@ def cmd_inspect(args) -> int:
 
     from dataclasses import replace
 
+    from .imported import manifest_kind, open_tokenizer
     from .manifest import read_manifest, read_tokenizer
     from .shards import CorruptShardError, load_shard, verify_shard_set
     from .source import default_retry, set_default_retry
-    from .tokenizer import Tokenizer
 
     if args.url_timeout_s is not None:
         if not args.url_timeout_s > 0:
@@ -483,7 +532,7 @@ def cmd_inspect(args) -> int:
     m = read_manifest(args.dir)
     print(f"shard set {args.dir}: format {m['format']}, {len(m['shards'])} shards, {m['num_docs']} documents, "
           f"{m['num_tokens']} tokens, vocab {m['vocab_size']} ({m['dtype']}), word marks: {m['wwm']}")
-    print(f"tokenizer: {m['tokenizer']['path']} sha256 {m['tokenizer']['sha256']}")
+    print(f"tokenizer: {m['tokenizer']['path']} ({manifest_kind(m)}) sha256 {m['tokenizer']['sha256']}")
     print(f"special ids: {m['special_ids']}")
     if args.verify:
         problems = verify_shard_set(args.dir)
@@ -509,7 +558,7 @@ def cmd_inspect(args) -> int:
             if c:
                 print(f"  [{lo:>5}, {hi:>5}) {c:>8} {'#' * int(40 * c / hist.max())}")
     if args.samples and m["tokenizer"]["path"] is not None:
-        tk = Tokenizer(m["tokenizer"]["path"], model=read_tokenizer(args.dir, m))
+        tk = open_tokenizer(m["tokenizer"]["path"], manifest_kind(m), data=read_tokenizer(args.dir, m))
         for i in range(min(args.samples, sd.num_docs)):
             ids = sd.tokens[sd.tok_start[i]:sd.tok_start[i] + sd.lengths[i]]
             text = tk.decode(ids)
@@ -538,6 +587,12 @@ a cluster: `roformer-data tokenizer` once, then `roformer-data shards
 """ + textwrap.fill(EPILOG, 79, break_on_hyphens=False)
 
 
+TOKENIZER_HELP = ("an existing tokenizer, copied into the shard set: a SentencePiece .model of roformer-data, an HF "
+                  "tokenizer.json, a WordPiece vocab.txt (Chinese BERT conventions: lowercase, CJK characters "
+                  "split, accents stripped), or a directory holding one (an HF repository); an imported one keeps "
+                  "its special ids (those of [PAD] [UNK] [CLS] [SEP] [MASK]), recorded in the manifest")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="roformer-data", description="Chinese corpus -> SentencePiece tokenizer -> "
                                  "webdataset shards for roformer-dist pretraining.", epilog=EPILOG)
@@ -557,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Tokenise in parallel into webdataset tar shards + manifest.json, built beside "
                                    "--out and moved there when complete.")
     _corpus_args(p)
-    p.add_argument("--tokenizer", "-t", required=True, help="SentencePiece .model (copied into the shard set)")
+    p.add_argument("--tokenizer", "-t", required=True, help=TOKENIZER_HELP)
     p.add_argument("--out", "-o", required=True, help="shard-set directory")
     _shard_args(p)
     _cluster_args(p)
@@ -566,7 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenizer + shards in one go (--source: a mixture of shard sets)",
                        epilog=PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                        description=textwrap.fill(
-                                   "Train the tokenizer (OUT/tokenizer.model) and write the shard set into OUT "
+                                   "Train the tokenizer (OUT/tokenizer.model), or take an existing one with "
+                                   "--tokenizer, and write the shard set into OUT "
                                    "(built beside OUT, moved there when complete). With --tasks N the corpus is "
                                    "split over N tasks (local processes or a SLURM job array), the tokenizer is "
                                    "trained once on a sample first, and the tasks' shards are merged into one set. "
@@ -585,7 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "weighted round-robin on characters until the first source runs out (the others give their "
                         "first documents). Default: every source whole, i.e. shares by size. The training "
                         "mixture's weights are set in the trainer's config, not here")
-    _tokenizer_args(p, vocab_required=True)
+    _tokenizer_args(p, vocab_required=False)
+    p.add_argument("--tokenizer", "-t", default=None,
+                   help=TOKENIZER_HELP + "; instead of training one (the training options above are then unused)")
     p.add_argument("--out", "-o", required=True,
                    help="shard-set directory (the tokenizer goes inside); with --source: the mixture's directory")
     _shard_args(p)

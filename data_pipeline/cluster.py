@@ -37,15 +37,13 @@ from typing import Iterator, Optional
 from .atomic import atomic_write_bytes, atomic_write_text
 from .corpus import MAX_LINE_BYTES, CorpusStats, InputRange, detect_format, expand_inputs, read_documents, splittable
 from .errors import DataError
+from .imported import KINDS, SENTENCEPIECE
 from .manifest import MANIFEST, parse_manifest
 from .shards import write_manifest, write_shards
 from .tokenizer import sha256_file
 
 __all__ = ["Spec", "Task", "plan", "sample_texts", "copy_tokenizer", "run_task", "merge", "summary",
            "read_progress"]
-
-TOKENIZER = "tokenizer.model"
-
 
 @dataclass(frozen=True)
 class Spec:
@@ -60,12 +58,19 @@ class Spec:
     shard_size_mb: float = 64.0
     max_docs_per_shard: Optional[int] = None
     max_line_bytes: int = MAX_LINE_BYTES
+    tokenizer_kind: str = SENTENCEPIECE
+    """The kind of the tokenizer in the staging directory (:data:`~data_pipeline.imported.KINDS`)."""
 
     @classmethod
-    def from_args(cls, args) -> "Spec":
+    def from_args(cls, args, tokenizer_kind: str = SENTENCEPIECE) -> "Spec":
         return cls(tuple(args.input), args.format, args.doc_boundary, args.jsonl_field, args.strict, args.jieba,
                    max(1, args.workers or 1), args.shard_size_mb, args.max_docs_per_shard,
-                   getattr(args, "max_line_bytes", None) or MAX_LINE_BYTES)
+                   getattr(args, "max_line_bytes", None) or MAX_LINE_BYTES, tokenizer_kind)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer's file name in the staging directory (and in the merged set)."""
+        return KINDS[self.tokenizer_kind]
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,9 @@ def sample_texts(spec: Spec, num_docs: int) -> tuple[CorpusStats, Iterator[str]]
     return stats, texts()
 
 
-def copy_tokenizer(tokenizer, into: Path) -> Path:
-    dst = Path(into) / TOKENIZER
+def copy_tokenizer(tokenizer, into: Path, kind: str = SENTENCEPIECE) -> Path:
+    """Copy the tokenizer file into the staging directory under its kind's name."""
+    dst = Path(into) / KINDS[kind]
     atomic_write_bytes(dst, Path(tokenizer).read_bytes())
     return dst
 
@@ -161,11 +167,11 @@ def run_task(spec: Spec, task: Task, staging: str) -> dict:
                   f"{text_bytes / 1e6:.1f} MB of text, {text_bytes / el / 1e6:.2f} MB/s", flush=True)
 
     stats = CorpusStats()
-    m = write_shards(list(task.units), staging / TOKENIZER, out, workers=spec.workers,
+    m = write_shards(list(task.units), staging / spec.tokenizer_name, out, workers=spec.workers,
                      shard_size_mb=spec.shard_size_mb, max_docs_per_shard=spec.max_docs_per_shard, fmt=spec.fmt,
                      doc_boundary=spec.doc_boundary, jsonl_field=spec.jsonl_field, strict=spec.strict,
-                     jieba=spec.jieba, progress=False, stats=stats, tokenizer_in_set=None, on_progress=progress,
-                     allow_empty=True, max_line_bytes=spec.max_line_bytes)
+                     jieba=spec.jieba, progress=False, stats=stats, copy_tokenizer=False, on_progress=progress,
+                     allow_empty=True, max_line_bytes=spec.max_line_bytes, kind=spec.tokenizer_kind)
     progress(m["num_docs"], m["num_tokens"], m["text_bytes"], final=True)
     result = {"task": task.index, "manifest": {k: v for k, v in m.items() if not k.startswith("_")},
               "stats": stats.to_dict(), "seconds": time.time() - t0, "host": socket.gethostname(),
@@ -208,7 +214,6 @@ def merge(staging: Path, tasks: list[Task]) -> dict:
     """One manifest over the tasks' shards (module docstring); DataError naming a task that is not done."""
     staging = Path(staging)
     results = [_read_result(staging, t) for t in tasks]
-    sha = sha256_file(staging / TOKENIZER)
     entries: list[dict] = []
     stats = CorpusStats()
     text_bytes = 0
@@ -217,6 +222,8 @@ def merge(staging: Path, tasks: list[Task]) -> dict:
         raise DataError(f"no documents to write: every task found its input empty or invalid "
                         f"({sum(r['_stats'].lines for r in results)} lines read)")
     ref = firsts[0]
+    kind = ref["tokenizer"].get("kind", SENTENCEPIECE)
+    sha = sha256_file(staging / KINDS[kind])
     for t, r in zip(tasks, results):
         m = r["manifest"]
         stats.add_counts(r.pop("_stats"))
@@ -232,7 +239,7 @@ def merge(staging: Path, tasks: list[Task]) -> dict:
             os.replace(src, staging / name)
             entries.append({**e, "name": name})
     manifest = {**{k: ref[k] for k in ("format", "vocab_size", "special_ids", "dtype", "wwm")},
-                "tokenizer": {"path": TOKENIZER, "sha256": sha},
+                "tokenizer": {**ref["tokenizer"], "path": KINDS[kind], "sha256": sha},
                 "num_docs": sum(e["num_docs"] for e in entries), "num_tokens": sum(e["num_tokens"] for e in entries),
                 "shards": entries, "jieba": ref.get("jieba", False), "text_bytes": text_bytes,
                 "word_marks": ref.get("word_marks"), "tasks": len(tasks)}

@@ -3,9 +3,12 @@
 ``manifest.json`` (format 1) describes a shard set::
 
     format        1
-    tokenizer     {path: "tokenizer.model" (a file of the set) or null, sha256: hex or null}
+    tokenizer     {path: "tokenizer.model" (a file of the set) or null, sha256: hex or null,
+                   kind: "tokenizer-json" | "wordpiece-vocab" (an imported tokenizer; absent: our
+                   SentencePiece model, "sentencepiece")}
     vocab_size    pieces of the tokenizer (the model's embedding rows), at most MAX_VOCAB_SIZE
-    special_ids   {pad: 0, unk: 1, cls: 2, sep: 3, mask: 4}
+    special_ids   {pad, unk, cls, sep, mask}: ours {0, 1, 2, 3, 4}; an imported tokenizer's are those
+                  of its [PAD] [UNK] [CLS] [SEP] [MASK] tokens (BERT's vocab.txt: 0, 100, 101, 102, 103)
     dtype         "uint16" (vocab_size <= 65536) or "uint32": the token ids in the shards
     wwm           true when the shards carry word-start marks (.wwm members)
     num_docs, num_tokens   totals over the shards
@@ -45,6 +48,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import DataError, UsageError
+from .imported import KINDS, manifest_kind, tokenizer_facts
 from .source import ShardSource, TooLargeError, UrlError, check_name, name_problem
 from .tario import MAX_SHARD_BYTES
 from .tokenizer import SPECIAL_IDS, SPECIAL_TOKENS, sha256_file
@@ -61,7 +65,7 @@ MAX_VOCAB_SIZE = 1 << 24
 MAX_MANIFEST_BYTES = 256 << 20
 """The largest manifest read (about a million shards)."""
 MAX_TOKENIZER_BYTES = 256 << 20
-"""The largest tokenizer model read (SentencePiece models of a million pieces are about 20 MB)."""
+"""The largest tokenizer file read (SentencePiece models of a million pieces are about 20 MB)."""
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -136,6 +140,8 @@ def _check_tokenizer_entry(path, tok: dict) -> None:
                         f"tokenizer.model), got {_REPR.repr(tok['path'])}: {problem}")
     if tok["sha256"] is not None and not _HEX64.match(tok["sha256"]):
         raise _field_error(path, "tokenizer.sha256", "64 lowercase hex digits", tok["sha256"])
+    if "kind" in tok and tok["kind"] not in KINDS:
+        raise _field_error(path, "tokenizer.kind", " or ".join(map(repr, KINDS)), tok["kind"])
 
 
 def parse_manifest(raw: bytes | str, path) -> dict:
@@ -201,13 +207,13 @@ def shard_byte_limit(entry: dict, itemsize: int) -> int:
 
 
 def tokenizer_path(shard_dir, manifest: dict) -> Optional[Path]:
-    """The tokenizer model of a local shard set (a file of the set: ``parse_manifest`` checked the name)."""
+    """The tokenizer file of a local shard set (a file of the set: ``parse_manifest`` checked the name)."""
     p = manifest["tokenizer"]["path"]
     return None if p is None else Path(str(shard_dir)) / check_name(p, f"{shard_dir}: field 'tokenizer.path'")
 
 
 def read_tokenizer(location, manifest: dict) -> Optional[bytes]:
-    """The bytes of the set's own tokenizer model (None for a set made without one)."""
+    """The bytes of the set's own tokenizer file (None for a set made without one)."""
     src = as_source(location)
     rel = manifest["tokenizer"]["path"]
     if rel is None:
@@ -216,36 +222,24 @@ def read_tokenizer(location, manifest: dict) -> Optional[bytes]:
     try:
         return src.read(rel, "tokenizer", MAX_TOKENIZER_BYTES)
     except TooLargeError:
-        raise DataError(f"{where}: the tokenizer model {src.child(rel)} is larger than {MAX_TOKENIZER_BYTES} "
-                        "bytes (MAX_TOKENIZER_BYTES): not a SentencePiece model") from None
+        raise DataError(f"{where}: the tokenizer {src.child(rel)} is larger than {MAX_TOKENIZER_BYTES} "
+                        "bytes (MAX_TOKENIZER_BYTES): not a tokenizer") from None
     except FileNotFoundError:
-        raise DataError(f"{where}: the tokenizer model {src.child(rel)} is missing") from None
+        raise DataError(f"{where}: the tokenizer {src.child(rel)} is missing") from None
     except UrlError as e:
         raise DataError(f"{where}: {e}") from None
     except OSError as e:
-        raise DataError(f"{where}: cannot read the tokenizer model {src.child(rel)} ({e.strerror})") from None
-
-
-def model_facts(model: bytes, name: str) -> tuple[int, dict]:
-    """(vocabulary size, {special: id as the model has it}) of a serialized SentencePiece model."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor()
-    try:
-        sp.LoadFromSerializedProto(model)
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"tokenizer {name}: not a SentencePiece model ({e})") from None
-    return sp.GetPieceSize(), {k: sp.PieceToId(tok) for k, tok in SPECIAL_TOKENS.items()}
+        raise DataError(f"{where}: cannot read the tokenizer {src.child(rel)} ({e.strerror})") from None
 
 
 def check_tokenizer(location, manifest: Optional[dict] = None, *, tokenizer: str | os.PathLike | None = None,
                     sha256: Optional[str] = None, vocab_size: Optional[int] = None) -> None:
     """DataError unless the set's tokenizer and manifest agree, naming the disagreeing field.
 
-    Without ``tokenizer``/``sha256`` the set's own model is checked: its sha256 against
-    ``tokenizer.sha256``, its size against ``vocab_size``, its special-token ids against
-    ``special_ids``. With ``tokenizer`` (a model file) or ``sha256``, that tokenizer must be the one
-    the set was made with. ``vocab_size``: what a model expects (``vocab_size mismatch`` otherwise).
+    Without ``tokenizer``/``sha256`` the set's own tokenizer (of ``tokenizer.kind``) is checked: its
+    sha256 against ``tokenizer.sha256``, its size against ``vocab_size``, its special-token ids against
+    ``special_ids``. With ``tokenizer`` (a file) or ``sha256``, that tokenizer must be the one the set
+    was made with. ``vocab_size``: what a model expects (``vocab_size mismatch`` otherwise).
     """
     src = as_source(location)
     manifest = manifest if manifest is not None else read_manifest(src)
@@ -261,7 +255,7 @@ def check_tokenizer(location, manifest: Optional[dict] = None, *, tokenizer: str
         if want is not None and sha256 != want:
             raise DataError(f"{mpath}: field 'tokenizer.sha256': tokenizer mismatch: the shards were made with a "
                             f"tokenizer of sha256 {want[:16]}..., but {name} has sha256 {sha256[:16]}...")
-        size, ids = model_facts(model, str(name))
+        size, ids = tokenizer_facts(model, str(name), manifest_kind(manifest))
         if size != manifest["vocab_size"]:
             raise DataError(f"{mpath}: field 'vocab_size' is {manifest['vocab_size']}, but the tokenizer {name} has "
                             f"{size} pieces (the manifest was edited or belongs to another tokenizer)")

@@ -3,7 +3,8 @@
 A shard set is a directory (or, for reading, a URL prefix: :mod:`.source`)::
 
     manifest.json            written last, atomically (:mod:`.manifest` describes its fields)
-    tokenizer.model          the SentencePiece model (``prepare`` and ``shards`` put it here)
+    tokenizer.model          the SentencePiece model (``prepare`` and ``shards`` put it here), or the
+                             imported tokenizer.json / vocab.txt (:mod:`.imported`)
     shard-000000.tar ...     members <key>.ids and <key>.wwm (:mod:`.tario` describes the format)
 
 Building never destroys: the set is written into a staging directory beside its final place and
@@ -27,22 +28,19 @@ import numpy as np
 from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
 from .corpus import MAX_LINE_BYTES, CorpusStats, check_inputs, iter_records, to_documents
 from .errors import DataError, UsageError
+from .imported import KINDS, SENTENCEPIECE, open_tokenizer
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
                        shard_byte_limit, tokenizer_path)
-from .source import TooLargeError, UrlError, check_name, read_local_file
+from .source import TooLargeError, UrlError, read_local_file
 from .tario import (MAX_SHARD_BYTES, CorruptShardError, ShardData, ShardWriter, documents_blob, iter_tar_members,
                     parse_shard)
-from .tokenizer import SPECIAL_IDS, Tokenizer, sha256_file
+from .tokenizer import SPECIAL_IDS, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CorruptShardError", "ShardData", "read_manifest", "tokenizer_path",
            "check_tokenizer", "iter_tar_members", "read_shard", "load_shard", "verify_shard_set", "ShardWriter",
            "build_shards", "write_shards", "write_shard_set", "stage_output", "write_manifest"]
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_IN_SET = "tokenizer.model"
-"""The name of a set's tokenizer model inside the set."""
-
 
 # --------------------------------------------------------------------------- reading
 
@@ -158,12 +156,12 @@ def write_manifest(out_dir: Path, manifest: dict) -> None:
 
 
 def _manifest(entries: list[dict], vocab_size: int, dtype: str, tok: Optional[dict], wwm: bool,
-              extra: dict) -> dict:
+              extra: dict, special_ids: dict = SPECIAL_IDS) -> dict:
     return {
         "format": FORMAT_VERSION,
         "tokenizer": tok or {"path": None, "sha256": None},
         "vocab_size": int(vocab_size),
-        "special_ids": dict(SPECIAL_IDS),
+        "special_ids": dict(special_ids),
         "dtype": dtype,
         "wwm": wwm,
         "num_docs": sum(e["num_docs"] for e in entries),
@@ -173,13 +171,20 @@ def _manifest(entries: list[dict], vocab_size: int, dtype: str, tok: Optional[di
     }
 
 
-def _tokenizer_into_set(tokenizer: str | os.PathLike, out_dir: Path, name: str = TOKENIZER_IN_SET) -> dict:
-    """Copy the model ``tokenizer`` into the set as ``name`` (a plain file name) unless it is already that
-    file; its manifest entry ``{path, sha256}``."""
-    model_path = out_dir / check_name(name, "tokenizer_in_set")
+def _tokenizer_entry(path: str, sha256: str, kind: str) -> dict:
+    """A manifest's ``tokenizer`` entry; ``kind`` only for an imported tokenizer (older readers and every
+    set made before them know only SentencePiece)."""
+    return {"path": path, "sha256": sha256, **({} if kind == SENTENCEPIECE else {"kind": kind})}
+
+
+def _tokenizer_into_set(tokenizer: str | os.PathLike, out_dir: Path, kind: str = SENTENCEPIECE) -> dict:
+    """Copy the tokenizer file into the set under its kind's name unless it is already that file; its
+    manifest entry ``{path, sha256[, kind]}``."""
+    name = KINDS[kind]
+    model_path = out_dir / name
     if Path(tokenizer).resolve() != model_path.resolve():
         atomic_write_bytes(model_path, Path(tokenizer).read_bytes())  # names model_path on a full disk
-    return {"path": name, "sha256": sha256_file(model_path)}
+    return _tokenizer_entry(name, sha256_file(model_path), kind)
 
 
 def write_shard_set(docs: Iterable, out_dir: str | os.PathLike, vocab_size: int, *,
@@ -212,12 +217,12 @@ def write_shard_set(docs: Iterable, out_dir: str | os.PathLike, vocab_size: int,
 # --------------------------------------------------------------------------- building from a corpus
 
 # Worker-process state for build_shards (one tokenizer per process).
-_WORKER_TOK: Optional[Tokenizer] = None
+_WORKER_TOK = None
 
 
-def _init_worker(model: str, jieba: bool) -> None:
+def _init_worker(model: str, kind: str, jieba: bool) -> None:
     global _WORKER_TOK
-    _WORKER_TOK = Tokenizer(model, jieba=jieba)
+    _WORKER_TOK = open_tokenizer(model, kind, jieba)
 
 
 def _encode_chunk(job: tuple[int, list]) -> tuple:
@@ -231,13 +236,11 @@ def _encode_chunk(job: tuple[int, list]) -> tuple:
     docs = to_documents(records, stats)
     keys = np.array([first + i for i, d in enumerate(docs) if d is not None], np.int64)
     docs = [d for d in docs if d is not None]
-    texts = [d.text for d in docs]
-    ids, lengths = tok.encode_flat(texts)
+    ids, lengths, marks = tok.encode_marked([d.text for d in docs], [d.words for d in docs])
     if (lengths == 0).any():                       # a text that encodes to nothing
         keep = np.flatnonzero(lengths)
         stats.empty_docs += len(lengths) - len(keep)
-        docs, texts, keys, lengths = [docs[i] for i in keep], [texts[i] for i in keep], keys[keep], lengths[keep]
-    marks = tok.word_marks_flat(ids, lengths, texts, [d.words for d in docs])
+        keys, lengths = keys[keep], lengths[keep]
     # compact (3 bytes a token): the tar members, about 8x larger for short documents, are made by the writer
     return keys, ids.astype(tok.dtype), lengths, marks, stats
 
@@ -259,15 +262,18 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
                  shard_size_mb: float = 64.0, max_docs_per_shard: Optional[int] = None, fmt: str = "auto",
                  doc_boundary: str = "line", jsonl_field: str = "text", strict: bool = False,
                  jieba: bool = False, progress: bool = True, chunk_docs: int = 256,
-                 stats: Optional[CorpusStats] = None, tokenizer_in_set: Optional[str] = TOKENIZER_IN_SET,
+                 stats: Optional[CorpusStats] = None, copy_tokenizer: bool = True,
                  progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True,
-                 allow_empty: bool = False, max_line_bytes: int = MAX_LINE_BYTES) -> dict:
+                 allow_empty: bool = False, max_line_bytes: int = MAX_LINE_BYTES,
+                 kind: str = SENTENCEPIECE) -> dict:
     """Tokenise a corpus into shards + manifest inside the existing directory ``out_dir``.
 
     The building block of :func:`build_shards` (which stages the directory) and of the cluster
-    tasks. ``tokenizer_in_set``: the name the model is copied to inside ``out_dir`` (recorded in the
-    manifest; a plain file name), or None to record ``tokenizer``'s own path (the cluster tasks: such
-    a manifest is only an intermediate result, :func:`~data_pipeline.cluster.merge` writes the set's).
+    tasks. ``tokenizer``: a file of ``kind`` (:data:`~data_pipeline.imported.KINDS`: our SentencePiece
+    model or an imported tokenizer, :mod:`.imported`). ``copy_tokenizer``: copy it into ``out_dir``
+    under its kind's name (recorded in the manifest), else record ``tokenizer``'s own path (the cluster
+    tasks: such a manifest is only an intermediate result, :func:`~data_pipeline.cluster.merge` writes
+    the set's).
     ``on_progress(docs, tokens, text_bytes)`` is called after each chunk. ``warn_corpus``: log the
     corpus warnings (binary-looking files, many skipped lines, over-long lines). ``max_line_bytes``:
     the longest input line read (:mod:`.corpus`). ``allow_empty``: no documents is not an error (a
@@ -278,13 +284,13 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    tok = Tokenizer(tokenizer, jieba=jieba)
-    if tokenizer_in_set is not None:
-        tok_entry = _tokenizer_into_set(tokenizer, out_dir, tokenizer_in_set)
-        model_path = out_dir / tokenizer_in_set
+    tok = open_tokenizer(tokenizer, kind, jieba)
+    if copy_tokenizer:
+        tok_entry = _tokenizer_into_set(tokenizer, out_dir, kind)
+        model_path = out_dir / tok_entry["path"]
     else:
         model_path = Path(tokenizer)
-        tok_entry = {"path": str(model_path.resolve()), "sha256": sha256_file(model_path)}
+        tok_entry = _tokenizer_entry(str(model_path.resolve()), sha256_file(model_path), kind)
     stats = stats if stats is not None else CorpusStats()
     records = iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes)
     writer = ShardWriter(out_dir, tok.dtype, int(shard_size_mb * 1e6), max_docs_per_shard)
@@ -299,7 +305,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
             results = map(_encode_chunk, _chunks(records, chunk_docs))
         else:
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_path), jieba))
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_path), kind, jieba))
             results = pool.imap(_encode_chunk, _chunks(records, chunk_docs), chunksize=1)
         for keys, ids, lengths, marks, st in results:
             blob, doc_bytes = documents_blob(keys, ids, lengths, marks)
@@ -326,7 +332,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     elapsed = time.perf_counter() - t0
     manifest = _manifest(writer.entries, tok.vocab_size, tok.dtype.name, tok_entry, True,
                          {"jieba": jieba, "text_bytes": text_bytes,
-                          "word_marks": "jieba" if jieba else "gold-or-pieces"})
+                          "word_marks": "jieba" if jieba else "gold-or-pieces"}, tok.special_ids)
     if writer.entries:
         write_manifest(out_dir, manifest)
     if warn_corpus:
@@ -343,12 +349,12 @@ def build_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
                  **kw) -> dict:
     """Tokenise a corpus in ``workers`` processes into a new shard set at ``out_dir``; returns the manifest.
 
-    Documents keep the corpus order (files sorted, lines in order). The tokenizer model is copied
-    into the set as ``tokenizer.model``. The set is staged beside ``out_dir`` and moved there when
-    complete; an existing set is replaced only with ``force=True`` (see the module docstring).
-    Keyword arguments: those of :func:`write_shards`.
+    Documents keep the corpus order (files sorted, lines in order). The tokenizer is copied into the
+    set (``tokenizer.model``, or an imported one's ``tokenizer.json`` / ``vocab.txt``). The set is staged
+    beside ``out_dir`` and moved there when complete; an existing set is replaced only with
+    ``force=True`` (see the module docstring). Keyword arguments: those of :func:`write_shards`.
     """
-    Tokenizer(tokenizer, jieba=kw.get("jieba", False))  # fail early on a bad model
+    open_tokenizer(tokenizer, kw.get("kind", SENTENCEPIECE), kw.get("jieba", False))  # fail early on a bad one
     check_inputs(inputs)
     with stage_output(out_dir, force) as stage:
         manifest = write_shards(inputs, tokenizer, stage.path, **kw)

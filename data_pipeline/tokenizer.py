@@ -1,7 +1,8 @@
 """SentencePiece tokenizer: training, loading, encoding with word-start marks.
 
 Special tokens have fixed ids, recorded in every manifest:
-``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4``. [PAD] and [UNK] are SentencePiece's
+``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4`` (a set made with an imported tokenizer records that
+tokenizer's own: :mod:`data_pipeline.imported`). [PAD] and [UNK] are SentencePiece's
 pad/unk pieces; [CLS] [SEP] [MASK] are *control* symbols, so the text "[SEP]" in a
 document is tokenised as ordinary characters and never becomes id 3.
 
@@ -292,6 +293,17 @@ class Tokenizer:
         ids = self.sp.Encode(list(texts), num_threads=1)   # one thread: the builder runs one process per core
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
         return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
+
+    def encode_marked(self, texts: Sequence[str], words: Optional[Sequence[Optional[Sequence[str]]]] = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids int64 [total], each text's count int64 [n], :meth:`word_marks_flat` uint8 [total]) of
+        normalised texts; ``words[i]``: the gold words of text i or None."""
+        ids, lengths = self.encode_flat(texts)
+        keep = np.flatnonzero(lengths)
+        if len(keep) < len(lengths):                   # texts that encode to nothing have no marks
+            texts = [texts[i] for i in keep]
+            words = None if words is None else [words[i] for i in keep]
+        return ids, lengths, self.word_marks_flat(ids, lengths[keep], texts, words)
 
     def word_marks_flat(self, ids: np.ndarray, lengths: np.ndarray, texts: Sequence[str],
                         words: Optional[Sequence[Optional[Sequence[str]]]] = None) -> np.ndarray:

@@ -9,7 +9,9 @@
 tokenizer_config.json, special_tokens_map.json, tokenizer.model, README.md model card; see
 roformer_dist/hf/export.py) into a temporary sibling of HF_DIR and renames it into place when complete.
 It refuses a non-empty HF_DIR without --force. The tokenizer comes from --tokenizer (a SentencePiece
-.model or a shard set) or from the training checkpoint's shard set; --no-tokenizer writes the model only.
+.model, an imported tokenizer.json or vocab.txt, or a shard set) or from the training checkpoint's shard
+set: shards made with an imported tokenizer export that tokenizer, with its special ids (and its
+vocab.txt instead of tokenizer.model); --no-tokenizer writes the model only.
 
 The weights file (what ``from-hf`` writes and ``to-hf`` reads) is defined in
 :mod:`roformer_dist.checkpoint.weights`; ``to-hf`` also accepts a bare state dict (our keys,
@@ -110,7 +112,8 @@ def cmd_to_hf(args) -> None:
                  "was not found"
                  if source.run_config is not None else "a weights file names no tokenizer")
         raise DataError(f"{args.checkpoint}: no tokenizer to export ({where}); pass --tokenizer "
-                        "<shard set or tokenizer.model>, or --no-tokenizer for the model alone")
+                        "<shard set, tokenizer.model, tokenizer.json or vocab.txt>, or --no-tokenizer for the "
+                        "model alone")
     try:
         model = model_from_state_dict(cfg, {k: v.float() for k, v in sd.items()})
     except RuntimeError as e:
@@ -149,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", default=None,
                    help="run config (e.g. <run_dir>/config.yaml) whose model section replaces the stored one")
     t.add_argument("--tokenizer", default=None,
-                   help="SentencePiece .model or shard set (default: the training checkpoint's shard set)")
+                   help="the tokenizer the shards were made with: a SentencePiece .model, an imported "
+                        "tokenizer.json or vocab.txt, or a shard set (default: the training checkpoint's shard set)")
     t.add_argument("--no-tokenizer", action="store_true", help="write the model without tokenizer files")
     t.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
     t.add_argument("--check-docs", type=int, default=1000, metavar="N",

@@ -4,10 +4,13 @@ Layout of the directory it writes::
 
     config.json               transformers.RoFormerConfig (tokenizer_class: PreTrainedTokenizerFast)
     model.safetensors         RoFormerForMaskedLM weights (tied decoder, sinusoidal table included)
-    tokenizer.json            our normaliser + SentencePiece Unigram + [CLS]/[SEP] template (tokenizer.py)
+    tokenizer.json            our normaliser + SentencePiece Unigram + [CLS]/[SEP] template (tokenizer.py);
+                              for shards of an imported tokenizer, our normaliser + that tokenizer +
+                              [CLS]/[SEP] at its ids
     tokenizer_config.json     fast tokenizer class, special tokens, token type ids among the inputs
     special_tokens_map.json
-    tokenizer.model           the SentencePiece model the shards were made with
+    tokenizer.model           the SentencePiece model the shards were made with (ours)
+    vocab.txt                 the imported WordPiece vocabulary the shards were made with (imported)
     README.md                 model card (model_card.py)
     roformer_export.json      provenance: source, step, tokens seen, tokenizer sha256 and agreement check
 
@@ -26,15 +29,17 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from data_pipeline.atomic import StagedDir, atomic_write_text
+from data_pipeline.imported import SENTENCEPIECE, ImportedTokenizer, kind_of
 from data_pipeline.manifest import read_manifest, tokenizer_path
-from data_pipeline.tokenizer import sha256_file
+from data_pipeline.tokenizer import SPECIAL_IDS, sha256_file
 from roformer_dist.checkpoint.store import Found, read_trainer_state
 from roformer_dist.config import from_dict, training_sources
 from roformer_dist.errors import ConfigError, DataError
 from roformer_dist.hf.convert import check_exportable, to_hf_model
 from roformer_dist.hf.model_card import render_model_card
-from roformer_dist.hf.tokenizer import build_fast_tokenizer, read_sp_model, roundtrip_agreement, write_tokenizer_files
-from roformer_dist.train.metrics import read_scalars
+from roformer_dist.hf.tokenizer import (build_fast_tokenizer, build_imported_fast_tokenizer, read_sp_model,
+                                        roundtrip_agreement, write_imported_tokenizer_files, write_tokenizer_files)
+from roformer_dist.runtime.events import read_scalars
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +128,8 @@ def source_from_checkpoint(found: Found) -> ExportSource:
 
 
 def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> tuple[Optional[Path], bool]:
-    """(SentencePiece model, jieba) from ``given`` (a .model file or a shard set) or the training shards."""
+    """(tokenizer file, jieba) from ``given`` (a file: our SentencePiece .model or an imported tokenizer.json /
+    vocab.txt; or a shard set) or the training shards."""
     if given is not None:
         p = Path(given)
         if p.is_dir():
@@ -136,7 +142,8 @@ def find_tokenizer(given: Optional[str | os.PathLike], source: ExportSource) -> 
                 raise DataError(f"--tokenizer {p}: the shard set's tokenizer model {model} is missing")
             return model, bool(m.get("jieba", False))
         if not p.is_file():
-            raise DataError(f"--tokenizer {p}: no such file (expected a SentencePiece .model or a shard set)")
+            raise DataError(f"--tokenizer {p}: no such file (expected a SentencePiece .model, a tokenizer.json or "
+                            "vocab.txt, or a shard set)")
         return p, False
     if source.manifest is not None and source.shard_dir is not None:
         model = tokenizer_path(source.shard_dir, source.manifest)
@@ -165,32 +172,52 @@ def check_out_dir(out: Path, force: bool, flag: str = "--force") -> None:
         raise ConfigError(f"--out {out}: directory exists and is not empty; pass {flag} to replace it")
 
 
+def _load_tokenizer(tokenizer: Path, cfg):
+    """(SentencePiece report or None, imported tokenizer or None) of the file ``tokenizer``, checked against
+    the model: its vocabulary size and [PAD] id."""
+    kind = kind_of(tokenizer)
+    rep = read_sp_model(tokenizer) if kind == SENTENCEPIECE else None
+    imported = None if kind == SENTENCEPIECE else ImportedTokenizer(tokenizer, kind)
+    size = len(rep.vocab) if rep is not None else imported.vocab_size
+    pad = imported.special_ids["pad"] if imported is not None else 0
+    if size != cfg.vocab_size:
+        raise DataError(f"tokenizer {tokenizer}: {size} pieces, but the model's vocabulary has "
+                        f"{cfg.vocab_size} rows (another tokenizer than the one it was trained with?)")
+    if pad != cfg.pad_token_id:
+        raise DataError(f"tokenizer {tokenizer}: [PAD] has id {pad}, but the model's pad_token_id is "
+                        f"{cfg.pad_token_id} (another tokenizer than the one it was trained with?)")
+    return rep, imported
+
+
 def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
                          tokenizer: Optional[Path] = None, jieba: bool = False, force: bool = False,
                          check_docs: int = 1000, say: Callable[[str], None] = print) -> ExportResult:
-    """Write the HF repository of our ``model`` (see the module docstring) to ``out``."""
+    """Write the HF repository of our ``model`` (see the module docstring) to ``out``. ``tokenizer``: the file
+    the shards were made with (its kind from its name: ``.model`` ours, ``.json`` / ``.txt`` imported)."""
     out = Path(out)
     cfg = model.config
     check_exportable(cfg)
     check_out_dir(out, force)
-    rep = read_sp_model(tokenizer) if tokenizer is not None else None
-    if rep is not None and len(rep.vocab) != cfg.vocab_size:
-        raise DataError(f"tokenizer {tokenizer}: {len(rep.vocab)} pieces, but the model's vocabulary has "
-                        f"{cfg.vocab_size} rows (another tokenizer than the one it was trained with?)")
-    jieba = jieba or bool(rep and rep.jieba)
+    rep, imported = _load_tokenizer(Path(tokenizer), cfg) if tokenizer is not None else (None, None)
+    # jieba only gave an imported tokenizer's word marks: its encoding, and tokenizer.json's, is without it
+    jieba = (jieba or bool(rep and rep.jieba)) and imported is None
     result = ExportResult(out, model.num_parameters(), tokenizer, jieba)
     with StagedDir(out) as stage:
         tmp = stage.path
         hf = to_hf_model(model)
-        if rep is not None:
+        if tokenizer is not None:
             hf.config.tokenizer_class = "PreTrainedTokenizerFast"
         hf.save_pretrained(str(tmp))
-        if rep is not None:
-            write_tokenizer_files(tmp, tokenizer, cfg.max_position_embeddings, rep)
+        if tokenizer is not None:
+            if rep is not None:
+                write_tokenizer_files(tmp, tokenizer, cfg.max_position_embeddings, rep)
+                fast, ours = build_fast_tokenizer(rep), tokenizer
+            else:
+                write_imported_tokenizer_files(tmp, imported, cfg.max_position_embeddings)
+                fast, ours = build_imported_fast_tokenizer(imported), imported
             if check_docs > 0 and source.shard_dir is not None and source.manifest is not None:
-                result.agreement = roundtrip_agreement(build_fast_tokenizer(rep), source.shard_dir, tokenizer,
-                                                       max_docs=check_docs)
-        info = _export_info(result, source, rep)
+                result.agreement = roundtrip_agreement(fast, source.shard_dir, ours, max_docs=check_docs)
+        info = _export_info(result, source, rep, imported)
         result.files = sorted([p.name for p in tmp.iterdir()] + ["README.md", EXPORT_INFO])
         atomic_write_text(tmp / "README.md", render_model_card(cfg, result, source, info))
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2, ensure_ascii=False) + "\n")
@@ -205,16 +232,18 @@ def export_hf_repository(model, out: str | os.PathLike, *, source: ExportSource,
     return result
 
 
-def _export_info(result: ExportResult, source: ExportSource, rep) -> dict:
+def _export_info(result: ExportResult, source: ExportSource, rep, imported) -> dict:
     agr = result.agreement
     info = {"format": "roformer-dist-hf-export", "version": 1, "source": source.description,
             "step": source.trainer.get("step"), "tokens_seen": source.trainer.get("tokens_seen"),
             "eval_step": source.eval_step, "eval": {k: round(v, 6) for k, v in source.eval_metrics.items()},
             "num_parameters": result.num_parameters, "tokenizer": None}
-    if rep is not None:
+    if result.tokenizer is not None:
         info["tokenizer"] = {
-            "sha256": sha256_file(result.tokenizer), "vocab_size": len(rep.vocab), "jieba": result.jieba,
-            "split_conflicts": rep.split_conflicts,
+            "sha256": sha256_file(result.tokenizer), "kind": SENTENCEPIECE if imported is None else imported.kind,
+            "vocab_size": len(rep.vocab) if imported is None else imported.vocab_size,
+            "special_ids": SPECIAL_IDS if imported is None else imported.special_ids, "jieba": result.jieba,
+            "split_conflicts": rep.split_conflicts if imported is None else [],
             "roundtrip_check": None if agr is None else {"documents": agr.num_docs, "identical": agr.num_equal,
                                                          "examples": agr.examples}}
     return info

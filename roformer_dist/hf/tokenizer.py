@@ -32,6 +32,12 @@ input become the special ids (HF's convention, which fill-mask needs); ``split_s
 tokenises them as text, as our pipeline does. Tokenizers trained with jieba word pre-segmentation
 cannot be expressed (jieba is a program, not a ``tokenizers`` component): the export writes the plain
 pipeline and says how far its ids are from the training ids (:func:`roundtrip_agreement`).
+
+An imported tokenizer (``data_pipeline.imported``: an HF tokenizer.json or a WordPiece vocab.txt the
+shards were made with, with its own special ids) is exported as its own ``tokenizers`` pipeline
+(:func:`build_imported_fast_tokenizer`; a vocab.txt as BERT's: BertNormalizer, BertPreTokenizer,
+WordPiece) with the same normaliser as above put before its own (the shards hold the ids of the
+normalised text) and the ``[CLS] $A [SEP]`` template at its ids; a vocab.txt is copied beside it.
 """
 
 from __future__ import annotations
@@ -46,15 +52,18 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from data_pipeline.errors import DataError
+from data_pipeline.imported import KINDS, WORDPIECE_VOCAB, ImportedTokenizer
 from data_pipeline.tokenizer import SPECIAL_IDS, SPECIAL_TOKENS
 
-__all__ = ["TokenizerReport", "read_sp_model", "build_fast_tokenizer", "tokenizer_config",
-           "special_tokens_map", "write_tokenizer_files", "load_hf_tokenizer", "Agreement", "agreement",
-           "roundtrip_agreement", "TOKENIZER_FILES", "MODEL_INPUT_NAMES"]
+__all__ = ["TokenizerReport", "read_sp_model", "build_fast_tokenizer", "build_imported_fast_tokenizer",
+           "tokenizer_config", "special_tokens_map", "write_tokenizer_files", "write_imported_tokenizer_files",
+           "load_hf_tokenizer", "Agreement", "agreement", "roundtrip_agreement", "TOKENIZER_FILES",
+           "MODEL_INPUT_NAMES"]
 
 SPACE = "\u2581"
 MODEL_INPUT_NAMES = ["input_ids", "token_type_ids", "attention_mask"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.txt")
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 
 
@@ -174,7 +183,7 @@ def bpe_merges(rep: TokenizerReport) -> list[tuple[str, str]]:
 
 def build_fast_tokenizer(sp_model: str | os.PathLike | TokenizerReport):
     """A ``tokenizers.Tokenizer`` equal to corpus.normalize + our SentencePiece model + [CLS]/[SEP]."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE, Unigram
 
     rep = sp_model if isinstance(sp_model, TokenizerReport) else read_sp_model(sp_model)
@@ -192,14 +201,33 @@ def build_fast_tokenizer(sp_model: str | os.PathLike | TokenizerReport):
     steps.append(pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never", split=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-    order = sorted(SPECIAL_IDS, key=SPECIAL_IDS.get)
+    _frame(tok, SPECIAL_IDS)
+    return tok
+
+
+def _frame(tok, special_ids: dict) -> None:
+    """The five special tokens as special added tokens and the [CLS]/[SEP] template, at ``special_ids``."""
+    from tokenizers import AddedToken, processors
+
+    order = sorted(special_ids, key=special_ids.get)
     tok.add_special_tokens([AddedToken(SPECIAL_TOKENS[k], special=True, normalized=False) for k in order])
     cls, sep = SPECIAL_TOKENS["cls"], SPECIAL_TOKENS["sep"]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, SPECIAL_IDS["cls"]), (sep, SPECIAL_IDS["sep"])])
+        special_tokens=[(cls, special_ids["cls"]), (sep, special_ids["sep"])])
     for key, tok_str in SPECIAL_TOKENS.items():
-        assert tok.token_to_id(tok_str) == SPECIAL_IDS[key], tok_str
+        assert tok.token_to_id(tok_str) == special_ids[key], tok_str
+
+
+def build_imported_fast_tokenizer(imported: ImportedTokenizer):
+    """A ``tokenizers.Tokenizer`` equal to corpus.normalize + the imported tokenizer (as the shards were made)
+    + [CLS]/[SEP] at its ids (see the module docstring)."""
+    from tokenizers import Tokenizer, normalizers
+
+    tok = Tokenizer.from_str(imported.tok.to_str())       # a copy (truncation and padding already off)
+    own = tok.normalizer
+    tok.normalizer = _normalizer() if own is None else normalizers.Sequence([_normalizer(), own])
+    _frame(tok, imported.special_ids)
     return tok
 
 
@@ -215,20 +243,38 @@ def tokenizer_config(model_max_length: int) -> dict:
             "clean_up_tokenization_spaces": False, "split_special_tokens": False, **special_tokens_map()}
 
 
-def write_tokenizer_files(out_dir: str | os.PathLike, sp_model: str | os.PathLike, model_max_length: int,
-                          rep: Optional[TokenizerReport] = None) -> TokenizerReport:
-    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and tokenizer.model."""
-    from data_pipeline.atomic import atomic_write_bytes, atomic_write_text
+def _write_fast(out_dir: Path, tok, model_max_length: int) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json of the ``tokenizers.Tokenizer`` tok."""
+    from data_pipeline.atomic import atomic_write_text
 
-    out_dir = Path(out_dir)
-    rep = rep or read_sp_model(sp_model)
-    tok = build_fast_tokenizer(rep)
     atomic_write_text(out_dir / "tokenizer.json", tok.to_str(pretty=False))
     atomic_write_text(out_dir / "tokenizer_config.json",
                       json.dumps(tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n")
     atomic_write_text(out_dir / "special_tokens_map.json", json.dumps(special_tokens_map(), indent=2) + "\n")
+
+
+def write_tokenizer_files(out_dir: str | os.PathLike, sp_model: str | os.PathLike, model_max_length: int,
+                          rep: Optional[TokenizerReport] = None) -> TokenizerReport:
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and tokenizer.model."""
+    from data_pipeline.atomic import atomic_write_bytes
+
+    out_dir = Path(out_dir)
+    rep = rep or read_sp_model(sp_model)
+    _write_fast(out_dir, build_fast_tokenizer(rep), model_max_length)
     atomic_write_bytes(out_dir / "tokenizer.model", Path(sp_model).read_bytes())
     return rep
+
+
+def write_imported_tokenizer_files(out_dir: str | os.PathLike, imported: ImportedTokenizer,
+                                   model_max_length: int) -> None:
+    """Write tokenizer.json (:func:`build_imported_fast_tokenizer`), tokenizer_config.json,
+    special_tokens_map.json and, for a WordPiece vocabulary, vocab.txt."""
+    from data_pipeline.atomic import atomic_write_bytes
+
+    out_dir = Path(out_dir)
+    _write_fast(out_dir, build_imported_fast_tokenizer(imported), model_max_length)
+    if imported.kind == WORDPIECE_VOCAB:
+        atomic_write_bytes(out_dir / KINDS[WORDPIECE_VOCAB], imported.path.read_bytes())
 
 
 def load_hf_tokenizer(source: str | os.PathLike, model_max_length: int = 512):
@@ -279,19 +325,27 @@ def _record(agr: Agreement, text: str, got: list[int], want: list[int], id_to_pi
                              "ours": [id_to_piece(i) for i in want[lo:k + 4]]})
 
 
-def agreement(hf_tokenizer, texts: Iterable[str], sp_model: str | os.PathLike, max_examples: int = 5,
+def _ours(tokenizer):
+    """The pipeline's tokenizer: ``tokenizer`` when it is one already (SentencePiece or imported), else the
+    SentencePiece model at that path."""
+    from data_pipeline.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+
+
+def agreement(hf_tokenizer, texts: Iterable[str], tokenizer, max_examples: int = 5,
               batch: int = 256) -> Agreement:
     """Raw texts: ``hf_tokenizer(text)`` against ``[CLS] + encode(normalize(text)) + [SEP]``.
 
-    ``hf_tokenizer``: a ``tokenizers.Tokenizer`` or a transformers fast tokenizer."""
+    ``hf_tokenizer``: a ``tokenizers.Tokenizer`` or a transformers fast tokenizer; ``tokenizer``: the
+    pipeline's (a SentencePiece model path, a ``data_pipeline`` Tokenizer or ImportedTokenizer)."""
     from data_pipeline.corpus import normalize
-    from data_pipeline.tokenizer import Tokenizer
 
     backend = getattr(hf_tokenizer, "backend_tokenizer", hf_tokenizer)
-    ours = Tokenizer(sp_model)
+    ours = _ours(tokenizer)
     agr = Agreement()
     texts = list(texts)
-    cls, sep = SPECIAL_IDS["cls"], SPECIAL_IDS["sep"]
+    cls, sep = ours.special_ids["cls"], ours.special_ids["sep"]
     for start in range(0, len(texts), batch):
         chunk = texts[start:start + batch]
         for text, enc, ids in zip(chunk, backend.encode_batch(chunk),
@@ -300,15 +354,16 @@ def agreement(hf_tokenizer, texts: Iterable[str], sp_model: str | os.PathLike, m
     return agr
 
 
-def roundtrip_agreement(hf_tokenizer, shard_dir: str | os.PathLike, sp_model: str | os.PathLike,
-                        max_docs: int = 1000, max_examples: int = 3) -> Agreement:
-    """Training documents of a shard set: decode the stored ids to text (exact: decode(encode(t)) == t for
-    normalised text) and check that the HF tokenizer gives the stored ids back (the first ``max_docs``)."""
+def roundtrip_agreement(hf_tokenizer, shard_dir: str | os.PathLike, tokenizer, max_docs: int = 1000,
+                        max_examples: int = 3) -> Agreement:
+    """Training documents of a shard set: decode the stored ids to text with ``tokenizer`` (as
+    :func:`agreement` takes it; exact for SentencePiece: decode(encode(t)) == t for normalised text; a
+    WordPiece decode is the lowercased pieces joined, which re-encodes to the same pieces) and check that
+    the HF tokenizer gives the stored ids back (the first ``max_docs``)."""
     from data_pipeline.shards import read_manifest, read_shard
-    from data_pipeline.tokenizer import Tokenizer
 
     backend = getattr(hf_tokenizer, "backend_tokenizer", hf_tokenizer)
-    ours = Tokenizer(sp_model)
+    ours = _ours(tokenizer)
     m = read_manifest(shard_dir)
     agr = Agreement()
     for entry in m["shards"]:

@@ -1,5 +1,6 @@
 """The training data as the trainer sees it: the shard manifests checked against the config before
-anything starts, and the loader's errors turned into one-line DataErrors."""
+anything starts (the model's vocabulary size and [PAD] id come from the manifest), and the loader's
+errors turned into one-line DataErrors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from data_pipeline.errors import UsageError
 from data_pipeline.manifest import MANIFEST, as_source, check_same_tokenizer, check_tokenizer, check_training_data, \
     read_manifest
 from data_pipeline.source import RetryPolicy, set_default_retry
-from roformer_dist.config import Config, replace, training_sources
+from roformer_dist.config import Config, ModelConfig, replace, training_sources
 from roformer_dist.errors import ConfigError, DataError
 
 __all__ = ["resolve_data", "data_error", "source_manifests"]
@@ -49,8 +50,19 @@ def source_manifests(cfg: Config, first: Optional[dict] = None) -> dict[str, dic
     return out
 
 
+def _pad_token_id(cfg: Config, manifest: dict, where: str) -> int:
+    """The manifest's [PAD] id, which the model's ``pad_token_id`` must be: the default (0) is taken to mean
+    "the data's"; another value that disagrees is a ConfigError naming both."""
+    pad = int(manifest["special_ids"]["pad"])
+    given = cfg.model.pad_token_id
+    if given != pad and given != ModelConfig.pad_token_id:
+        raise ConfigError(f"model.pad_token_id: {given} differs from the [PAD] id {pad} of the shards ({where}: "
+                          "field 'special_ids.pad'); leave model.pad_token_id out to take the data's")
+    return pad
+
+
 def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Config, dict[str, dict]]:
-    """Read the shard manifests; fill model.vocab_size; refuse mismatches before training
+    """Read the shard manifests; fill model.vocab_size and model.pad_token_id; refuse mismatches before training
     (:func:`data_pipeline.manifest.check_training_data`: DataError / UsageError naming the key and field).
     Returns the config and every training source's manifest (:func:`source_manifests`: name -> manifest,
     the first source's first)."""
@@ -80,6 +92,8 @@ def resolve_data(cfg: Config, resumed_state: Optional[dict] = None) -> tuple[Con
         except DataError as err:
             raise DataError(f"{where}: {err}") from None
         check_same_tokenizer(ev, manifest, f"{where}: {as_source(e.shards).child(MANIFEST)}", "the training data's")
+    where = f"{key}: {as_source(sources[0].shards).child(MANIFEST)}"
+    changes = {"model.pad_token_id": _pad_token_id(cfg, manifest, where)}
     if auto:
-        cfg = replace(cfg, **{"model.vocab_size": int(manifest["vocab_size"])})
-    return cfg, manifests
+        changes["model.vocab_size"] = int(manifest["vocab_size"])
+    return replace(cfg, **changes), manifests
