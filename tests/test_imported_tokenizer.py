@@ -282,3 +282,42 @@ def test_prepare_over_local_tasks_gives_the_single_process_set(wordpiece, small_
     assert m["tokenizer"] == ref["tokenizer"] and m["special_ids"] == BERT_IDS and verify_shard_set(out) == []
     assert [(a.tolist(), b.tolist()) for a, b in _documents(out)] == \
         [(a.tolist(), b.tolist()) for a, b in _documents(single)]
+
+
+@pytest.mark.slow
+def test_continuing_a_roformer_repository_on_its_own_vocabulary(wordpiece, small_shards, tmp_path):
+    """The whole path of an existing model: an HF RoFormer repository with its vocab.txt -> shards with that
+    vocabulary -> roformer-train warm-started from the repository -> to-hf -> AutoTokenizer: the shards'
+    ids, and an HF model that loads the trained weights."""
+    import shutil
+    import types
+
+    transformers = pytest.importorskip("transformers")
+    from roformer_dist.cli.convert import main as convert
+    from trainer_runs import make_cfg, records, train
+
+    vocab, d = wordpiece
+    repo = tmp_path / "repo"
+    hf_cfg = transformers.RoFormerConfig(vocab_size=read_manifest(d)["vocab_size"], embedding_size=64, hidden_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                         max_position_embeddings=512, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.RoFormerForMaskedLM(hf_cfg).save_pretrained(str(repo))
+    shutil.copy(vocab, repo / "vocab.txt")
+    shards = tmp_path / "shards"
+    assert _prepare(small_shards.source, repo, shards) == 0  # the repository's directory: its vocab.txt
+    assert read_manifest(shards)["special_ids"] == BERT_IDS
+    run = tmp_path / "run"
+    cfg = make_cfg(types.SimpleNamespace(dir=shards, eval_dir=shards), run, f"init.from={repo}",
+                   "trainer.stop_at_step=2", world_size=1)
+    assert train(cfg) == [0]
+    assert [r["step"] for r in records(run)] == [1, 2]
+    assert json.loads((run / "parent.json").read_text())["kind"] == "hf-roformer"
+    out = tmp_path / "hf"
+    assert convert(["to-hf", "--checkpoint", str(run), "--out", str(out), "--check-docs", "100"]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (tok.pad_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id) == (0, 101, 102, 103)
+    for text, (ids, _) in list(zip([doc.text for doc in read_documents(small_shards.source)], _documents(shards)))[:200]:
+        assert tok(text)["input_ids"] == [101, *ids.tolist(), 102]
+    model = transformers.RoFormerForMaskedLM.from_pretrained(str(out))
+    assert model.config.vocab_size == hf_cfg.vocab_size and model.config.pad_token_id == 0
