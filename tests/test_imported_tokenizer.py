@@ -321,3 +321,7 @@ def test_continuing_a_roformer_repository_on_its_own_vocabulary(wordpiece, small
         assert tok(text)["input_ids"] == [101, *ids.tolist(), 102]
     model = transformers.RoFormerForMaskedLM.from_pretrained(str(out))
     assert model.config.vocab_size == hf_cfg.vocab_size and model.config.pad_token_id == 0
+    card = (out / "README.md").read_text()
+    assert f"initialised from: hf-roformer `{repo}`" in card and "WordPiece `vocab.txt`" in card
+    assert "`[CLS]`=101" in card and "rotary (RoPE), base 10000" in card
+    assert json.loads((out / "roformer_export.json").read_text())["parent"]["kind"] == "hf-roformer"

@@ -32,6 +32,7 @@ from data_pipeline.atomic import StagedDir, atomic_write_text
 from data_pipeline.imported import SENTENCEPIECE, ImportedTokenizer, kind_of
 from data_pipeline.manifest import read_manifest, tokenizer_path
 from data_pipeline.tokenizer import SPECIAL_IDS, sha256_file
+from roformer_dist.checkpoint.lineage import read_parent_record
 from roformer_dist.checkpoint.store import Found, read_trainer_state
 from roformer_dist.config import from_dict, training_sources
 from roformer_dist.errors import ConfigError, DataError
@@ -66,6 +67,8 @@ class ExportSource:
     """The training shard set (when it can be found)."""
     manifest: Optional[dict] = None
     eval_manifest: Optional[dict] = None
+    parent: Optional[dict] = None
+    """The run's ``parent.json`` (a warm start or fork: what its first weights came from), else None."""
 
 
 @dataclass
@@ -115,6 +118,7 @@ def source_from_checkpoint(found: Found) -> ExportSource:
     run_dir = found.dir.parent.parent
     src = ExportSource(f"training checkpoint {found.dir}", run_config=config, trainer=trainer)
     src.eval_metrics, src.eval_step = _eval_scalars(run_dir, found.step)
+    src.parent = read_parent_record(run_dir)
     sources = training_sources(config.data)
     src.shard_dir = _existing(sources[0].shards, run_dir) if sources else None
     eval_dir = _existing(config.data.eval_shards, run_dir)
@@ -237,7 +241,7 @@ def _export_info(result: ExportResult, source: ExportSource, rep, imported) -> d
     info = {"format": "roformer-dist-hf-export", "version": 1, "source": source.description,
             "step": source.trainer.get("step"), "tokens_seen": source.trainer.get("tokens_seen"),
             "eval_step": source.eval_step, "eval": {k: round(v, 6) for k, v in source.eval_metrics.items()},
-            "num_parameters": result.num_parameters, "tokenizer": None}
+            "num_parameters": result.num_parameters, "parent": source.parent, "tokenizer": None}
     if result.tokenizer is not None:
         info["tokenizer"] = {
             "sha256": sha256_file(result.tokenizer), "kind": SENTENCEPIECE if imported is None else imported.kind,

@@ -18,9 +18,30 @@ def _architecture(cfg, num_parameters: int) -> list[str]:
             ("attention heads", cfg.num_attention_heads), ("feed-forward size", cfg.intermediate_size),
             ("activation", cfg.hidden_act), ("embedding size", emb), ("vocabulary", cfg.vocab_size),
             ("max positions", cfg.max_position_embeddings), ("token types", cfg.type_vocab_size),
-            ("position encoding", "rotary (RoPE)" + (", on values too" if cfg.rotary_value else "")),
+            ("position encoding", _positions(cfg)),
             ("attention", getattr(cfg, "attention", "softmax")), ("parameters", _fmt_int(num_parameters))]
     return ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
+
+
+def _positions(cfg) -> str:
+    """The position encoding in words: rotary with its base and scaling, or absolute."""
+    if cfg.position_embedding != "rotary":
+        return "absolute (learned)"
+    text = f"rotary (RoPE), base {cfg.rope_theta:g}" + (", on values too" if cfg.rotary_value else "")
+    if cfg.rope_scaling != "none":
+        text += f", {cfg.rope_scaling} scaling x{cfg.rope_scaling_factor:g}"
+        if cfg.rope_original_max_position:
+            text += f" of {cfg.rope_original_max_position} positions"
+    return text
+
+
+def _parent(parent) -> list[str]:
+    """Where the weights started (a warm start or fork: the run's parent.json)."""
+    if not parent:
+        return []
+    at = f" at step {parent['step']}" if parent.get("step") is not None else ""
+    return [f"- initialised from: {parent.get('kind')} `{parent.get('path')}`{at} (config sha256 "
+            f"`{str(parent.get('config_sha256', ''))[:16]}...`); this run continued from those weights"]
 
 
 def _manifest_lines(name: str, path, m: dict) -> list[str]:
@@ -44,7 +65,8 @@ def _training(source) -> list[str]:
               f"sequences seen: {_fmt_int(t.get('samples_seen'))}",
               f"- optimiser: {cfg.optim.name}, peak lr {cfg.optim.lr:g}, {cfg.optim.warmup_steps} warm-up steps, "
               f"{cfg.optim.schedule} decay, weight decay {cfg.optim.weight_decay:g}; DeepSpeed ZeRO-"
-              f"{cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}; seed {cfg.trainer.seed}"]
+              f"{cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}; seed {cfg.trainer.seed}",
+              *_parent(source.parent)]
     sources = training_sources(cfg.data)
     if len(sources) > 1:
         listed = ", ".join(f"`{s.name}` (`{s.shards}`, weight {s.weight if s.weight is not None else 1:g}"
@@ -87,6 +109,15 @@ def _tokenizer(result, info: dict) -> list[str]:
         return lines + ["This export has no tokenizer (written with `--no-tokenizer`): `AutoTokenizer` cannot "
                         "load it. Re-export with `roformer-convert to-hf --tokenizer <shard set or .model>`.", ""]
     tok = info["tokenizer"]
+    if tok.get("kind", "sentencepiece") != "sentencepiece":
+        ids = " ".join(f"`[{k.upper()}]`={v}" for k, v in tok["special_ids"].items())
+        what = "a WordPiece `vocab.txt` (BERT's rules: CJK characters split, lower-cased, accents stripped)" \
+            if tok["kind"] == "wordpiece-vocab" else "an imported `tokenizer.json`"
+        lines += [f"Imported: {what}, {tok['vocab_size']:,} entries (sha256 `{tok['sha256'][:16]}...`), with the "
+                  "pretraining pipeline's text normalisation (NFKC, control characters removed, whitespace "
+                  f"collapsed) before its own. Inputs are `[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]`. Special ids: "
+                  f"{ids} (the imported vocabulary's own).", ""]
+        return lines + _roundtrip(tok)
     lines += [f"SentencePiece Unigram, {tok['vocab_size']:,} pieces (`tokenizer.model`, sha256 "
               f"`{tok['sha256'][:16]}...`), with the pretraining pipeline's text normalisation in "
               "`tokenizer.json`: NFKC (full-width -> half-width), control and format characters removed, "
@@ -97,14 +128,7 @@ def _tokenizer(result, info: dict) -> list[str]:
               "The literal strings `[MASK]`, `[CLS]`, ... in an input become the special ids (as with every HF "
               "tokenizer; fill-mask needs it). Pretraining never produced them from text: load with "
               "`AutoTokenizer.from_pretrained(path, split_special_tokens=True)` to tokenise them as text.", ""]
-    check = tok.get("roundtrip_check")
-    if check:
-        rate = check["identical"] / max(1, check["documents"])
-        lines += [f"Check at export: {check['identical']:,} of {check['documents']:,} training documents "
-                  f"({100 * rate:.2f}%) decoded from the shards and re-encoded with `tokenizer.json` give "
-                  "exactly the training ids. SentencePiece sums piece scores in float32, `tokenizers` in "
-                  "float64: where two segmentations score within float32 rounding of each other the two "
-                  "can pick different ones.", ""]
+    lines += _roundtrip(tok, sentencepiece=True)
     if result.jieba:
         lines += ["**jieba word pre-segmentation.** This tokenizer was trained (and the model pretrained) on "
                   "jieba words: SentencePiece encoded each jieba word on its own. `tokenizer.json` cannot run "
@@ -119,6 +143,20 @@ def _tokenizer(result, info: dict) -> list[str]:
                   "ids = [2] + [i for w in sp.encode(words) for i in w] + [3]    # [CLS] ... [SEP]",
                   "```", ""]
     return lines
+
+
+def _roundtrip(tok: dict, sentencepiece: bool = False) -> list[str]:
+    check = tok.get("roundtrip_check")
+    if not check:
+        return []
+    rate = check["identical"] / max(1, check["documents"])
+    line = (f"Check at export: {check['identical']:,} of {check['documents']:,} training documents "
+            f"({100 * rate:.2f}%) decoded from the shards and re-encoded with `tokenizer.json` give "
+            "exactly the training ids.")
+    if sentencepiece:
+        line += (" SentencePiece sums piece scores in float32, `tokenizers` in float64: where two segmentations "
+                 "score within float32 rounding of each other the two can pick different ones.")
+    return [line, ""]
 
 
 def render_model_card(cfg, result, source, info: dict) -> str:

@@ -21,6 +21,7 @@ from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.compat import changed_settings, check_compatible
+from roformer_dist.checkpoint.lineage import Parent, write_parent
 from roformer_dist.checkpoint.safe_load import weights_only_loads
 from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
 from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
@@ -38,7 +39,7 @@ from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
 from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
-from roformer_dist.train.warm_start import Parent, optimizer_checkpoint, warm_start, write_parent
+from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 
 __all__ = ["Trainer"]
 

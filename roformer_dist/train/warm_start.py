@@ -15,8 +15,7 @@ decoder biases (``init.new_rows``: the mean of the parent's rows, or the initial
 mean of the parent's, or 0). The settings without parameters (rotary base and scaling, the rotary
 model's max_position_embeddings, dropout, kernels, document positions) may differ and are logged.
 
-The parent is recorded in ``run_dir/parent.json`` (:class:`Parent`): what it was, its step and the sha256 of
-its config, for the run's own record and for the model card of an export.
+The trainer records the parent in ``run_dir/parent.json`` (:mod:`roformer_dist.checkpoint.lineage`).
 """
 
 from __future__ import annotations
@@ -25,26 +24,22 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from data_pipeline.atomic import atomic_write_text
 from roformer_dist.checkpoint.compat import parameter_shapes
+from roformer_dist.checkpoint.lineage import Parent
 from roformer_dist.checkpoint.store import read_trainer_state, resolve, state_file
 from roformer_dist.checkpoint.weights import WEIGHTS_NAME, load_checkpoint_weights, load_weights
 from roformer_dist.config import Config, ModelConfig, to_dict
 from roformer_dist.errors import CheckpointError, ConfigError
 
-__all__ = ["Parent", "PARENT_FILE", "read_parent", "adapt", "warm_start", "optimizer_checkpoint", "write_parent",
-           "read_parent_record"]
+__all__ = ["read_parent", "adapt", "warm_start", "optimizer_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-PARENT_FILE = "parent.json"
 HF_KINDS = {"roformer": "hf-roformer", "bert": "hf-bert"}
 ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                      "embedding_size", "hidden_act", "type_vocab_size", "layer_norm_eps", "rotary_value",
@@ -56,27 +51,6 @@ FREE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original
 """Settings that may differ (no parameters, or none with rotary positions): each difference is logged."""
 _EMBEDDINGS, _BIAS = "embeddings.word_embeddings.weight", "head.bias"
 _MAX_SHAPES = 8
-
-
-@dataclass(frozen=True)
-class Parent:
-    """What a run started from (``run_dir/parent.json``)."""
-    kind: str
-    """hf-roformer | hf-bert | checkpoint | weights."""
-    path: str
-    """The absolute path read (for a run: its checkpoint's step directory)."""
-    step: Optional[int] = None
-    """The parent run's step (checkpoints only)."""
-    config_sha256: str = ""
-    """sha256 of the parent's config (its run config for a checkpoint, config.json for HF, the model section
-    of a weights file)."""
-    tokenizer_sha256: str = ""
-    """sha256 of the parent's tokenizer model (checkpoints only)."""
-    world_size: Optional[int] = None
-    """Ranks that wrote the parent checkpoint (checkpoints only)."""
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
 
 
 def _sha256_json(obj: Any) -> str:
@@ -248,18 +222,3 @@ def optimizer_checkpoint(parent: Parent) -> tuple[str, str]:
     """(checkpoints root, tag) of a checkpoint parent, as DeepSpeed's load_checkpoint takes them."""
     d = Path(parent.path)
     return str(d.parent), d.name
-
-
-def write_parent(run_dir: Path, parent: Parent) -> None:
-    """``run_dir/parent.json`` (atomic); the first record stays when a restart finds one."""
-    path = Path(run_dir) / PARENT_FILE
-    if not path.exists():
-        atomic_write_text(path, parent.to_json())
-
-
-def read_parent_record(run_dir: str | os.PathLike) -> Optional[dict]:
-    """The run's ``parent.json`` as a dict, or None (a run started from random weights, or unreadable)."""
-    try:
-        return json.loads((Path(run_dir) / PARENT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

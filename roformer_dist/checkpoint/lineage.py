@@ -1,0 +1,53 @@
+"""A run's lineage: what its first weights came from (``run_dir/parent.json``), written by the trainer
+of a warm start or fork (:mod:`roformer_dist.train.warm_start`), read by exports for the model card."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from data_pipeline.atomic import atomic_write_text
+
+__all__ = ["Parent", "PARENT_FILE", "write_parent", "read_parent_record"]
+
+PARENT_FILE = "parent.json"
+
+
+@dataclass(frozen=True)
+class Parent:
+    """What a run started from (``run_dir/parent.json``)."""
+    kind: str
+    """hf-roformer | hf-bert | checkpoint | weights."""
+    path: str
+    """The absolute path read (for a run: its checkpoint's step directory)."""
+    step: Optional[int] = None
+    """The parent run's step (checkpoints only)."""
+    config_sha256: str = ""
+    """sha256 of the parent's config (its run config for a checkpoint, config.json for HF, the model section
+    of a weights file)."""
+    tokenizer_sha256: str = ""
+    """sha256 of the parent's tokenizer model (checkpoints only)."""
+    world_size: Optional[int] = None
+    """Ranks that wrote the parent checkpoint (checkpoints only)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
+
+
+def write_parent(run_dir: Path, parent: Parent) -> None:
+    """``run_dir/parent.json`` (atomic); the first record stays when a restart finds one."""
+    path = Path(run_dir) / PARENT_FILE
+    if not path.exists():
+        atomic_write_text(path, parent.to_json())
+
+
+def read_parent_record(run_dir: str | os.PathLike) -> Optional[dict]:
+    """The run's ``parent.json`` as a dict, or None (a run started from random weights, or unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / PARENT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
