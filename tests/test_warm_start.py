@@ -102,6 +102,24 @@ def test_bad_parents_are_one_message(tmp_path):
         read_parent(str(empty))
 
 
+def _adam_steps(ckpt_dir) -> set:
+    """The Adam step counts stored in a ZeRO checkpoint's optimizer files (rank 0's)."""
+    sd = torch.load(next(ckpt_dir.glob("*optim_states.pt")), map_location="cpu", weights_only=False)
+    found = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            if "step" in x and "exp_avg" in x:
+                found.add(int(x["step"]))
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(sd)
+    return found
+
+
 def _eval_at_zero(run_dir):
     from roformer_dist.runtime.events import read_scalars
 
@@ -116,6 +134,12 @@ def test_fork_across_zero_stages_and_layouts(tmp_path, small_shards):
     resumes itself, not the parent."""
     parent = tmp_path / "parent"
     assert train(make_cfg(small_shards, parent, "deepspeed.zero_stage=3", "trainer.stop_at_step=3")) == [0, 0]
+    # the optimizer too, from a checkpoint of the same layout: Adam's moments continue (step 3 -> 4)
+    opt = tmp_path / "with_optimizer"
+    assert train(make_cfg(small_shards, opt, "deepspeed.zero_stage=3", "trainer.stop_at_step=1", f"init.from={parent}",
+                          "init.load_optimizer=true")) == [0, 0]
+    assert _adam_steps(parent / "checkpoints" / "step_00000003") == {3}
+    assert _adam_steps(opt / "checkpoints" / "step_00000001") == {4}
     one = tmp_path / "zero1"
     cfg = make_cfg(small_shards, one, "deepspeed.zero_stage=1", "trainer.stop_at_step=1", f"init.from={parent}",
                    world_size=1)
