@@ -325,3 +325,18 @@ def test_continuing_a_roformer_repository_on_its_own_vocabulary(wordpiece, small
     assert f"initialised from: hf-roformer `{repo}`" in card and "WordPiece `vocab.txt`" in card
     assert "`[CLS]`=101" in card and "rotary (RoPE), base 10000" in card
     assert json.loads((out / "roformer_export.json").read_text())["parent"]["kind"] == "hf-roformer"
+    # fine-tuning straight from the run (not the export) takes the shards' vocabulary too
+    from roformer_dist.finetune.run import run as finetune
+
+    docs = [doc.text[:40] for doc in read_documents(small_shards.source, limit=24)]
+    rows = [{"sentence": text, "label": i % 2} for i, text in enumerate(docs)]
+    data = tmp_path / "cls"
+    data.mkdir()
+    for name, part in (("train.jsonl", rows[:16]), ("dev.jsonl", rows[16:24])):
+        (data / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part), encoding="utf-8")
+    res = finetune(["--model", str(run), "--train", str(data / "train.jsonl"), "--dev", str(data / "dev.jsonl"),
+                    "--out", str(tmp_path / "ft"), "--epochs", "1", "--batch-size", "8", "--max-length", "32",
+                    "--no-progress", "--threads", "1"])
+    best = tmp_path / "ft" / "best"
+    assert res["dev_examples"] == 8 and (best / "vocab.txt").read_bytes() == vocab.read_bytes()
+    assert transformers.AutoTokenizer.from_pretrained(str(best))("中国")["input_ids"] == tok("中国")["input_ids"]

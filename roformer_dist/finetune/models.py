@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from data_pipeline.atomic import atomic_write_text
+from data_pipeline.imported import SENTENCEPIECE, ImportedTokenizer, kind_of
 from roformer_dist.checkpoint.store import resolve
 from roformer_dist.checkpoint.weights import WEIGHTS_NAME, load_checkpoint_weights, load_weights
 from roformer_dist.config import ModelConfig, build
@@ -37,7 +38,8 @@ from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.hf.convert import (check_exportable, from_hf_pretrained, hf_config_from, model_config_from_hf,
                                       state_dict_to_hf)
 from roformer_dist.hf.export import find_tokenizer, source_from_checkpoint
-from roformer_dist.hf.tokenizer import TOKENIZER_FILES, load_hf_tokenizer, write_tokenizer_files
+from roformer_dist.hf.tokenizer import (TOKENIZER_FILES, load_hf_tokenizer, write_imported_tokenizer_files,
+                                        write_tokenizer_files)
 from roformer_dist.nn.model import ACTIVATIONS, RoFormerForMaskedLM
 
 __all__ = ["Classifier", "NativeClassifier", "load_classifier", "load_native_classifier", "pool", "NATIVE_FILE",
@@ -164,7 +166,7 @@ def _from_hf_dir(path: Path, labels: list, from_scratch: bool, tokenizer: Option
                 if (tok_src / name).is_file():
                     shutil.copyfile(tok_src / name, out / name)
         else:
-            _write_sp_tokenizer(out, tok_src, max_pos)
+            _write_tokenizer(out, tok_src, max_pos)
 
     backend = "native" if pooling == "mean" else "transformers"
     return Classifier(model, tok, backend, f"HF export {path}", max_pos, write_tokenizer, labels)
@@ -181,8 +183,14 @@ def _native_from_hf(path: Path, config, num_labels: int, from_scratch: bool) -> 
     return model
 
 
-def _write_sp_tokenizer(out: Path, source: Path, max_pos: int) -> None:
-    write_tokenizer_files(out, source / "tokenizer.model" if source.is_dir() else source, max_pos)
+def _write_tokenizer(out: Path, source: Path, max_pos: int) -> None:
+    """The HF tokenizer files of a run's tokenizer: ours (a SentencePiece model) or an imported one."""
+    source = source / "tokenizer.model" if source.is_dir() else source
+    kind = kind_of(source)
+    if kind == SENTENCEPIECE:
+        write_tokenizer_files(out, source, max_pos)
+    else:
+        write_imported_tokenizer_files(out, ImportedTokenizer(source, kind), max_pos)
 
 
 def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scratch: bool,
@@ -191,7 +199,7 @@ def _from_ours(cfg, sd: dict, what: str, sp_model: Path, labels: list, from_scra
     tok = load_hf_tokenizer(sp_model, max_pos)
 
     def write_tokenizer(out: Path) -> None:
-        _write_sp_tokenizer(out, sp_model, max_pos)
+        _write_tokenizer(out, sp_model, max_pos)
 
     why = "--pooling mean" if pooling == "mean" else None
     if why is None:

@@ -52,7 +52,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from data_pipeline.errors import DataError
-from data_pipeline.imported import KINDS, WORDPIECE_VOCAB, ImportedTokenizer
+from data_pipeline.imported import KINDS, SENTENCEPIECE, WORDPIECE_VOCAB, ImportedTokenizer, kind_of
 from data_pipeline.tokenizer import SPECIAL_IDS, SPECIAL_TOKENS
 
 __all__ = ["TokenizerReport", "read_sp_model", "build_fast_tokenizer", "build_imported_fast_tokenizer",
@@ -279,7 +279,8 @@ def write_imported_tokenizer_files(out_dir: str | os.PathLike, imported: Importe
 
 def load_hf_tokenizer(source: str | os.PathLike, model_max_length: int = 512):
     """A transformers fast tokenizer from an export directory (its tokenizer.json, or one built from its
-    tokenizer.model when an older export has none) or from a SentencePiece model file."""
+    tokenizer.model when an older export has none), from a SentencePiece model file, or from the imported
+    tokenizer.json / vocab.txt of a shard set (as the shards were made: our normaliser first)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     source = Path(source)
@@ -291,7 +292,10 @@ def load_hf_tokenizer(source: str | os.PathLike, model_max_length: int = 512):
                         "roformer-convert to-hf, or a SentencePiece model)")
     kwargs = tokenizer_config(model_max_length)
     kwargs.pop("tokenizer_class")
-    return PreTrainedTokenizerFast(tokenizer_object=build_fast_tokenizer(model), **kwargs)
+    kind = kind_of(model)
+    fast = build_fast_tokenizer(model) if kind == SENTENCEPIECE else \
+        build_imported_fast_tokenizer(ImportedTokenizer(model, kind))
+    return PreTrainedTokenizerFast(tokenizer_object=fast, **kwargs)
 
 
 @dataclass
