@@ -56,8 +56,8 @@ def long_documents(corpus: Path, tokenizer: Path, tokens: int) -> list[str]:
     tok = Tokenizer(tokenizer)
     ids = [int(i) for d in read_documents([corpus]) for i in tok.encode(d.text)]
     out, start = [], 0
-    while start + tokens + 16 <= len(ids):
-        for cut in range(tokens, tokens - 16, -1):  # a cut may re-encode a piece longer or shorter
+    while start + tokens + 24 <= len(ids):
+        for cut in range(tokens, tokens + 24):  # the text of a cut re-encodes to as many ids or (merged) fewer
             text = tok.decode(ids[start:start + cut])
             if len(tok.encode(text)) == tokens:
                 out.append(text)
