@@ -173,6 +173,15 @@ def test_fork_across_zero_stages_and_layouts(tmp_path, small_shards):
     assert "resuming from" in log and "model.rope_theta: 10000.0 in the checkpoint, 20000.0 now" in log
     assert "not read: resuming this run's own checkpoint" in log
 
+    # and back: the tensor-parallel checkpoint into ZeRO-3, whose step-0 eval is the TP model's own
+    from roformer_dist.train.length_report import evaluate_checkpoint
+
+    back = tmp_path / "back"
+    assert train(make_cfg(small_shards, back, "deepspeed.zero_stage=3", "trainer.stop_at_step=1",
+                          "model.rope_theta=20000", f"init.from={tp}")) == [0, 0]
+    own = evaluate_checkpoint(str(tp), [128])
+    assert _eval_at_zero(back)["eval/loss_128"] == pytest.approx(own.rows[0].loss, rel=1e-5)
+
 
 def test_roformer_train_fork_refuses_before_any_rank_starts(tmp_path, small_shards, capsys):
     from roformer_dist.cli.train import main
@@ -189,3 +198,9 @@ def test_roformer_train_fork_refuses_before_any_rank_starts(tmp_path, small_shar
     assert "Traceback" not in err and not (tmp_path / "b" / "config.yaml").exists()
     assert main([*base, f"run_dir={tmp_path / 'c'}", f"init.from={repo}", "init.load_optimizer=true"]) == 2
     assert "init.load_optimizer:" in capsys.readouterr().err
+    for bad, says in ((["model.rope_scaling=cubic"], "model.rope_scaling: expected one of none, linear, ntk, yarn"),
+                      (["model.rope_scaling=linear", "model.rope_scaling_factor=0.5"],
+                       "model.rope_scaling_factor: expected a number >= 1")):
+        assert main([*base, f"run_dir={tmp_path / 'd'}", *bad]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
