@@ -82,8 +82,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Read the data manifests, choose and check the checkpoint, build model, engine and loader,
-        load the checkpoint. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not touched
+        """Read the data manifests, choose and check the checkpoint, build model (from ``init.from``'s weights
+        when there is no checkpoint to resume), engine and loader, load the checkpoint. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not touched
         before the checks passed: config.yaml is written last (a damaged checkpoint may be marked BAD)."""
         cfg, env = self.cfg, self.env
         cfg, manifests = resolve_data(cfg, None)  # the tokenizer vs checkpoint check is check_compatible's
