@@ -26,6 +26,7 @@ BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.name != "_co
 
 RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hold)
     "ablation": ("ablation", "eval loss by length:"),
+    "context_extension": ("context_extension", "(d) fork, yarn x3"),
     "ds_zero3_fp32_master": ("ds_zero3_fp32_master", "duplicated"),
     "e2e": ("e2e", "roformer-train / bare step"),
     "finetune_reviews": ("finetune_reviews", "labelled examples"),
@@ -42,7 +43,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "e2e", "linear_attention", "packing"}
+SLOW = {"ablation", "context_extension", "e2e", "linear_attention", "packing"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate"}
