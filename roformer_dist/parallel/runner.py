@@ -33,8 +33,9 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from roformer_dist.config import Config, StageConfig, micro_batch_size
+from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
 from roformer_dist.errors import CheckpointError
+from roformer_dist.nn.rotary import set_rope
 from roformer_dist.parallel.topology import ParallelDims, check_layout
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,9 @@ class ParallelRunner:
         return sums
 
     def set_stage(self, stage: StageConfig, world_size: int) -> None:
-        """New curriculum stage: micro-batch and accumulation (and the pipeline's activation shapes)."""
+        """New curriculum stage: micro-batch and accumulation (and the pipeline's activation shapes), and the
+        stage's rotary settings (``config.rope_settings``: they may differ from the model's)."""
+        set_rope(self.engine, rope_settings(self.cfg.model, stage), self.cfg.model.max_position_embeddings)
         mbs = micro_batch_size(self.cfg, stage, world_size)
         self.engine.set_train_micro_batch_size(mbs)
         self.engine.set_train_batch_size(stage.global_batch_size)

@@ -28,7 +28,6 @@ from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, rope_settings, save_config, to_dict, validate
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
 from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM
-from roformer_dist.nn.rotary import set_rope
 from roformer_dist.parallel.runner import build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
@@ -225,12 +224,10 @@ class Trainer:
         mbs = micro_batch_size(self.cfg, st, self.env.world_size)
         self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index) if self.plan else None)
         self.runner.set_stage(st, self.env.world_size)
-        rope = rope_settings(self.cfg.model, st)
-        if rope != self._rope:
-            set_rope(self.engine, rope, self.cfg.model.max_position_embeddings)
-            if rope != rope_settings(self.cfg.model) or self._rope is not None:
-                log.info("stage %r: rotary %s", st.name, ", ".join(f"{k} {v}" for k, v in rope.items()))
-            self._rope = rope
+        rope = rope_settings(self.cfg.model, st)  # the runner puts them in force
+        if rope != self._rope and (rope != rope_settings(self.cfg.model) or self._rope is not None):
+            log.info("stage %r: rotary %s", st.name, ", ".join(f"{k} {v}" for k, v in rope.items()))
+        self._rope = rope
         self.stage_index = index
         log.info("stage %d/%d %r: seq_len %d, global batch %d, micro-batch %d, accumulation %d",
                  index + 1, len(self.stages), st.name, st.seq_len, st.global_batch_size, mbs,
