@@ -66,16 +66,20 @@ def test_reference_matches_naive_and_hf():
     torch.testing.assert_close(kr, hk, atol=1e-6, rtol=1e-6)
 
 
-def test_reference_backward_matches_autograd_of_naive():
-    q, k = make_qk(D=8)
-    cos, sin = R.rotary_tables(q.shape[1], 8)
-    gq, gk = make_qk(D=8, seed=1)
+def _assert_reference_backward_matches_naive(S: int, D: int, **rope) -> None:
+    q, k = make_qk(S=S, D=D)
+    cos, sin = R.rotary_tables(S, D, **rope)
+    gq, gk = make_qk(S=S, D=D, seed=1)
     q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
     torch.autograd.backward(R.apply_rotary(q1, k1, cos, sin, "reference"), (gq, gk))
     q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
     torch.autograd.backward((naive_rotary(q2, cos, sin), naive_rotary(k2, cos, sin)), (gq, gk))
     torch.testing.assert_close(q1.grad, q2.grad, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k1.grad, k2.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_backward_matches_autograd_of_naive():
+    _assert_reference_backward_matches_naive(16, 8)
 
 
 def test_reference_accepts_strided_views_of_a_fused_projection():
@@ -425,15 +429,7 @@ def test_yarn_mscale_scales_every_score_by_its_square():
 
 def test_reference_backward_with_scaled_tables_matches_autograd_of_naive():
     """Backward is the conjugate rotation, which is right for tables of any length (not the inverse)."""
-    q, k = make_qk(S=24, D=16)
-    cos, sin = R.rotary_tables(24, 16, **SCALED)
-    gq, gk = make_qk(S=24, D=16, seed=1)
-    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
-    torch.autograd.backward(R.apply_rotary(q1, k1, cos, sin, "reference"), (gq, gk))
-    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
-    torch.autograd.backward((naive_rotary(q2, cos, sin), naive_rotary(k2, cos, sin)), (gq, gk))
-    torch.testing.assert_close(q1.grad, q2.grad, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(k1.grad, k2.grad, atol=1e-6, rtol=1e-6)
+    _assert_reference_backward_matches_naive(24, 16, **SCALED)
 
 
 def _tiny_model(**changes):
