@@ -34,6 +34,7 @@ state-dict mappings are pure torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -200,16 +201,34 @@ def model_config_from_hf(hf_cfg: Any, **overrides: Any) -> ModelConfig:
     return build(ModelConfig, kwargs)
 
 
-def from_hf_pretrained(path: str | os.PathLike, **config_overrides: Any) -> RoFormerForMaskedLM:
-    """Directory written by ``transformers``' ``save_pretrained`` (safetensors or bin) -> our model (fp32)."""
-    from transformers import RoFormerForMaskedLM as HFRoFormerForMaskedLM
-
+def read_hf_repository(path: str | os.PathLike, model_type: str = "roformer", **config_overrides: Any
+                       ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(ModelConfig, our fp32 state dict)`` of a directory written by ``transformers``' ``save_pretrained``
+    (safetensors or bin): ``model_type`` roformer (``RoFormerForMaskedLM``) or bert (``BertForMaskedLM``:
+    RoFormer's layers without the rotation, so its names map onto RoFormer's; its learned position table is
+    added and the model has ``position_embedding: absolute``)."""
+    if model_type == "roformer":
+        from transformers import RoFormerForMaskedLM as HFModel
+    elif model_type == "bert":
+        from transformers import BertForMaskedLM as HFModel
+    else:
+        raise ValueError(f"{path}: model_type {model_type!r}; expected roformer or bert")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"HF model directory not found: {path}")
-    hf = HFRoFormerForMaskedLM.from_pretrained(str(path), dtype=torch.float32)
+    hf = HFModel.from_pretrained(str(path), dtype=torch.float32)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     cfg = model_config_from_hf(hf.config, **config_overrides)
-    sd = state_dict_from_hf(hf.state_dict(), cfg)
-    return model_from_state_dict(cfg, {k: v.detach().clone() for k, v in sd.items()})
+    if model_type == "roformer":
+        return cfg, state_dict_from_hf(sd, cfg)
+    renamed = {("roformer." + k[len("bert."):] if k.startswith("bert.") else k): v for k, v in sd.items()}
+    out = state_dict_from_hf(renamed, cfg)
+    out["embeddings.position_embeddings.weight"] = sd["bert.embeddings.position_embeddings.weight"]
+    return dataclasses.replace(cfg, position_embedding="absolute"), out
+
+
+def from_hf_pretrained(path: str | os.PathLike, **config_overrides: Any) -> RoFormerForMaskedLM:
+    """Directory written by ``transformers``' ``save_pretrained`` (safetensors or bin) -> our model (fp32)."""
+    return model_from_state_dict(*read_hf_repository(path, **config_overrides))
 
 
 def to_hf_model(model: RoFormerForMaskedLM):
@@ -231,5 +250,5 @@ def to_hf_pretrained(model: RoFormerForMaskedLM, path: str | os.PathLike) -> Non
 
 
 __all__ = ["HF_ROPE_KEY", "check_exportable", "state_dict_from_hf", "state_dict_to_hf", "hf_config_from", "model_config_from_hf",
-           "from_hf_pretrained", "to_hf_pretrained", "to_hf_model",
+           "read_hf_repository", "from_hf_pretrained", "to_hf_pretrained", "to_hf_model",
            "sinusoidal_table"]

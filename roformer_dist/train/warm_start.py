@@ -20,7 +20,6 @@ The trainer records the parent in ``run_dir/parent.json`` (:mod:`roformer_dist.c
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -73,27 +72,12 @@ def _hf_kind(path: Path) -> Optional[str]:
 
 def _read_hf(path: Path, model_type: str) -> tuple[ModelConfig, dict]:
     """(ModelConfig, our state dict) of an HF repository; transformers reads it (safetensors or bin)."""
-    from roformer_dist.hf.convert import model_config_from_hf, state_dict_from_hf
+    from roformer_dist.hf.convert import read_hf_repository
 
     try:
-        if model_type == "roformer":
-            from transformers import RoFormerForMaskedLM as HFModel
-        else:
-            from transformers import BertForMaskedLM as HFModel
-        hf = HFModel.from_pretrained(str(path), dtype=torch.float32)
+        return read_hf_repository(path, model_type)
     except (OSError, ValueError) as e:
         raise ConfigError(f"init.from: {path}: transformers cannot load it ({e})") from None
-    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    if model_type == "roformer":
-        cfg = model_config_from_hf(hf.config)
-        return cfg, state_dict_from_hf(sd, cfg)
-    # BERT's layers are RoFormer's without the rotation: map its names onto RoFormer's, add the table
-    rotary = model_config_from_hf(hf.config)
-    renamed = {("roformer." + k[len("bert."):] if k.startswith("bert.") else k): v for k, v in sd.items()}
-    out = state_dict_from_hf(renamed, rotary)
-    cfg = dataclasses.replace(rotary, position_embedding="absolute")
-    out["embeddings.position_embeddings.weight"] = sd["bert.embeddings.position_embeddings.weight"]
-    return cfg, out
 
 
 def read_parent(source: str) -> tuple[Parent, ModelConfig, dict]:
