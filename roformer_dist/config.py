@@ -305,6 +305,14 @@ class DistConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int = 0
+    """First step traced by ``torch.profiler`` on rank 0 (0 = no profiling)."""
+    steps: int = 3
+    """Steps traced from start_step on; the trace goes to run_dir/profile/."""
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     seed: int = 1234
     """Seeds model init, data order and masking."""
@@ -318,6 +326,12 @@ class TrainerConfig:
     """Console line and TensorBoard scalars every N steps."""
     max_nonfinite_steps: int = 5
     """Stop (with a checkpoint of the last good state) after this many consecutive NaN/inf losses."""
+    compile: bool = False
+    """``torch.compile`` the model once per curriculum stage (static shapes); not with pipeline stages."""
+    compile_cache_dir: str = ""
+    """Where compiled artefacts are cached across restarts ("" = run_dir/compile_cache)."""
+    profile: ProfileConfig = ProfileConfig()
+    """A ``torch.profiler`` window: steps [start_step, start_step + steps) of rank 0."""
 
 
 @dataclass(frozen=True)
@@ -326,6 +340,10 @@ class CheckpointConfig:
     """Complete checkpoints to keep (older ones are deleted)."""
     resume: bool = True
     """Resume from the newest complete, undamaged checkpoint in run_dir/checkpoints when there is one."""
+    async_: bool = False
+    """YAML key ``async``. The step loop goes on while a checkpoint is written: a host-memory snapshot, then
+    a background writer per rank; COMPLETE and ``latest`` still follow only when every rank's files are
+    durable, and a stop or the end of the run waits for the save in flight."""
 
 
 @dataclass(frozen=True)
@@ -409,7 +427,7 @@ PRESET_DIRS = {
 # --------------------------------------------------------------------------- building
 
 
-_YAML_KEYS = {"from_": "from"}
+_YAML_KEYS = {"from_": "from", "async_": "async"}
 """Fields whose YAML key is a Python keyword: field name -> the key written and read (the field name is
 read too)."""
 _FIELD_OF = {v: k for k, v in _YAML_KEYS.items()}
@@ -886,6 +904,9 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
     if ws % (p.tensor * p.pipeline):
         raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
+    if p.pipeline > 1 and cfg.trainer.compile:
+        raise ConfigError("trainer.compile: pipeline stages (parallel.pipeline > 1) are not compiled; set "
+                          "trainer.compile=false or parallel.pipeline=1")
     if p.pipeline > 1 and d.zero_stage > 1:
         raise ConfigError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
     if p.pipeline > m.num_hidden_layers:
@@ -944,6 +965,8 @@ def _validate_trainer(t: TrainerConfig) -> None:
         _positive(getattr(t, key), f"trainer.{key}", allow_zero=True)
     _positive(t.log_every, "trainer.log_every")
     _positive(t.max_nonfinite_steps, "trainer.max_nonfinite_steps")
+    _positive(t.profile.start_step, "trainer.profile.start_step", allow_zero=True)
+    _positive(t.profile.steps, "trainer.profile.steps")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
