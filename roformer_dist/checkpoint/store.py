@@ -323,11 +323,16 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
 # --------------------------------------------------------------------------- saving
 
 
-def atomic_torch_save(obj, path: Path) -> None:
-    """``torch.save`` through the atomic writer: serialised in memory, written, fsync-ed, renamed."""
+def torch_bytes(obj) -> bytes:
+    """What ``torch.save`` would write for ``obj``."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """``torch.save`` through the atomic writer: serialised in memory, written, fsync-ed, renamed."""
+    atomic_write_bytes(path, torch_bytes(obj))
 
 
 def _clear_slot(ckpt_root: Path, tag: str) -> None:
@@ -355,44 +360,65 @@ def describe_latest(ckpt_root: Path) -> str:
     return f"{ckpt_root / LATEST} still names {tag} ({state})"
 
 
+def begin_save(ckpt_root: Path, tag: str, rank: int, comm: Comm) -> None:
+    """Every rank: rank 0 makes room for ``tag`` (:func:`_clear_slot`), then all meet."""
+    if rank == 0:
+        _clear_slot(ckpt_root, tag)
+    comm.barrier()
+
+
+def commit(ckpt_root: Path, step: int, world_size: int, keep_last: int) -> Path:
+    """Rank 0, once every rank's files of ``step`` are durable: COMPLETE (listing each file and its size),
+    then ``latest``, then :func:`prune`."""
+    ckpt_dir = ckpt_root / tag_for(step)
+    missing = [r for r in range(world_size) if not state_file(ckpt_dir, r).exists()]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: trainer state of ranks {missing} missing after the save barrier")
+    files = {p.name: p.stat().st_size for p in sorted(ckpt_dir.iterdir())
+             if p.is_file() and p.name not in _MARKERS and not p.name.startswith(".")}
+    meta = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
+    atomic_write_text(ckpt_dir / COMPLETE, json.dumps(meta, indent=1) + "\n")
+    atomic_write_text(ckpt_root / LATEST, ckpt_dir.name + "\n")
+    prune(ckpt_root, keep_last)
+    return ckpt_dir
+
+
+def save_failure(e: BaseException, ckpt_root: Path, tag: str, rank: int) -> StorageError:
+    """The StorageError for ``e`` (re-raised when it is not a storage failure: a bug); rank 0 removes the
+    half-written directory first, so ``latest`` keeps naming the previous complete checkpoint."""
+    ckpt_dir = ckpt_root / tag
+    err = storage_error(e, f"saving checkpoint {tag}", ckpt_dir)
+    if err is None:
+        raise e
+    if rank == 0 and not is_complete(ckpt_dir):
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return err.with_note(describe_latest(ckpt_root))
+
+
 def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerState, rank: int, world_size: int, keep_last: int,
          comm: Comm = LocalComm(), faults: Faults = NO_FAULTS) -> Path:
     """Every rank calls this. Returns the checkpoint directory once it is COMPLETE and ``latest``.
 
     ``runner.save_checkpoint(root, tag)`` writes the DeepSpeed files. An OS error on this rank is
     raised as StorageError after the half-written directory is removed (rank 0), so ``latest`` keeps
-    naming the previous complete checkpoint."""
+    naming the previous complete checkpoint. ``checkpoint/async_save.py`` is the same protocol with the
+    writing in a background thread."""
     ckpt_root = Path(ckpt_root)
     tag = tag_for(step)
     ckpt_dir = ckpt_root / tag
     t0 = time.monotonic()
     try:
-        if rank == 0:
-            _clear_slot(ckpt_root, tag)
-        comm.barrier()
+        begin_save(ckpt_root, tag, rank, comm)
         runner.save_checkpoint(str(ckpt_root), tag)
         faults.in_save(step, rank, world_size)
         atomic_torch_save(payload.to_dict(), state_file(ckpt_dir, rank))
         comm.barrier()
         if rank == 0:
-            missing = [r for r in range(world_size) if not state_file(ckpt_dir, r).exists()]
-            if missing:
-                raise CheckpointError(f"{ckpt_dir}: trainer state of ranks {missing} missing after the save barrier")
-            files = {p.name: p.stat().st_size for p in sorted(ckpt_dir.iterdir())
-                     if p.is_file() and p.name not in _MARKERS and not p.name.startswith(".")}
-            meta = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
-            atomic_write_text(ckpt_dir / COMPLETE, json.dumps(meta, indent=1) + "\n")
-            atomic_write_text(ckpt_root / LATEST, tag + "\n")
-            prune(ckpt_root, keep_last)
+            commit(ckpt_root, step, world_size, keep_last)
             log.info("saved checkpoint %s in %.1f s", ckpt_dir, time.monotonic() - t0)
         comm.barrier()
     except (OSError, RuntimeError) as e:
-        err = storage_error(e, f"saving checkpoint {tag}", ckpt_dir)
-        if err is None:
-            raise
-        if rank == 0 and not is_complete(ckpt_dir):
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-        raise err.with_note(describe_latest(ckpt_root)) from None
+        raise save_failure(e, ckpt_root, tag, rank) from None
     return ckpt_dir
 
 

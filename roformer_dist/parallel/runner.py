@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import astuple, dataclass, fields
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
 from roformer_dist.errors import CheckpointError
 from roformer_dist.nn.rotary import set_rope
+from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
 
 log = logging.getLogger(__name__)
@@ -303,6 +305,12 @@ class ParallelRunner:
     def save_checkpoint(self, ckpt_root: str, tag: str) -> None:
         """This rank's DeepSpeed files of checkpoint ``tag`` (collective); DeepSpeed's ``latest`` is not written."""
         self.engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
+
+    def snapshot_checkpoint(self, ckpt_root: str, tag: str) -> list[tuple[Path, bytes]]:
+        """:meth:`save_checkpoint` into host memory (collective): ``(path, bytes)`` of each file, unwritten."""
+        with capture(self.engine) as files:
+            self.save_checkpoint(ckpt_root, tag)
+        return files
 
     def load_checkpoint(self, ckpt_root: str, tag: str) -> None:
         """Load model and optimizer state of ``tag`` (collective); ``load_universal`` was fixed at build time."""

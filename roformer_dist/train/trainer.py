@@ -20,6 +20,7 @@ import torch.distributed as dist
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.checkpoint import store as ckpt
+from roformer_dist.checkpoint.async_save import AsyncSaver
 from roformer_dist.checkpoint.compat import changed_settings, check_compatible
 from roformer_dist.checkpoint.lineage import Parent, write_parent
 from roformer_dist.checkpoint.safe_load import weights_only_loads
@@ -78,6 +79,8 @@ class Trainer:
         """The rotary settings in force (a stage may change them)."""
         self.parent: Optional[Parent] = None
         """What this run's weights were initialised from (``init.from``), when it started so in this process."""
+        self.saver: Optional[AsyncSaver] = None
+        """The background checkpoint writer (``checkpoint.async``)."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -150,6 +153,9 @@ class Trainer:
             except OSError as e:
                 raise StorageError.from_os_error(e, "writing config.yaml") from None
         self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, cfg.logging.tensorboard)
+        if cfg.checkpoint.async_:
+            self.saver = AsyncSaver(self.ckpt_root, env.rank, env.world_size, cfg.checkpoint.keep_last, self.comm,
+                                    cfg.dist.timeout_s, self.faults)
         if env.rank == 0 and not found:
             self.metrics.text("config", "```\n" + dump_yaml(cfg) + "\n```")
             self.metrics.text("mixture", "```\n" + self.plan.table() + "\n```")
@@ -296,8 +302,22 @@ class Trainer:
         payload = TrainerState(trainer=self.state, loader=self.loader.state_dict(), rng=rng_state(),
                                world_size=self.env.world_size, rank=self.env.rank, config=to_dict(self.cfg),
                                tokenizer_sha256=self.manifest["tokenizer"]["sha256"], stage_index=self.stage_index)
-        ckpt.save(self.runner, self.ckpt_root, self.state.step, payload, self.env.rank, self.env.world_size,
-                  self.cfg.checkpoint.keep_last, self.comm, self.faults)
+        t0 = time.monotonic()
+        if self.saver is None:
+            ckpt.save(self.runner, self.ckpt_root, self.state.step, payload, self.env.rank, self.env.world_size,
+                      self.cfg.checkpoint.keep_last, self.comm, self.faults)
+        else:
+            self.saver.save(self.runner, self.state.step, payload)
+        # how long the loop was held: the whole save, or (async) the wait for the previous one and the snapshot
+        self.metrics.scalars(self.state.step, {"perf/checkpoint_stall_s": time.monotonic() - t0})
+
+    def finish_saves(self) -> None:
+        """Every rank: return once the save in flight is committed (a no-op for synchronous saves)."""
+        if self.saver is not None and self.saver.in_flight is not None:
+            log.info("waiting for the checkpoint of step %d to be written", self.saver.in_flight)
+        if self.saver is not None:
+            self.saver.wait()
+            self.comm.barrier()
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
@@ -311,6 +331,18 @@ class Trainer:
         if self.parent is not None and s.step == 0:
             log.info("evaluating the parent before the first step")
             self.run_eval()  # step 0 of the new curves is the parent's, on this run's eval sets
+        try:
+            return self._loop()
+        except Exception:
+            if self.saver is not None:  # what was snapshotted is still written (rank 0: and committed)
+                try:
+                    self.saver.wait()
+                except Exception as e:
+                    log.error("the checkpoint in flight was not saved: %s", e)
+            raise
+
+    def _loop(self) -> int:
+        policy, s = self.policy, self.state
         batches = self._batches()
         while True:
             at = stage_at(self.stages, s.step)
@@ -319,6 +351,8 @@ class Trainer:
                 batches = self._batches()
             lr = lr_at(self.cfg.optim, self.stages, s.step)
             stats, dt = self.train_step(batches, lr)
+            if self.saver is not None:
+                self.saver.poll()  # a failed background save ends the run here, as a synchronous one would
             self.record(stats, lr, dt, at)
             stop = policy.stop(s.step, stop_requested=stats.stop, consecutive_nonfinite=s.consecutive_nonfinite)
             self._announce(stop)
@@ -329,6 +363,7 @@ class Trainer:
             elif stop is not None and policy.eval(s.step):
                 log.info("step %d: eval skipped (stopping)", s.step)
             if stop is not None:
+                self.finish_saves()
                 self._announce_end(stop)
                 return stop.status
 
