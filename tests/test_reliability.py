@@ -247,13 +247,15 @@ def mounts():
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_full_disk_during_a_save_then_resume(small_shards, tmp_path, reference, mounts):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_during_a_save_then_resume(small_shards, tmp_path, reference, mounts, mode):
+    """The same outcome whether the save is written in the step loop or by the background writers."""
     one_checkpoint = sum(f.stat().st_size for f in (reference / "checkpoints" / "step_00000012").iterdir())
     disk = tmp_path / "disk"
     mount_tmpfs(disk, str(int(one_checkpoint * 1.6) + 2**20))  # room for one checkpoint, not for two
     mounts.append(disk)
     run = disk / "run"
-    over = cli_overrides(small_shards, run, "trainer.save_every=4")
+    over = cli_overrides(small_shards, run, "trainer.save_every=4", f"checkpoint.async={mode == 'async'}")
     rc, out = finish(run_cli(over))
     assert rc == EXIT_STORAGE, out[-4000:]
     assert "saving checkpoint step_00000006: cannot write" in out and str(run / "checkpoints") in out

@@ -30,7 +30,7 @@ from typing import Optional, Protocol
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from roformer_dist.checkpoint import store
 from roformer_dist.checkpoint.trainer_state import TrainerState
-from roformer_dist.errors import CheckpointError
+from roformer_dist.errors import CheckpointError, StorageError
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 
 __all__ = ["AsyncSaver", "SnapshotsCheckpoint"]
@@ -132,8 +132,7 @@ class AsyncSaver:
             for r in sorted(waiting):
                 failed = ckpt_dir / f"{FAILED}{r}"
                 if failed.exists():
-                    raise CheckpointError(f"{ckpt_dir}: rank {r} could not write its files: "
-                                          f"{failed.read_text(errors='replace').strip()}")
+                    raise _reported(failed, r)
                 if (ckpt_dir / f"{WRITTEN}{r}").exists():
                     waiting.discard(r)
             if not waiting:
@@ -145,10 +144,12 @@ class AsyncSaver:
 
     def _failure(self, e: BaseException, ckpt_dir: Path, tag: str) -> BaseException:
         """The error to raise in the step loop; other ranks learn of it through ``.failed.<rank>``."""
-        if isinstance(e, CheckpointError):
+        if isinstance(e, (CheckpointError, StorageError)):  # ours already: another rank's report, a commit's
             err: BaseException = e
             if self.rank == 0 and not store.is_complete(ckpt_dir):
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
+                if isinstance(e, StorageError):
+                    err = e.with_note(store.describe_latest(self.ckpt_root))
         else:
             try:
                 err = store.save_failure(e, self.ckpt_root, tag, self.rank)
@@ -156,7 +157,18 @@ class AsyncSaver:
                 err = bug
         if self.rank != 0:
             try:
-                atomic_write_text(ckpt_dir / f"{FAILED}{self.rank}", f"{err}\n")
+                atomic_write_text(ckpt_dir / f"{FAILED}{self.rank}", f"{getattr(err, 'errno', 0) or 0}\n{err}\n")
             except OSError:
                 pass  # rank 0 then waits for this rank until dist.timeout_s; this rank exits with err meanwhile
         return err
+
+
+def _reported(marker: Path, rank: int) -> Exception:
+    """Rank 0's error for another rank's failed write: a StorageError (exit 74) when that one was."""
+    code, _, message = marker.read_text(errors="replace").partition("\n")
+    text = f"rank {rank} could not write its files: {message.strip()}"
+    if code.strip().isdigit() and int(code):
+        err = StorageError(text)
+        err.errno = int(code)
+        return err
+    return CheckpointError(f"{marker.parent}: {text}")
