@@ -14,8 +14,11 @@ that dry run at the smallest sizes, on CPU even where there is a GPU. The compil
 model run from a fresh ``torch._dynamo`` cache: the dtypes, attentions and train / eval passes of one
 check would otherwise pass torch.compile's recompile limit, after which it silently runs eagerly.
 
-``train-report``: reads ``metrics.jsonl`` and TensorBoard of a run (e.g. the bf16 ZeRO-2 NCCL run of
-gpu_check.sh), checks that every step has a finite loss and none was skipped, and prints tokens/s.
+``train-report``: reads ``metrics.jsonl``, ``config.yaml`` and TensorBoard of a run (e.g. the bf16 ZeRO-2
+NCCL run of gpu_check.sh), checks that every step has a finite loss and none was skipped, and prints
+tokens/s and the trainer's MFU (``perf/mfu``) beside the peak it divides by (``metrics.peak_flops`` at the
+run's matmul precision: the one function of the trainer and the benches). With ``trainer.profile`` set, it
+checks the window's trace is there and, on a GPU, holds CUDA kernels.
 """
 
 from __future__ import annotations
@@ -103,20 +106,44 @@ def check_backends(a) -> int:
     return 1 if failed else 0
 
 
+def profile_report(run: Path, start_step: int) -> dict:
+    """The trace of the run's ``trainer.profile`` window: its file and how many of its events are CUDA
+    kernels (none: the profiler saw no GPU activity)."""
+    traces = sorted((run / "profile").glob("trace_steps_*.pt.trace.json"))
+    if not traces:
+        return {"profile_trace": None, "profile_kernels": 0, "profile_ok": start_step == 0}
+    events = json.loads(traces[-1].read_text()).get("traceEvents", [])
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    return {"profile_trace": str(traces[-1]), "profile_kernels": kernels,
+            "profile_ok": kernels > 0 or not torch.cuda.is_available()}
+
+
 def train_report(a) -> int:
+    import yaml
+
     from roformer_dist.runtime.events import read_scalars
+    from roformer_dist.train.metrics import matmul_precision, peak_flops
 
     run = Path(a.run_dir)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
     losses = [r["loss"] for r in records]
     finite = all(x is not None and x == x and abs(x) != float("inf") for x in losses)
     skipped = sum(bool(r.get("skipped")) for r in records)
     scalars = read_scalars(run / "tb")
     tok_s = [v for _, v in scalars.get("perf/tokens_per_s", [])][1:]  # the first step includes warm-up
     tok = statistics.median(tok_s) if tok_s else 0.0
-    ok = finite and skipped == 0 and len(records) > 0
+    # perf/mfu is the trainer's (metrics.peak_flops at the run's precision); the peak is printed beside it
+    mfu_s = [v for _, v in scalars.get("perf/mfu", [])][1:]
+    precision = matmul_precision(cfg["deepspeed"]["precision"])
+    peak = peak_flops(precision)
+    profile = profile_report(run, cfg["trainer"]["profile"]["start_step"])
+    ok = finite and skipped == 0 and len(records) > 0 and profile["profile_ok"]
     C.emit(a.name, tok, tok, "tokens/s", 1.0, steps=len(records), first_loss=losses[0] if losses else None,
-           last_loss=losses[-1] if losses else None, skipped=skipped, finite=finite, ok=ok)
+           last_loss=losses[-1] if losses else None, skipped=skipped, finite=finite,
+           mfu=round(statistics.median(mfu_s), 4) if mfu_s else None, precision=precision,
+           peak_tflops=peak / 1e12 if peak else None,
+           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **profile, ok=ok)
     return 0 if ok else 1
 
 

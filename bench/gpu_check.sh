@@ -9,7 +9,8 @@
 #  2 backends         the whole model, softmax and linear attention, every rotary backend vs reference,
 #                     fp32 and bf16 (bench/gpu_check.py backends)
 #  3 train_bf16_zero2 roformer-train on the debug shards: bf16, ZeRO-2, NCCL, 2 ranks when there are 2
-#                     GPUs (else 1), 8 steps through two curriculum stages; finite losses, tokens/s
+#                     GPUs (else 1), 8 steps through two curriculum stages; finite losses, tokens/s,
+#                     MFU (perf/mfu, bf16 peak); a torch.profiler trace of steps 3-4 holding CUDA kernels
 #  4 rotary_bench     bench/rotary.py, bf16, S 512 and 1536: time and memory bandwidth per backend
 #  5 mfu_base_*       bench/step.py on the base preset (hidden 768, 12 layers), bf16, vocab 50000:
 #                     tokens/s and MFU at S 512 and S 1536
@@ -97,7 +98,8 @@ TRAIN_RUN="$OUT/train_bf16_zero2"
 rm -rf "$TRAIN_RUN"
 run_step train_bf16_zero2 "$PY" -m roformer_dist.cli.train --config configs/experiments/debug.yaml \
   run_dir="$TRAIN_RUN" data.shards="$DATA/train" data.eval_shards="$DATA/eval" dist.world_size=$RANKS dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
-  trainer.stop_at_step=8 trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0
+  trainer.stop_at_step=8 trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0 \
+  trainer.profile.start_step=3 trainer.profile.steps=2
 run_step train_report "$PY" bench/gpu_check.py train-report "$TRAIN_RUN" --name gpu_train_bf16_zero2_nccl
 
 # 4-7: speed

@@ -79,3 +79,39 @@ def test_backend_check_dry_run_on_cpu():
     assert {(x["attention"], x["dtype"]) for x in lines} == {(a, d) for a in ("softmax", "linear")
                                                               for d in ("fp32", "bf16")}
     assert all(x["ok"] and x["backend"] == "triton" for x in lines)
+
+
+def _fake_run(run: Path, profile_start: int, trace_events=None) -> Path:
+    from torch.utils.tensorboard import SummaryWriter
+
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "loss": 5.0 - k / 10}) + "\n"
+                                               for k in (1, 2, 3)))
+    (run / "config.yaml").write_text(f"deepspeed:\n  precision: bf16\ntrainer:\n  profile:\n"
+                                     f"    start_step: {profile_start}\n    steps: 2\n")
+    tb = SummaryWriter(str(run / "tb"))
+    for k, (tok, mfu) in enumerate([(10.0, 0.1), (100.0, 0.3), (120.0, 0.4)], start=1):
+        tb.add_scalar("perf/tokens_per_s", tok, k)
+        tb.add_scalar("perf/mfu", mfu, k)
+    tb.close()
+    if trace_events is not None:
+        (run / "profile").mkdir()
+        (run / "profile" / "trace_steps_2-3.pt.trace.json").write_text(json.dumps({"traceEvents": trace_events}))
+    return run
+
+
+@pytest.mark.parametrize("profile_start, events, ok", [
+    (0, None, True),                                  # no window asked, none there
+    (2, [{"name": "aten::mm", "cat": "cpu_op"}], True),  # CPU-only trace: fine where there is no GPU
+    (2, None, False),                                 # a window asked for and no trace: the check fails
+])
+def test_train_report_prints_mfu_and_checks_the_profile(tmp_path, monkeypatch, capsys, profile_start, events, ok):
+    """train-report on a made-up run: the trainer's perf/mfu (its median after the warm-up step), the peak
+    beside it (none on CPU) and the profile window's trace."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    gpu_check = importlib.import_module("gpu_check")
+    run = _fake_run(tmp_path / "run", profile_start, events)
+    assert gpu_check.main(["train-report", str(run)]) == (0 if ok else 1)
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith('{"bench"')]
+    assert line["mfu"] == pytest.approx(0.35) and line["precision"] == "bf16" and line["peak_tflops"] is None
+    assert (line["profile_trace"] is not None) == (events is not None) and line["ok"] is ok

@@ -6,7 +6,8 @@ stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculu
 learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
 ``mixture.py`` (the corpus mixture's plan: shares per stage, draws, epochs, repetition caps),
 ``warm_start.py`` (a new run's first weights from a Hugging Face repository, a run or a weights file:
-``init.from``, forks), ``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``evaluation.py`` (eval at each length beside the
+``init.from``, forks), ``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``profiling.py``
+(the ``torch.profiler`` window of ``trainer.profile``), ``evaluation.py`` (eval at each length beside the
 baselines), ``baselines.py`` (unigram and most-frequent-token baselines), ``length_report.py`` (a
 checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file).
 
