@@ -6,7 +6,8 @@ DeepSpeed's mpu; ``check_layout``), ``tensor.py`` (Megatron-style sharded module
 vocab-parallel loss), ``pipeline.py`` (the model as a DeepSpeed ``PipelineModule``, tied embedding and
 decoder), ``engine.py`` (the DeepSpeed config and ``build_engine``: the one place DeepSpeed is wired
 up), ``runner.py`` (``build_parallel_engine`` -> ``ParallelRunner``: one optimizer step, eval steps,
-checkpoint files through the engine), ``consolidate.py`` (merging tensor-parallel shards).
+checkpoint files through the engine), ``snapshot.py`` (a DeepSpeed save into host memory, for
+asynchronous checkpoints), ``consolidate.py`` (merging tensor-parallel shards).
 
 May import: ``roformer_dist.nn``, ``config``, ``errors``; deepspeed lazily.
 

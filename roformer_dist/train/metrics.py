@@ -77,7 +77,7 @@ def matmul_precision(precision: str) -> MatmulPrecision:
     return precision  # type: ignore[return-value]
 
 
-def peak_flops(precision: MatmulPrecision = "bf16") -> Optional[float]:
+def peak_flops(precision: MatmulPrecision) -> Optional[float]:
     """Dense peak FLOP/s of the current GPU at ``precision`` (:data:`PEAK_TFLOPS`; :func:`matmul_precision`
     turns a run's ``deepspeed.precision`` into it); None without CUDA, and None with one warning per GPU
     and precision when the figure is not known (then there is no MFU).

@@ -36,9 +36,10 @@ from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import lr_at, stage_at, total_steps
 from roformer_dist.train.data import data_error, resolve_data
 from roformer_dist.train.evaluation import Evaluator
-from roformer_dist.train.metrics import MetricsWriter, max_mem_gb, peak_flops
+from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops
 from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
+from roformer_dist.train.profiling import ProfileWindow
 from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 
 __all__ = ["Trainer"]
@@ -81,6 +82,9 @@ class Trainer:
         """What this run's weights were initialised from (``init.from``), when it started so in this process."""
         self.saver: Optional[AsyncSaver] = None
         """The background checkpoint writer (``checkpoint.async``)."""
+        self.profiler: Optional[ProfileWindow] = None
+        self.peak_flops = peak_flops(matmul_precision(cfg.deepspeed.precision))
+        """Dense peak FLOP/s of this GPU at the run's matmul precision; None: no MFU (said once in the log)."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -344,13 +348,16 @@ class Trainer:
     def _loop(self) -> int:
         policy, s = self.policy, self.state
         batches = self._batches()
+        self.profiler = ProfileWindow(self.cfg.trainer.profile, self.run_dir, self.env.rank, last_step=policy.last_step)
         while True:
             at = stage_at(self.stages, s.step)
             if at.index != self.stage_index:
                 self.switch_stage(at.index)
                 batches = self._batches()
             lr = lr_at(self.cfg.optim, self.stages, s.step)
+            self.profiler.before_step(s.step + 1)
             stats, dt = self.train_step(batches, lr)
+            self.profiler.after_step(s.step)
             if self.saver is not None:
                 self.saver.poll()  # a failed background save ends the run here, as a synchronous one would
             self.record(stats, lr, dt, at)
@@ -363,6 +370,7 @@ class Trainer:
             elif stop is not None and policy.eval(s.step):
                 log.info("step %d: eval skipped (stopping)", s.step)
             if stop is not None:
+                self.profiler.close()
                 self.finish_saves()
                 self._announce_end(stop)
                 return stop.status
@@ -412,10 +420,9 @@ class Trainer:
                    "train/loss_scale": self.runner.loss_scale(), "perf/tokens_per_s": toks_per_s,
                    "perf/samples_per_s": stats.num_samples / dt if dt else 0.0, "perf/step_time_s": dt,
                    "perf/max_mem_gb": max_mem_gb(), **mixture}
-        peak = peak_flops()
-        if peak:
+        if self.peak_flops:
             fpt = self.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
-            scalars["perf/mfu"] = toks_per_s * fpt / (peak * self.env.world_size)
+            scalars["perf/mfu"] = toks_per_s * fpt / (self.peak_flops * self.env.world_size)
         self.metrics.scalars(s.step, scalars)
         if self.env.rank == 0:
             shown = "nan (skipped)" if stats.nonfinite else f"{stats.loss:.4f}"
@@ -446,6 +453,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()  # a run that raised inside the window
         if self.metrics is not None:
             self.metrics.close()
 
