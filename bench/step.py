@@ -15,6 +15,11 @@ so they count). On CUDA: ``torch.cuda.max_memory_allocated`` over the step minus
     python bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 --batch 32 \
         --ours-only                               # tokens/s and MFU of the base preset
     python bench/step.py --tiny               # B=2, S=32, hidden 32, 1 layer: the same table and checks in seconds
+    python bench/step.py --compile --ours-only  # ours eager vs ours compiled (trainer.compile), ratio of medians
+
+``--compile``: a second copy of ours, compiled as ``trainer.compile`` does (roformer_dist/parallel/compiled.py,
+static shapes, the inductor cache in a fresh temporary dir unless ``--compile-cache``), timed interleaved
+with the eager one; the compile (its first step) is timed apart, and the losses must agree (1e-4 relative).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -61,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--ours-only", action="store_true", help="skip HF (e.g. for MFU of big models)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU (GPU)")
+    p.add_argument("--compile", action="store_true", help="also time ours compiled (trainer.compile) vs ours eager")
+    p.add_argument("--compile-cache", default=None, help="inductor cache dir for --compile (default: a fresh one)")
     p.add_argument("--memory-worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     C.tiny_defaults(p, argv, batch=2, seq=32, hidden=32, layers=1, heads=2, ffn=64, vocab=300, repeats=2, warmup=1)
     return p.parse_args(argv)
@@ -100,13 +108,21 @@ def build(a, which: str):
         model = to_hf_model(ours)
     else:
         model = ours
-    return model.to(device=a.device, dtype=dtype).train()
+    model = model.to(device=a.device, dtype=dtype).train()
+    if which == "compiled":
+        import tempfile
+
+        from roformer_dist.parallel.compiled import StageCompiler
+
+        cache = Path(a.compile_cache or tempfile.mkdtemp(prefix="step_compile_"))
+        StageCompiler(model, cache).compile_stage("bench", a.seq, a.batch)
+    return model
 
 
 def step_fn(model, which: str, ids, labels):
     def step():
         model.zero_grad(set_to_none=True)
-        if which == "ours":
+        if which in ("ours", "compiled"):
             loss = model(ids, labels=labels).loss
         else:
             loss = model(input_ids=ids, labels=labels).loss
@@ -160,14 +176,23 @@ def main(argv=None) -> None:
         raise SystemExit("--attention linear has no HF equivalent: add --ours-only")
     ids, labels = make_batch(a, a.device)
     names = ["ours"] if a.ours_only else ["ours", "hf"]
+    if a.compile:
+        names.append("compiled")
     models = {n: build(a, n) for n in names}
     steps = {n: step_fn(models[n], n, ids, labels) for n in names}
-    losses = {n: steps[n]().float().item() for n in names}
+    losses, compile_s = {}, None
+    for n in names:
+        t0 = time.perf_counter()
+        losses[n] = steps[n]().float().item()
+        if n == "compiled":
+            compile_s = time.perf_counter() - t0
     times = C.time_interleaved(steps, repeats=a.repeats, warmup=a.warmup, device=a.device)
 
     mem = {}
     if not a.no_memory:
         for n in names:
+            if n == "compiled":
+                continue  # a memory worker would compile again; the figure is for the eager models
             if a.device.startswith("cuda"):
                 mem[n] = C.cuda_peak_delta(steps[n])
             else:
@@ -177,7 +202,8 @@ def main(argv=None) -> None:
     frac = float((labels != -100).float().mean())
     ours_model = models["ours"]
     flops = {"ours": ours_model.flops_per_token(a.seq, frac) * tokens,
-             "hf": ours_model.flops_per_token(a.seq, 1.0) * tokens}
+             "hf": ours_model.flops_per_token(a.seq, 1.0) * tokens,
+             "compiled": ours_model.flops_per_token(a.seq, frac) * tokens}
     peak = peak_tflops(a)
     print(f"train step, B={a.batch} S={a.seq} hidden={a.hidden} layers={a.layers} heads={a.heads} "
           f"ffn={a.ffn} vocab={a.vocab} {a.dtype} {a.device} dropout={a.dropout} "
@@ -190,6 +216,12 @@ def main(argv=None) -> None:
         row.append(f"{100 * flops[n] / times[n] / 1e12 / peak:.1f}" if peak else "-")
         rows.append(row)
     C.print_table(["model", "step ms (median)", "tokens/s", "loss", "TFLOP/s", "peak MiB", "MFU %"], rows)
+    if a.compile:
+        tol = 1e-4 if a.dtype == "fp32" else 5e-2
+        assert abs(losses["compiled"] - losses["ours"]) <= tol * max(1.0, abs(losses["ours"])), losses
+        print(f"compiled vs eager (ours): step {times['compiled'] * 1e3:.1f} ms vs {times['ours'] * 1e3:.1f} ms "
+              f"(medians of {a.repeats}), speed-up {times['ours'] / times['compiled']:.3f}x; compile (first step) "
+              f"{compile_s:.1f} s; |loss diff| {abs(losses['compiled'] - losses['ours']):.2e}; load {C.load_average()}")
     if not a.ours_only:
         if a.dropout == 0.0:
             tol = 1e-4 if a.dtype == "fp32" else 5e-2
@@ -208,6 +240,10 @@ def main(argv=None) -> None:
                batch=a.batch, preset=a.model_preset, attention=a.attention,
                tokens_per_s=round(tokens / times["ours"], 1), tflops=round(flops["ours"] / times["ours"] / 1e12, 2),
                mfu=round(mfu, 4) if mfu else None)
+    if a.compile:  # compiled vs eager ours: ratio > 1 = compiled faster
+        C.emit("step_compiled", times["compiled"], times["ours"], "s", times["ours"] / times["compiled"],
+               device=a.device, dtype=a.dtype, seq=a.seq, batch=a.batch, compile_s=round(compile_s, 1),
+               tokens_per_s=round(tokens / times["compiled"], 1))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from data_pipeline.masking import IGNORE_INDEX
 from roformer_dist.config import ModelConfig, rope_settings, validate_model
 from roformer_dist.nn.attention import attention_core
-from roformer_dist.nn.documents import Layout, row_layout, uses_varlen
+from roformer_dist.nn.documents import Layout, RowMask, row_layout, uses_varlen
 from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
 
@@ -169,7 +169,16 @@ class RoFormerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attn_mask, cos, sin)))
+        kernel = model_kernel(self.attention.rotary_backend, hidden.device) if cos is not None else None
+        qkv, out_weight = self.attention.project(hidden, kernel)
+        return self.finish(hidden, self.attention.attend(qkv, attn_mask, cos, sin, kernel), out_weight)
+
+    def finish(self, hidden: torch.Tensor, ctx: torch.Tensor, out_weight: torch.Tensor) -> torch.Tensor:
+        """After the attention core: output projection, residual + LayerNorm, FFN, residual + LayerNorm.
+        ``ctx`` (B, S, hidden) from ``attention.attend``, ``out_weight`` from ``attention.project`` (a seam
+        of its own so that the compiled model can run a packed batch's attention eagerly between
+        ``project`` and ``finish``)."""
+        hidden = self.attention_norm(hidden + self.dropout(self.attention.output(ctx, out_weight)))
         ffn = self.ffn_out(self.act(self.ffn_in(hidden)))
         return self.ffn_norm(hidden + self.dropout(ffn))
 
@@ -314,6 +323,14 @@ class RoFormerForMaskedLM(nn.Module):
             raise ValueError(f"sequence length {S} exceeds model.max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         mask, cos, sin, positions = layer_inputs(self.config, self.rotary, attention_mask, S, input_ids.device)
+        return self.stack(input_ids, token_type_ids, mask, cos, sin, positions)
+
+    def stack(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor], mask: RowMask,
+              cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+              positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """Embeddings and layers on :func:`layer_inputs`' layout -> hidden (B, S, hidden). The part of
+        ``encode`` with shapes fixed by (B, S): what ``parallel/compiled.py`` compiles (the host-side
+        planning of packed documents stays outside)."""
         hidden = self.embeddings(input_ids, token_type_ids, positions)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
@@ -331,10 +348,16 @@ class RoFormerForMaskedLM(nn.Module):
             return MaskedLMOutput(logits=self.head.full_logits(hidden, decoder_weight))
         # gather first: the head and the vocabulary GEMM only see the N predicted positions
         h, target = select_predicted(hidden, labels)
-        logits = self.head(h, decoder_weight)  # (N, V)
-        loss, accuracy = masked_lm_loss(logits, target, self.head.criterion)
+        logits, loss, accuracy = self.predict(h, target)
         return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=torch.tensor(target.numel(),
                               device=labels.device), masked_logits=logits)
+
+    def predict(self, h: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head and the loss on the (N, E) predicted rows: (N, V) scores, loss, accuracy. Its own
+        method because N changes from batch to batch (``parallel/compiled.py`` compiles it with N dynamic)."""
+        logits = self.head(h, self.embeddings.word_embeddings.weight)  # (N, V)
+        loss, accuracy = masked_lm_loss(logits, target, self.head.criterion)
+        return logits, loss, accuracy
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -222,6 +222,10 @@ def _broadcast_table(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # Inside a compiled model (trainer.compile): inductor has no complex dtype; the same rotation
+        # in real arithmetic (equal up to rounding, see tests/test_compile.py).
+        return _rotate_pairs_formula(x, cos, sin)
     freqs = _broadcast_table(torch.complex(cos.float(), sin.float()), x)
     return torch.view_as_real(_as_pairs(x) * freqs).flatten(-2).to(x.dtype)
 

@@ -21,12 +21,16 @@ model's ``forward`` / ``MaskedLMOutput`` (tensor-parallel or not); with it, a ``
 driven by ``train_batch`` (DeepSpeed runs forward, backward and the optimizer step of all
 micro-batches itself). ``eval_step``, ``set_stage``, ``save_checkpoint`` and ``load_checkpoint`` hide
 the same difference, so the trainer never touches the engine.
+
+With ``trainer.compile`` the engine's module is compiled once per curriculum stage by ``set_stage``
+(``parallel/compiled.py``; static shapes): training steps run the compiled model, ``eval_step`` the eager one.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Iterator, Optional
@@ -36,6 +40,7 @@ import torch.distributed as dist
 
 from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
 from roformer_dist.errors import CheckpointError
+from roformer_dist.parallel.compiled import StageCompiler, check_compilable, compile_cache_dir
 from roformer_dist.nn.rotary import set_rope
 from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
@@ -126,6 +131,7 @@ def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfi
     from roformer_dist.parallel.tensor import parallelize
 
     layout = check_layout(cfg, world_size)
+    check_compilable(cfg)
     dims = ParallelDims(layout)
     loss_fn, mpu, extra = None, None, None
     if layout.pipeline > 1:
@@ -147,6 +153,8 @@ class ParallelRunner:
     def __init__(self, engine, dims: ParallelDims, cfg: Config, loss_fn=None):
         self.engine, self.dims, self.cfg, self.loss_fn = engine, dims, cfg, loss_fn
         self.pipeline = dims.pp_size > 1
+        # trainer.compile: the model compiled per stage (set_stage); config refuses it with pipeline stages
+        self.compiler = StageCompiler(engine.module, compile_cache_dir(cfg)) if cfg.trainer.compile else None
 
     # ------------------------------------------------------------------ topology facts for the trainer
     @property
@@ -218,6 +226,7 @@ class ParallelRunner:
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         engine.train()
+        t0 = time.perf_counter()
         micro = []  # one StepStats tensor per micro-batch (its loss and accuracy fields), on the device
         for i in range(gas):
             batch = next(batches)
@@ -227,6 +236,8 @@ class ParallelRunner:
             stats.num_samples += batch["input_ids"].shape[0]
             micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted))
             engine.backward(loss)
+            if i == 0 and self.compiler is not None:
+                self.compiler.first_step_done(time.perf_counter() - t0)  # no-op after a stage's first
             if i < gas - 1:
                 engine.step()
         stats = self._reduce(stats.to_tensor().to(engine.device) + torch.stack(micro).sum(0))
@@ -296,6 +307,8 @@ class ParallelRunner:
         if self.pipeline:
             self.engine.micro_batch_size = mbs
             self.engine.reset_activation_shape()
+        if self.compiler is not None:
+            self.compiler.compile_stage(stage.name, stage.seq_len, mbs)
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:

@@ -1,0 +1,167 @@
+"""``trainer.compile``: ``torch.compile`` of the model, once per curriculum stage, with static shapes.
+
+    compiler = StageCompiler(engine.module, compile_cache_dir(cfg))   # sets the cache dir first
+    compiler.compile_stage(stage.name, seq_len, micro_batch)          # at setup and at each stage switch
+    ...the stage's first training step...                              # compiles (or loads from the cache)
+    compiler.first_step_done(seconds)                                  # logs what compiling took
+
+What is compiled, and why there. A stage has a fixed (micro-batch, seq_len), so everything whose
+shapes follow from them is compiled with ``dynamic=False``: ``model.stack`` (embeddings and layers),
+fullgraph. Around it stays eager what has data-dependent shapes: the host-side planning of packed
+documents (``layer_inputs``), the gather of the predicted rows (``select_predicted``, a ``nonzero``).
+The head and the loss (``model.predict``) run on N predicted rows, N changing every batch: they are
+compiled once per stage with N as the only dynamic size (``maybe_mark_dynamic``), not once per N.
+A batch whose packed documents take the block plan (``documents.DocumentPlan``: blocks of data-dependent
+shapes) runs its attention cores eagerly, and each layer's projections / FFN compiled
+(``RoFormerLayer.project`` -> eager ``attend`` -> ``RoFormerLayer.finish``, one compiled graph shared by
+all layers). Evaluation (``eval()`` or no grad) calls the eager model: eval lengths differ from the
+stage's, and compiling them would be a recompile per length for a few batches.
+
+Numerics: inductor reorders and fuses float arithmetic, so losses equal the eager model's up to
+rounding (tests/test_compile.py: relative 1e-4 over a short run). Dropout draws its masks from
+inductor's own generator (seeded from torch's), so with dropout the masks differ from eager.
+
+Cache: inductor's FX-graph and AOT-autograd caches go to the cache dir (TORCHINDUCTOR_CACHE_DIR, set
+in this process before its first compile), so a requeued job loads the stage's kernels instead of
+recompiling them (dynamo still traces, a few seconds). Each stage starts from ``torch._dynamo.reset()``
+and a recompile limit of :data:`RECOMPILE_LIMIT` per function: a stage sees at most a handful of
+mask kinds (none, key padding, block-diagonal), and an unexpected shape falls back to eager after that
+many instead of compiling without end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from roformer_dist.config import Config
+from roformer_dist.errors import ConfigError
+from roformer_dist.nn.documents import DocumentPlan
+from roformer_dist.nn.rotary import model_kernel
+
+log = logging.getLogger(__name__)
+
+RECOMPILE_LIMIT = 8
+"""torch._dynamo's recompile limit while compiling a stage (its default, set explicitly)."""
+
+
+def compile_cache_dir(cfg: Config) -> Path:
+    """``trainer.compile_cache_dir``, or run_dir/compile_cache."""
+    return Path(cfg.trainer.compile_cache_dir or Path(cfg.run_dir) / "compile_cache")
+
+
+def check_compilable(cfg: Config) -> None:
+    """What ``trainer.compile`` does not cover (config.validate_layout refuses pipeline stages)."""
+    if not cfg.trainer.compile:
+        return
+    if cfg.parallel.tensor > 1:
+        raise ConfigError("trainer.compile: tensor parallelism (parallel.tensor > 1) is not compiled (its "
+                          "collectives inside autograd functions are not traced); set trainer.compile=false "
+                          "or parallel.tensor=1")
+
+
+def use_cache_dir(path: Path) -> None:
+    """Put inductor's on-disk caches (FX graphs, AOT-autograd graphs, the C++ kernels) under ``path``.
+    Before this process's first compile: inductor reads TORCHINDUCTOR_CACHE_DIR when it first needs it."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+
+
+def _cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX-graph cache and the AOT-autograd cache so far in this process."""
+    from torch._dynamo.utils import counters
+
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    return hits, misses
+
+
+def _layer_project(layer, hidden: torch.Tensor, kernel: Optional[str]):
+    return layer.attention.project(hidden, kernel)
+
+
+def _layer_finish(layer, hidden: torch.Tensor, ctx: torch.Tensor, out_weight: torch.Tensor) -> torch.Tensor:
+    return layer.finish(hidden, ctx, out_weight)
+
+
+def _embed(embeddings, input_ids, token_type_ids, positions) -> torch.Tensor:
+    return embeddings(input_ids, token_type_ids, positions)
+
+
+class StageCompiler:
+    """Installs the compiled ``stack`` / ``predict`` on ``model`` (instance attributes over the methods;
+    the model's ``forward`` calls them) and recompiles them per stage. ``model``: the engine's module, a
+    ``RoFormerForMaskedLM`` (``parallel.tensor`` keeps its class)."""
+
+    def __init__(self, model: torch.nn.Module, cache_dir: Path):
+        self.model, self.cache_dir = model, cache_dir
+        use_cache_dir(cache_dir)
+        self.eager_stack, self.eager_predict = model.stack, model.predict
+        model.stack, model.predict = self.stack, self.predict
+        self._pending: Optional[tuple[str, int, int, int, int]] = None
+        self._compiled: dict = {}
+
+    def compile_stage(self, name: str, seq_len: int, micro_batch: int) -> None:
+        """New compiled functions for a stage's shapes; they compile at the stage's first step."""
+        torch._dynamo.reset()  # the previous stage's graphs: not needed again, and not counted in the limit
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        static = dict(dynamic=False)
+        self._compiled = {"stack": torch.compile(self.eager_stack, fullgraph=True, **static),
+                          "predict": torch.compile(self.eager_predict, **static),
+                          "embed": torch.compile(_embed, fullgraph=True, **static),
+                          "project": torch.compile(_layer_project, fullgraph=True, **static),
+                          "finish": torch.compile(_layer_finish, fullgraph=True, **static)}
+        self._pending = (name, seq_len, micro_batch, *_cache_counts())
+
+    def first_step_done(self, seconds: float) -> None:
+        """After the stage's first training step (forward and backward, where the compiling happens)."""
+        if self._pending is None:
+            return
+        name, seq_len, micro_batch, hits0, misses0 = self._pending
+        self._pending = None
+        hits, misses = (a - b for a, b in zip(_cache_counts(), (hits0, misses0)))
+        log.info("compiled the model for stage %s (seq %d, micro-batch %d) in %.1f s (cache: %s, %d hits, "
+                 "%d misses)", name, seq_len, micro_batch, seconds, self.cache_dir, hits, misses)
+
+    # ------------------------------------------------------------------ what the model's forward calls
+    def _compiling(self) -> bool:
+        return bool(self._compiled) and self.model.training and torch.is_grad_enabled()
+
+    def stack(self, input_ids, token_type_ids, mask, cos, sin, positions) -> torch.Tensor:
+        if not self._compiling():
+            return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
+        if not isinstance(mask, DocumentPlan):
+            with warnings.catch_warnings():
+                # dynamo traces through rotary's functools.cache'd backend resolution (pure: safe)
+                warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+                return self._compiled["stack"](input_ids, token_type_ids, mask, cos, sin, positions)
+        if self.model.gradient_checkpointing:
+            return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
+        c = self._compiled
+        hidden = c["embed"](self.model.embeddings, input_ids, token_type_ids, positions)
+        for layer in self.model.layers:
+            kernel = model_kernel(layer.attention.rotary_backend, hidden.device) if cos is not None else None
+            qkv, out_weight = c["project"](layer, hidden, kernel)
+            ctx = layer.attention.attend(qkv, mask, cos, sin, kernel)  # the plan's blocks: eager
+            hidden = c["finish"](layer, hidden, ctx, out_weight)
+        return hidden
+
+    def predict(self, h: torch.Tensor, target: torch.Tensor):
+        if not self._compiling():
+            return self.eager_predict(h, target)
+        torch._dynamo.maybe_mark_dynamic(h, 0)  # N predicted rows: one graph for every N
+        torch._dynamo.maybe_mark_dynamic(target, 0)
+        return self._compiled["predict"](h, target)
+
+
+__all__ = ["StageCompiler", "check_compilable", "compile_cache_dir", "use_cache_dir", "RECOMPILE_LIMIT"]

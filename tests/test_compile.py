@@ -1,0 +1,85 @@
+"""trainer.compile: the compiled model trains like the eager one, and a second run reuses the cache.
+
+One stage (seq 128, packed documents, so block plans and masks both occur), 3 steps, eval at two
+lengths (eager); 1 rank. The first compiled run pays the cold compile (most of this file's time).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from trainer_runs import make_cfg, trace, train
+from roformer_dist.config import load_config
+from roformer_dist.errors import ConfigError
+from roformer_dist.parallel.compiled import check_compilable
+
+STAGE = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 4, steps: 3, "
+         "eval_lengths: [64, 128]}]")
+OVERRIDES = (STAGE, "trainer.eval_every=3", "data.eval_batches=1")
+REL_TOL = 1e-4
+"""Compiled vs eager loss, relative, per step: inductor fuses and reorders fp32 arithmetic (and the
+reference rotary runs as real arithmetic instead of complex), so only rounding differs."""
+
+_MESSAGE = re.compile(r"compiled the model for stage s128 \(seq 128, micro-batch (\d+)\) in ([\d.]+) s "
+                      r"\(cache: (.+), (\d+) hits, (\d+) misses\)")
+
+
+def _compile_log(run_dir):
+    text = (run_dir / "logs" / "rank0.log").read_text()
+    found = _MESSAGE.findall(text)
+    assert len(found) == 1, f"expected one compile message for the stage:\n{text[-3000:]}"
+    mbs, seconds, cache, hits, misses = found[0]
+    return {"seconds": float(seconds), "cache": cache, "hits": int(hits), "misses": int(misses)}
+
+
+def _eval_figures(run_dir) -> dict[str, float]:
+    line = re.search(r"step 3 eval: (.*)", (run_dir / "logs" / "rank0.log").read_text()).group(1)
+    return {k: float(v) for k, v in (kv.split("=") for kv in line.split())}
+
+
+@pytest.fixture(scope="module")
+def runs(small_shards, tmp_path_factory):
+    """eager, compiled (cold cache), compiled again (same cache dir, another run dir)."""
+    base = tmp_path_factory.mktemp("compile")
+    cache = base / "cache"
+    out = {}
+    for name, extra in (("eager", ()), ("cold", ("trainer.compile=true", f"trainer.compile_cache_dir={cache}")),
+                        ("warm", ("trainer.compile=true", f"trainer.compile_cache_dir={cache}"))):
+        cfg = make_cfg(small_shards, base / name, *OVERRIDES, *extra, world_size=1)
+        assert train(cfg) == [0], name
+        out[name] = base / name
+    out["cache"] = cache
+    return out
+
+
+def test_compiled_losses_equal_eager(runs):
+    eager, compiled = trace(runs["eager"]), trace(runs["cold"])
+    assert len(eager) == len(compiled) == 3
+    for step, (a, b) in enumerate(zip(eager, compiled), 1):
+        assert abs(a - b) <= REL_TOL * abs(a), f"step {step}: eager {a} vs compiled {b}"
+    # eval (eager, lengths 64 and 128, not the compiled shapes) gives the same figures (the log's 4 decimals)
+    ev, ec = _eval_figures(runs["eager"]), _eval_figures(runs["cold"])
+    assert {"eval/loss_64", "eval/loss_128"} <= ev.keys() and ev.keys() == ec.keys()
+    for k in ev:
+        assert abs(ev[k] - ec[k]) <= 2e-4, (k, ev[k], ec[k])
+    log = _compile_log(runs["cold"])
+    assert log["cache"] == str(runs["cache"]) and log["misses"] > 0
+
+
+def test_second_run_loads_the_compiled_graphs_from_the_cache(runs):
+    """The requeued job's case: every graph of the stage comes from the cache, none is compiled again;
+    the losses are those of the first compiled run."""
+    assert any(runs["cache"].rglob("*")), "the cache dir holds nothing after the first run"
+    cold, warm = _compile_log(runs["cold"]), _compile_log(runs["warm"])
+    assert warm["misses"] == 0 and warm["hits"] >= cold["misses"], (cold, warm)
+    for a, b in zip(trace(runs["warm"]), trace(runs["cold"]), strict=True):
+        assert abs(a - b) <= REL_TOL * abs(a)
+
+
+def test_tensor_parallel_compile_is_refused_by_name():
+    cfg = load_config(overrides=["trainer.compile=true", "parallel.tensor=2", "dist.world_size=2"])
+    with pytest.raises(ConfigError, match="trainer.compile: tensor parallelism"):
+        check_compilable(cfg)
+    check_compilable(load_config(overrides=["trainer.compile=true"]))
