@@ -7,7 +7,8 @@ the HF ``Trainer``, written the way its users write it, and launched the way the
 
 Nothing of roformer-dist is imported here (``--tiny`` aside: it builds its inputs with ``bench/e2e.py``'s
 own code at e2e's tiny sizes, in a temporary directory, then starts this script under torchrun without
-``--tiny``). Needs ``accelerate`` besides ``transformers`` (the Trainer's dependency). The inputs are
+``--tiny``). Needs ``accelerate`` besides ``transformers`` (the Trainer's dependency; both in the ``bench``
+extra). The inputs are
 files that ``bench/e2e.py`` writes:
 
     DIR/packed_<seq>.npy      int64 [N, seq]: the shard set's documents packed by our loader into
@@ -38,6 +39,17 @@ The configuration (every value the comparison depends on):
   clipping ``"auto"``, filled from the arguments above); launched by ``torchrun`` as well, with
   ``DS_ACCELERATOR=cpu``.
 - threads: torchrun sets ``OMP_NUM_THREADS=1`` per rank when it starts more than one (its default).
+- ``--torch-compile``: ``TrainingArguments(torch_compile=True)``, the Trainer's own ``torch.compile`` of the
+  model (inductor, its defaults), for ``bench/e2e.py --compile``.
+
+Profiling (``--profile-dir DIR --profile-start K --profile-steps N``, for ``bench/profile_e2e.py``): rank 0
+runs ``torch.profiler`` (CPU activities, ``record_shapes=True``) over optimizer steps K..K+N-1, from the end of
+step K-1 to the end of step K+N-1 (so that the window is N whole step-to-step intervals, data loading
+included), each step inside ``record_function("optimizer_step_<k>")``, and writes
+``DIR/trace_steps_K-L.pt.trace.json`` (Chrome trace) and ``DIR/key_averages_steps_K-L.txt`` (self CPU time),
+as roformer-train's ``trainer.profile`` does. HF's rotary code (the sinusoidal table and
+``apply_rotary_position_embeddings``) then runs inside ``record_function("rotary: ...")`` labels, so that the
+summary can find it (a label costs microseconds; nothing else changes).
 
 Timing: a ``TrainerCallback`` notes ``time.time()`` at the end of every optimizer step on every rank;
 rank 0 writes ``--out`` (JSON: the process start, the Trainer's creation, the step end times, and
@@ -78,6 +90,86 @@ class PackedSequences(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
 
 
+class StepProfile(TrainerCallback):
+    """torch.profiler over optimizer steps [start, start + steps) on rank 0 (see the module docstring), each
+    step inside ``record_function("optimizer_step_<k>")`` and the files named as roformer-train's
+    (``roformer_dist/train/profiling.py``)."""
+
+    def __init__(self, out: Path, start: int, steps: int):
+        self.out, self.start, self.steps = out, start, steps
+        self.prof = self.marker = None
+
+    def _mark(self, step: int) -> None:
+        self.marker = torch.profiler.record_function(f"optimizer_step_{step}")
+        self.marker.__enter__()
+
+    def _begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        label_hf_rotary()
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self.prof.__enter__()
+        self._mark(self.start)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.start == 1 and state.is_world_process_zero:
+            self._begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        last = self.start + self.steps - 1
+        if self.prof is None:
+            if state.global_step == self.start - 1:
+                self._begin()
+            return
+        self.marker.__exit__(None, None, None)
+        if state.global_step < last:
+            self._mark(state.global_step + 1)
+            return
+        self.prof.__exit__(None, None, None)
+        span = f"steps_{self.start}-{last}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.out / f"trace_{span}.pt.trace.json"))
+        (self.out / f"key_averages_{span}.txt").write_text(
+            self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        self.prof = None
+
+
+def label_hf_rotary() -> None:
+    """Run HF RoFormer's rotary code inside ``record_function`` labels (profiling only)."""
+    import functools
+
+    from transformers.models.roformer import modeling_roformer as m
+
+    def labelled(fn, name):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    attn = m.RoFormerSelfAttention
+    if not getattr(attn, "_bench_labelled", False):
+        attn.apply_rotary_position_embeddings = staticmethod(labelled(attn.apply_rotary_position_embeddings,
+                                                                      "rotary: apply_rotary_position_embeddings"))
+        pos = m.RoFormerSinusoidalPositionalEmbedding
+        pos.forward = labelled(pos.forward, "rotary: sinusoidal table")
+        attn._bench_labelled = True
+
+
+class AbortAtStep(TrainerCallback):
+    """The bench's crash test (``--abort-at-step``): one rank aborts (SIGABRT) at the end of a step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == args.world_size - 1:
+            print(f"hf_trainer_mlm: --abort-at-step {self.step}: rank {args.process_index} aborts", flush=True)
+            os.abort()
+
+
 class StepTimes(TrainerCallback):
     """Wall time at the end of every optimizer step."""
 
@@ -103,6 +195,11 @@ def parse_args(argv=None):
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (HF's integration)")
     p.add_argument("--out", type=Path, required=need, help="JSON with the step times (rank 0)")
     p.add_argument("--output-dir", type=Path, default=None, help="the Trainer's output_dir (default: next to --out)")
+    p.add_argument("--torch-compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--profile-dir", type=Path, default=None, help="torch.profiler trace of rank 0 goes here")
+    p.add_argument("--profile-start", type=int, default=5, help="first profiled optimizer step (1-based)")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--abort-at-step", type=int, default=0, help=argparse.SUPPRESS)
     C.tiny_defaults(p, argv)
     return p.parse_args(argv)
 
@@ -144,16 +241,24 @@ def main(argv=None) -> None:
         max_steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup, lr_scheduler_type="linear",
         weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-6, max_grad_norm=1.0,
         save_strategy="no", eval_strategy="no", logging_steps=10, report_to="none", disable_tqdm=True,
-        seed=a.seed, dataloader_drop_last=True)
+        seed=a.seed, dataloader_drop_last=True, torch_compile=a.torch_compile)
     timer = StepTimes()
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[timer])
+    callbacks = [timer]
+    if a.profile_dir is not None:
+        if not 1 <= a.profile_start <= a.profile_start + a.profile_steps - 1 <= a.steps:
+            sys.exit(f"hf_trainer_mlm: --profile-start {a.profile_start} --profile-steps {a.profile_steps}: "
+                     f"outside the {a.steps} steps")
+        callbacks.append(StepProfile(a.profile_dir, a.profile_start, a.profile_steps))
+    if a.abort_at_step:
+        callbacks.append(AbortAtStep(a.abort_at_step))
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
     created = time.time()
     trainer.train()
     if args.process_index == 0:
         out = {"start": START, "trainer_created": created, "step_end": timer.times,
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "world_size": args.world_size, "optim": str(args.optim), "deepspeed": bool(a.deepspeed),
-               "threads": torch.get_num_threads(), "pid": os.getpid()}
+               "threads": torch.get_num_threads(), "pid": os.getpid(), "torch_compile": a.torch_compile}
         a.out.write_text(json.dumps(out) + "\n")
     # a rank that exits with its gloo group alive can abort at exit ("terminate called without an active
     # exception", SIGABRT: seen with --deepspeed), failing the launch after the work is done
