@@ -17,7 +17,8 @@ The summary reads a Chrome trace (``export_chrome_trace``): each event's *self* 
 its children's on the same thread) goes to the first category that the event or one of its enclosing
 events names (innermost first; ``CATEGORIES`` holds the rules), a backward function to the category of
 the forward op it came from (the trace's sequence numbers), a GEMM with the vocabulary in its shapes to the
-vocabulary projection; what no rule names is "other ops". Per step = the sum over the window / N;
+vocabulary projection (with our gather of the masked positions before it); what no rule names is "other
+ops" (views, copies, elementwise arithmetic outside a named part, ours' q/k/v split). Per step = the sum over the window / N;
 "outside any op" is the window's wall time per step less the ops' (waits on the other rank, Python between
 ops, the profiler itself). Without shapes in a trace (``record_shapes``) the vocabulary projection counts as
 linear GEMMs; HF's rotary code is labelled by the HF script, ours found by its complex arithmetic.
@@ -49,13 +50,15 @@ CATEGORIES = [  # (category, pattern on an event's name); first match along the 
     ("dropout", r"dropout|Dropout|bernoulli"),
     ("GELU", r"gelu|Gelu"),
     ("embedding", r"embedding|Embedding"),
+    # ours projects only the masked positions: their gather belongs to the vocabulary projection
+    ("vocabulary projection (GEMMs; ours: + masked gather)", r"index_select|IndexSelect"),
     ("linear GEMMs (addmm / mm / linear)", r"^aten::(addmm|mm|linear|matmul|addmv|mv)$|AddmmBackward|MmBackward"),
 ]
 GEMM = "linear GEMMs (addmm / mm / linear)"
-VOCAB = "vocabulary projection (GEMMs)"
+VOCAB = "vocabulary projection (GEMMs; ours: + masked gather)"
 OTHER = "other ops"
 OUTSIDE = "outside any op (waits, Python, profiler)"
-ORDER = [c for c, _ in CATEGORIES] + [VOCAB, OTHER, OUTSIDE]
+ORDER = [c for c, _ in CATEGORIES] + [OTHER, OUTSIDE]
 _RULES = [(c, re.compile(p)) for c, p in CATEGORIES]
 _BACKWARD = "autograd::engine::evaluate_function: "
 STEP_MARK = re.compile(r"ProfilerStep#|optimizer_step_\d+$")
