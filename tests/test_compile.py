@@ -78,8 +78,10 @@ def test_second_run_loads_the_compiled_graphs_from_the_cache(runs):
         assert abs(a - b) <= REL_TOL * abs(a)
 
 
-def test_tensor_parallel_compile_is_refused_by_name():
+def test_tensor_parallel_and_zero3_compile_are_refused_by_name():
     cfg = load_config(overrides=["trainer.compile=true", "parallel.tensor=2", "dist.world_size=2"])
     with pytest.raises(ConfigError, match="trainer.compile: tensor parallelism"):
         check_compilable(cfg)
+    with pytest.raises(ConfigError, match="trainer.compile: ZeRO-3"):
+        check_compilable(load_config(overrides=["trainer.compile=true", "deepspeed.zero_stage=3"]))
     check_compilable(load_config(overrides=["trainer.compile=true"]))

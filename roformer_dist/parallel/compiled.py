@@ -63,6 +63,10 @@ def check_compilable(cfg: Config) -> None:
         raise ConfigError("trainer.compile: tensor parallelism (parallel.tensor > 1) is not compiled (its "
                           "collectives inside autograd functions are not traced); set trainer.compile=false "
                           "or parallel.tensor=1")
+    if cfg.deepspeed.zero_stage == 3:
+        raise ConfigError("trainer.compile: ZeRO-3 (deepspeed.zero_stage=3) is not compiled (DeepSpeed's "
+                          "parameter-gathering hooks are torch.compiler.disable'd: the static graph breaks); "
+                          "set trainer.compile=false or deepspeed.zero_stage <= 2")
 
 
 def use_cache_dir(path: Path) -> None:
