@@ -327,7 +327,8 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5
     """Stop (with a checkpoint of the last good state) after this many consecutive NaN/inf losses."""
     compile: bool = False
-    """``torch.compile`` the model once per curriculum stage (static shapes); not with pipeline stages."""
+    """``torch.compile`` the model once per curriculum stage (static shapes); not with pipeline stages,
+    tensor parallelism or ZeRO-3."""
     compile_cache_dir: str = ""
     """Where compiled artefacts are cached across restarts ("" = run_dir/compile_cache)."""
     profile: ProfileConfig = ProfileConfig()
@@ -892,6 +893,23 @@ def check_tensor_split(m: ModelConfig, tensor: int) -> None:
         raise ConfigError(f"parallel.tensor: {tensor} too large for model.vocab_size {m.vocab_size}")
 
 
+def _check_compilable(cfg: Config) -> None:
+    """The layouts ``trainer.compile`` does not cover."""
+    if not cfg.trainer.compile:
+        return
+    if cfg.parallel.pipeline > 1:
+        raise ConfigError("trainer.compile: pipeline stages (parallel.pipeline > 1) are not compiled; set "
+                          "trainer.compile=false or parallel.pipeline=1")
+    if cfg.parallel.tensor > 1:
+        raise ConfigError("trainer.compile: tensor parallelism (parallel.tensor > 1) is not compiled (its "
+                          "collectives inside autograd functions are not traced); set trainer.compile=false "
+                          "or parallel.tensor=1")
+    if cfg.deepspeed.zero_stage == 3:
+        raise ConfigError("trainer.compile: ZeRO-3 (deepspeed.zero_stage=3) is not compiled (DeepSpeed's "
+                          "parameter-gathering hooks are excluded from compilation: the static graph breaks); "
+                          "set trainer.compile=false or deepspeed.zero_stage <= 2")
+
+
 def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
     """Every rule of the parallel layout: world size vs tensor x pipeline, ZeRO vs pipeline/tensor,
     pipeline stages vs layers, heads/FFN/vocabulary vs tensor (``parallel.topology`` relies on it)."""
@@ -904,9 +922,7 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
     if ws % (p.tensor * p.pipeline):
         raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
-    if p.pipeline > 1 and cfg.trainer.compile:
-        raise ConfigError("trainer.compile: pipeline stages (parallel.pipeline > 1) are not compiled; set "
-                          "trainer.compile=false or parallel.pipeline=1")
+    _check_compilable(cfg)
     if p.pipeline > 1 and d.zero_stage > 1:
         raise ConfigError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
     if p.pipeline > m.num_hidden_layers:

@@ -11,9 +11,8 @@ import re
 import pytest
 
 from trainer_runs import make_cfg, trace, train
-from roformer_dist.config import load_config
+from roformer_dist.config import load_config, validate
 from roformer_dist.errors import ConfigError
-from roformer_dist.parallel.compiled import check_compilable
 
 STAGE = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 4, steps: 3, "
          "eval_lengths: [64, 128]}]")
@@ -78,10 +77,11 @@ def test_second_run_loads_the_compiled_graphs_from_the_cache(runs):
         assert abs(a - b) <= REL_TOL * abs(a)
 
 
-def test_tensor_parallel_and_zero3_compile_are_refused_by_name():
-    cfg = load_config(overrides=["trainer.compile=true", "parallel.tensor=2", "dist.world_size=2"])
-    with pytest.raises(ConfigError, match="trainer.compile: tensor parallelism"):
-        check_compilable(cfg)
-    with pytest.raises(ConfigError, match="trainer.compile: ZeRO-3"):
-        check_compilable(load_config(overrides=["trainer.compile=true", "deepspeed.zero_stage=3"]))
-    check_compilable(load_config(overrides=["trainer.compile=true"]))
+def test_layouts_compile_does_not_cover_are_refused_by_name():
+    for over, message in ((["parallel.tensor=2", "dist.world_size=2"], "trainer.compile: tensor parallelism"),
+                          (["deepspeed.zero_stage=3"], "trainer.compile: ZeRO-3"),
+                          (["parallel.pipeline=2", "dist.world_size=2", "deepspeed.zero_stage=1"],
+                           "trainer.compile: pipeline stages")):
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config(overrides=["trainer.compile=true", *over]))
+    validate(load_config(overrides=["trainer.compile=true"]))

@@ -40,7 +40,6 @@ from typing import Optional
 import torch
 
 from roformer_dist.config import Config
-from roformer_dist.errors import ConfigError
 from roformer_dist.nn.documents import DocumentPlan
 from roformer_dist.nn.rotary import model_kernel
 
@@ -53,20 +52,6 @@ RECOMPILE_LIMIT = 8
 def compile_cache_dir(cfg: Config) -> Path:
     """``trainer.compile_cache_dir``, or run_dir/compile_cache."""
     return Path(cfg.trainer.compile_cache_dir or Path(cfg.run_dir) / "compile_cache")
-
-
-def check_compilable(cfg: Config) -> None:
-    """What ``trainer.compile`` does not cover (config.validate_layout refuses pipeline stages)."""
-    if not cfg.trainer.compile:
-        return
-    if cfg.parallel.tensor > 1:
-        raise ConfigError("trainer.compile: tensor parallelism (parallel.tensor > 1) is not compiled (its "
-                          "collectives inside autograd functions are not traced); set trainer.compile=false "
-                          "or parallel.tensor=1")
-    if cfg.deepspeed.zero_stage == 3:
-        raise ConfigError("trainer.compile: ZeRO-3 (deepspeed.zero_stage=3) is not compiled (DeepSpeed's "
-                          "parameter-gathering hooks are torch.compiler.disable'd: the static graph breaks); "
-                          "set trainer.compile=false or deepspeed.zero_stage <= 2")
 
 
 def use_cache_dir(path: Path) -> None:
@@ -168,4 +153,4 @@ class StageCompiler:
         return self._compiled["predict"](h, target)
 
 
-__all__ = ["StageCompiler", "check_compilable", "compile_cache_dir", "use_cache_dir", "RECOMPILE_LIMIT"]
+__all__ = ["StageCompiler", "compile_cache_dir", "use_cache_dir", "RECOMPILE_LIMIT"]

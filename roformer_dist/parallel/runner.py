@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
 from roformer_dist.errors import CheckpointError
-from roformer_dist.parallel.compiled import StageCompiler, check_compilable, compile_cache_dir
+from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir
 from roformer_dist.nn.rotary import set_rope
 from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
@@ -131,7 +131,6 @@ def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfi
     from roformer_dist.parallel.tensor import parallelize
 
     layout = check_layout(cfg, world_size)
-    check_compilable(cfg)
     dims = ParallelDims(layout)
     loss_fn, mpu, extra = None, None, None
     if layout.pipeline > 1:
