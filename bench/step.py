@@ -40,10 +40,6 @@ import torch
 from roformer_dist.config import ModelConfig
 from roformer_dist.nn.model import RoFormerForMaskedLM
 
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
-"""Dense bf16 tensor-core peaks (TFLOP/s) by GPU name fragment, for MFU."""
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -153,14 +149,15 @@ def cpu_memory(a, which: str) -> int:
 
 
 def peak_tflops(a) -> float | None:
+    """--peak-tflops, else the trainer's dense peak of this GPU at the bench's precision (None on CPU)."""
     if a.peak_tflops:
         return a.peak_tflops
-    if a.device.startswith("cuda"):
-        name = torch.cuda.get_device_name()
-        for frag, tf in PEAK_TFLOPS.items():
-            if frag in name:
-                return tf
-    return None
+    if not a.device.startswith("cuda"):
+        return None
+    from roformer_dist.train.metrics import matmul_precision, peak_flops
+
+    peak = peak_flops(matmul_precision(a.dtype))
+    return peak / 1e12 if peak else None
 
 
 def main(argv=None) -> None:

@@ -26,6 +26,7 @@ BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.name != "_co
 
 RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hold)
     "ablation": ("ablation", "eval loss by length:"),
+    "checkpoint_stall": ("checkpoint_stall", "less with checkpoint.async"),
     "context_extension": ("context_extension", "(d) fork, yarn x3"),
     "ds_zero3_fp32_master": ("ds_zero3_fp32_master", "duplicated"),
     "e2e": ("e2e", "roformer-train / bare step"),
@@ -44,7 +45,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "context_extension", "e2e", "linear_attention", "packing", "profile_e2e"}
+SLOW = {"ablation", "checkpoint_stall", "context_extension", "e2e", "linear_attention", "packing", "profile_e2e"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate"}
