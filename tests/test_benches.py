@@ -68,6 +68,11 @@ def json_lines(text: str) -> list[dict]:
     return out
 
 
+TINY_FLAGS = {"e2e": ("--crash", "hf_ds")}
+"""More flags of a bench's tiny run: e2e's makes the first attempt of an HF run crash for real (the retry is
+checked by ``check_e2e``, in the same run)."""
+
+
 def run_tiny(name: str, *flags: str) -> subprocess.CompletedProcess:
     path = os.environ.get("PYTHONPATH", "")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
@@ -79,7 +84,7 @@ def run_tiny(name: str, *flags: str) -> subprocess.CompletedProcess:
 def test_bench_runs_in_tiny_mode(name):
     if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
         pytest.skip(f"bench/{name}.py needs {NEEDS[name]!r}, which is not installed: pip install -e '.[dev]'")
-    r = run_tiny(name)
+    r = run_tiny(name, *TINY_FLAGS.get(name, ()))
     tail = f"\n--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
     assert r.returncode == 0, f"bench/{name}.py --tiny exited with status {r.returncode}{tail}"
     bench, marker = RESULTS.get(name, (name, None))
@@ -93,7 +98,7 @@ def test_bench_runs_in_tiny_mode(name):
     found = CHECKOUT_OUTPUT.search(r.stdout)
     assert found is None, f"the tiny run names a path in the checkout ({found.group(0)!r}){tail}"
     if name in CHECKS:
-        CHECKS[name](lines, tail)
+        CHECKS[name](lines, tail, r.stdout)
 
 
 def test_every_bench_has_its_expected_result():
@@ -101,7 +106,7 @@ def test_every_bench_has_its_expected_result():
     assert set(RESULTS) | set(CHECKS) | SLOW | set(NEEDS) <= set(BENCHES)
 
 
-def check_packing(lines: list[dict], tail: str) -> None:
+def check_packing(lines: list[dict], tail: str, stdout: str) -> None:
     """bench/packing.py: both modes timed on the same batches, the document mode's attention work below
     the full rows' where a row packs several documents (blocks), and finite losses for every (trained,
     eval) packing pair, on the same eval batches (equal unigram baselines)."""
@@ -128,7 +133,7 @@ CHECKS = {"packing": check_packing}
 """bench -> a check of its JSON lines beyond RESULTS' (what its figures must satisfy)."""
 
 
-def check_profile_e2e(lines: list[dict], tail: str) -> None:
+def check_profile_e2e(lines: list[dict], tail: str, stdout: str) -> None:
     """bench/profile_e2e.py: HF's side has a step broken down (ours too once the trainer writes its trace)."""
     (line,) = [x for x in lines if x.get("bench") == "profile_e2e"]
     for side in [k for k in ("ours", "hf", "hf_ds") if k in line]:
@@ -178,23 +183,19 @@ def test_e2e_compile_adds_the_compiled_configurations_with_their_switches(tmp_pa
     assert {c: e2e.OURS_OF[c] for c in ("hf", "hf_compile")} == {"hf": "ours", "hf_compile": "ours_compile"}
 
 
-@pytest.mark.slow
-def test_e2e_a_crashed_run_is_retried_and_the_table_says_so(tmp_path):
-    """bench/e2e.py --tiny with a real crash: an HF rank aborts (os.abort, SIGABRT) in the first attempt of
-    its run; the run goes again, the bench ends normally, and its row and JSON line say "retried" with the
-    end of the failed attempt's stderr (two launches of the HF script: ~25 s)."""
-    if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("bench/e2e.py needs 'accelerate', which is not installed: pip install -e '.[dev]'")
-    r = run_tiny("e2e", "--part", "e2e", "--configs", "hf", "--crash", "hf", "--work", str(tmp_path))
-    tail = f"\n--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
-    assert r.returncode == 0, tail
-    (line,) = [x for x in json_lines(r.stdout) if x.get("bench") == "e2e"]
-    assert [(n["config"], n["what"]) for n in line["retried"]] == [("hf", "retried after")], tail
+def check_e2e(lines: list[dict], tail: str, stdout: str) -> None:
+    """bench/e2e.py --tiny --crash hf: an HF rank aborts (os.abort, SIGABRT) in the first attempt of its
+    first run; the run goes again, the bench ends normally, and its row and JSON line say "retried" with the
+    end of the failed attempt's stderr."""
+    (line,) = [x for x in lines if x.get("bench") == "e2e"]
+    assert [(n["config"], n["what"]) for n in line["retried"]] == [("hf_ds", "retried after")], tail
     assert "SIGABRT" in line["retried"][0]["why"] and line["failed"] == [], tail
-    assert line["per_seq"]["64"]["hf"]["tokens_per_s"] > 0, tail
-    assert re.search(r"HF Trainer \(DDP, gloo\) .* retried \[1\]", r.stdout), tail
-    assert "[1] seq 64, HF Trainer (DDP, gloo), round 1: retried after: " in r.stdout, tail
-    assert (tmp_path / "e2e_hf_64_r0" / "log.txt.err.attempt1").exists(), tail
+    assert line["per_seq"]["64"]["hf_ds"]["tokens_per_s"] > 0, tail
+    assert re.search(r"HF Trainer \+ DeepSpeed ZeRO-2 .* retried \[1\]", stdout), tail
+    assert "[1] seq 64, HF Trainer + DeepSpeed ZeRO-2, round 1: retried after: " in stdout, tail
+
+
+CHECKS["e2e"] = check_e2e
 
 
 def test_e2e_a_run_that_fails_twice_is_reported_and_the_bench_goes_on(tmp_path, monkeypatch, capsys):
