@@ -1,6 +1,6 @@
 """How long a checkpoint holds the step loop: ``checkpoint.async: true`` against the synchronous save.
 
-Both are the same ``roformer-train`` job on 2 ranks (ZeRO-2, fp32, People's Daily shards, seq 128, global
+Both are the same ``roformer-train`` job on 2 ranks (--ranks; ZeRO-2, fp32, People's Daily shards, seq 128, global
 batch 16), run alternately (--rounds, sync first in odd rounds, async first in even ones), saving every
 --save-every steps into a run directory on this machine's disk. Per save (the saves of the last step,
 which the end of the run waits for, are left out):
@@ -16,7 +16,7 @@ checkpoint weighs something: hidden 512, 8 layers, vocabulary 8000 (~29 M parame
 fp32 master weights and Adam moments per checkpoint).
 
     python bench/checkpoint_stall.py              # ~4 min on 2 cores
-    python bench/checkpoint_stall.py --tiny       # the tiny model on tiny shards: the whole path in ~40 s
+    python bench/checkpoint_stall.py --tiny       # the tiny model on tiny shards: 1 rank, 4 steps: the whole path in ~25 s
 
 Ends with one JSON line {"bench": "checkpoint_stall", "ours": held s (async), "baseline": held s (sync),
 "ratio": sync / async, "excess": {...}, "checkpoint_mb": ...}.
@@ -42,11 +42,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--save-every", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--model-args", default="model=small,model.hidden_size=512,model.num_hidden_layers=8,"
                                            "model.num_attention_heads=8,model.intermediate_size=2048")
     p.add_argument("--dir", type=Path, default=REPO / "data" / "bench" / "checkpoint_stall",
                    help="run directories (on the disk whose saves are measured) and the shard set")
-    C.tiny_defaults(p, argv, rounds=1, steps=6, save_every=2, model_args="model=tiny", dir=C.tiny_dir)
+    C.tiny_defaults(p, argv, rounds=1, steps=4, save_every=2, ranks=1, model_args="model=tiny", dir=C.tiny_dir)
     return p.parse_args(argv)
 
 
@@ -59,7 +60,7 @@ def shards(a) -> Path:
 def run(a, mode: str, data: Path, round_: int) -> dict:
     run_dir = a.dir / f"run_{mode}_{round_}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    over = [*a.model_args.split(","), f"data.shards={data}", "data.eval_shards=", f"run_dir={run_dir}", "dist.world_size=2",
+    over = [*a.model_args.split(","), f"data.shards={data}", "data.eval_shards=", f"run_dir={run_dir}", f"dist.world_size={a.ranks}",
             "data.packing=cross_document", "optim.warmup_steps=0", f"trainer.save_every={a.save_every}",
             "trainer.eval_every=0", "trainer.log_every=1", "checkpoint.keep_last=2",
             f"checkpoint.async={mode == 'async'}",
