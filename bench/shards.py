@@ -7,14 +7,17 @@
 
 baseline = ``SentencePieceProcessor.Encode`` of the corpus' *already normalised* documents, in
            batches of 256, one thread, in this process; nothing else (no reading, no writing).
-ours     = ``write_shards`` (what ``roformer-data shards`` runs): read, normalise, encode, word
-           marks, tar members, sha256, write shards + manifest; ``--workers`` 1 (in this process)
-           and 2 (a process pool, this process reading and writing).
+ours     = ``write_shards`` (what ``roformer-data shards`` runs): read (1 MiB blocks), normalise,
+           encode, word marks, shard writing (format 2: blocks of documents, tar members, sha256,
+           write) + manifest; ``--workers`` 1 (in this process) and 2 (a process pool, this process
+           reading and writing).
 MB/s per worker = MB of normalised text / seconds / workers. Seconds are CPU seconds of all the
 processes involved (``time.process_time`` + ``RUSAGE_CHILDREN``: robust on a shared machine)
 and, printed beside, wall seconds; medians of --repeats, baseline and builds interleaved.
-ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read,
-normalise, encode, word marks, tar members, sha256), where the time beyond the baseline goes. The tokenizer:
+ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read lines,
+normalise, encode (+ flatten: SentencePiece's lists into one array), word marks, shard writing (tar
+members, sha256, write)), where the time beyond the baseline goes, and the shard bytes per byte of
+token ids + marks. The tokenizer:
 SentencePiece unigram, 8000 pieces (--vocab), trained on the first 6000 documents. Ends with one JSON
 line (the first corpus): {"bench": "shards", "ours": MB/s per worker (1 worker, CPU), "baseline": MB/s
 (CPU), "unit": "MB/s", "ratio": ..., "workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
@@ -75,13 +78,11 @@ def corpora(tmp: Path, given: list[Path], scale: int, max_lines: int | None = No
 
 def stages(src: Path, model: Path) -> dict:
     """CPU seconds of each stage of the 1-worker build, run one after the other in this process."""
-    import hashlib
-
     import numpy as np
 
     from data_pipeline.corpus import CorpusStats, iter_records, to_documents
     from data_pipeline.shards import _chunks
-    from data_pipeline.tario import documents_blob
+    from data_pipeline.tario import ShardWriter
 
     tok = Tokenizer(model)
     out, t = {}, time.process_time()
@@ -102,13 +103,16 @@ def stages(src: Path, model: Path) -> dict:
     t = time.process_time()
     marks = [tok.word_marks_flat(i, n, [d.text for d in c], [d.words for d in c]) for (i, n), c in zip(enc, docs)]
     lap("word marks")
-    blobs = [documents_blob(np.arange(len(n)), i.astype(tok.dtype), n, m)[0] for (i, n), m in zip(enc, marks)]
-    lap("tar members")
-    h = hashlib.sha256()
-    for b in blobs:
-        h.update(b)
-    lap("sha256")
-    out["tar bytes / token bytes"] = round(sum(map(len, blobs)) / sum(len(i) * 3 for i, _ in enc), 1)  # ids + marks
+    with tempfile.TemporaryDirectory(prefix="bench-stages-") as d:
+        w = ShardWriter(d, tok.dtype, 64 * 10 ** 6)
+        first = 0
+        for (i, n), m in zip(enc, marks):
+            w.add_docs(np.arange(first, first + len(n)), i.astype(tok.dtype), n, m)
+            first += len(n)
+        w.close_shard()
+        lap("shard writing (tar, sha256, write)")
+        size = sum(e["bytes"] for e in w.entries)
+    out["tar bytes / token bytes"] = round(size / sum(len(i) * 3 for i, _ in enc), 2)  # ids + marks
     return out
 
 

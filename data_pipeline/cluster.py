@@ -19,7 +19,7 @@
    not change), writes the one manifest, and only then is the staging directory swapped in.
 
 The merged set holds the documents of the single-process build in the same order (document keys
-count from 0 in each task's shards; they only pair a document's .ids and .wwm members).
+count from 0 in each task's shards; they only name a block's .ids, .len and .wwm members).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ Lines that are not valid UTF-8 are skipped and counted (``strict=True``: a
 :class:`~data_pipeline.errors.DataError` naming the file and line instead); documents that are
 empty after normalisation are skipped and counted. A line is never read whole when it is longer
 than ``max_line_bytes`` (default ``MAX_LINE_BYTES``, 1 MiB, newline excluded; ``--max-line-bytes``):
-at most that many bytes of it are held in memory, the rest is read past in pieces, and the line
+at most that many bytes of it (plus one read block, ``_BLOCK_BYTES``: 1 MiB) are held in memory, the
+rest is read past in pieces, and the line
 is skipped and counted (``long_lines``) with a warning that always shows, or, with
 ``strict=True``, is a DataError naming the file and line. So is a blank-line separated document
 whose lines add up to more. Such a line is most likely not text (a minified dump, a binary
@@ -61,7 +62,7 @@ from .errors import DataError, UsageError
 __all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
            "splittable",
            "read_documents", "iter_records", "to_document", "to_documents", "normalize_batch",
-           "normalize_words_batch", "detect_format", "FORMATS", "MAX_LINE_BYTES", "read_line"]
+           "normalize_words_batch", "pd_documents_batch", "detect_format", "FORMATS", "MAX_LINE_BYTES", "read_line"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
 BINARY_LINE_FRACTION = 0.10
@@ -113,8 +114,10 @@ class InputRange:
 class Document:
     text: str
     """Normalised text."""
-    words: Optional[list[str]] = None
-    """Gold word segmentation (``"".join(words) == text``) when the source has it."""
+    words: "Optional[list[str] | np.ndarray]" = None
+    """Gold word segmentation (``"".join(words) == text``) when the source has it; from :func:`to_documents`
+    (the shard builder's batches) possibly as the words' lengths in characters (int64 array), which is all
+    the word marks need (no string per word)."""
 
 
 @dataclass
@@ -263,6 +266,137 @@ def normalize_words_batch(docs: list[list[str]]) -> list[list[str]]:
     return out
 
 
+# --------------------------------------------------------------------------- People's Daily, vectorised
+#
+# _pd_words + normalize_words for a whole batch of lines with a few numpy passes over their code points
+# (the regular expressions cost a Python-level substitution per word): the same tags and brackets are
+# removed (a '/' + ASCII letters [+ ']' + letters] before whitespace or the line's end; a '[' after
+# whitespace or the line's start and before a character that stays and is not whitespace), words are the
+# runs of what is left between whitespace (str.isspace, as split() and the patterns' \s), full-width
+# forms are mapped as _halfwidth does, and each line's words come out joined by _US. A removed part always
+# touches whitespace or a line's edge, so removing it never joins or splits a word. The words then take
+# normalize_words_batch's rules: NFKC of the joined words (a document NFKC leaves alone keeps its word
+# lengths from numpy, no string per word), and normalize_words itself where a space, control or format
+# character is left.
+
+_WS_MAX = 0x3000
+_OTHER, _LETTER, _SLASH, _OPEN, _CLOSE, _SPACE, _NEWLINE = range(7)
+_CLASSES: Optional[np.ndarray] = None
+
+
+def _classes() -> np.ndarray:
+    """uint8 class of each code point up to U+3000 (the last whitespace: tests/test_corpus.py checks) + 1
+    (everything above): _LETTER (ASCII), _SLASH, _OPEN '[', _CLOSE ']', _SPACE (str.isspace), _NEWLINE;
+    else _OTHER."""
+    global _CLASSES
+    if _CLASSES is None:
+        cls = np.array([_SPACE if chr(cp).isspace() else _OTHER for cp in range(_WS_MAX + 2)], np.uint8)
+        cls[[ord(ch) for ch in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"]] = _LETTER
+        cls[[ord("/"), ord("["), ord("]"), ord("\n")]] = _SLASH, _OPEN, _CLOSE, _NEWLINE
+        _CLASSES = cls
+    return _CLASSES
+
+
+def _pd_strip(line: str) -> str:
+    """The line without surrounding whitespace and without a leading date id (what _pd_words splits)."""
+    line = line.strip()
+    first, _, rest = line.partition(" ")
+    return rest if _PD_DATE.match(first) else line
+
+
+def _pd_fast(lines: list[str]) -> Optional[tuple[list[str], list[str], list[np.ndarray]]]:
+    """Of each line: its words (People's Daily tags and brackets removed, full-width forms mapped) joined by
+    _US, its text (the words concatenated) and its word lengths (characters, int64); None when the batch
+    holds a character the fast path does not take (a lone surrogate, _US itself)."""
+    joined = "\n".join(lines) + "\n"
+    try:
+        cps = np.frombuffer(joined.encode("utf-32-le"), np.uint32)
+    except UnicodeEncodeError:
+        return None
+    if (cps == ord(_US)).any():
+        return None
+    n = len(cps)
+    cls = _classes()[np.minimum(cps, _WS_MAX + 1)]
+    ws = cls >= _SPACE
+    letter = cls == _LETTER
+    p = np.flatnonzero(cls == _SLASH)                              # '/': a tag starts here when ...
+    q = p + 1                                                      # ... letters follow, up to q, and then
+    run = np.flatnonzero(letter[q])                                # (the last character is a newline)
+    while len(run):
+        q[run] += 1
+        run = run[letter[q[run]]]
+    r = q + 1                                                      # after a ']': letters up to r
+    r[q == n - 1] = n - 1
+    run = np.flatnonzero(cls[q] == _CLOSE)
+    while len(run):
+        run = run[letter[r[run]]]
+        r[run] += 1
+    plain = (q > p + 1) & ws[q]                                    # whitespace, or
+    bracket = (q > p + 1) & (cls[q] == _CLOSE) & ws[r]             # ']' + letters + whitespace
+    tag = plain | bracket
+    starts, ends = p[tag], np.where(plain, q, r)[tag]              # tags never overlap
+    edge = np.zeros(n + 1, np.int8)
+    edge[starts], edge[ends] = 1, -1
+    gone = np.cumsum(edge[:n], dtype=np.int8) > 0
+    tag_start = np.zeros(n, bool)
+    tag_start[starts] = True
+    b = np.flatnonzero(cls == _OPEN)                               # '[' opening a compound
+    before = np.ones(len(b), bool)
+    before[b > 0] = ws[b[b > 0] - 1]
+    gone[b[before & ~ws[b + 1] & ~tag_start[b + 1]]] = True
+    sel = np.flatnonzero(~gone & ~ws)                              # the characters of words
+    line_of = np.cumsum(cls == _NEWLINE, dtype=np.int32)[sel]      # newlines: the line boundaries (lines hold none)
+    first_of_word = np.ones(len(sel), bool)
+    first_of_word[1:] = sel[1:] - sel[:-1] > 1                     # a removed part always touches whitespace
+    first_of_line = np.ones(len(sel), bool)
+    first_of_line[1:] = line_of[1:] != line_of[:-1]
+    sep = first_of_word & ~first_of_line                           # a _US before this character
+    chars = cps[sel]
+    full = (chars >= 0xFF01) & (chars <= 0xFF5E)
+    chars = np.where(full, chars - 0xFEE0, chars)
+    num_lines = len(lines)
+    per_line = np.bincount(line_of, minlength=num_lines)
+    k = np.arange(len(sel))
+    text = np.full(len(sel) + num_lines, 0x0A, np.uint32)
+    text[k + line_of] = chars
+    with_sep = np.full(len(sel) + int(sep.sum()) + num_lines, ord(_US), np.uint32)
+    with_sep[k + np.cumsum(sep) + line_of] = chars
+    with_sep[np.cumsum(per_line + np.bincount(line_of[sep], minlength=num_lines)) + np.arange(num_lines)] = 0x0A
+    word_starts = np.flatnonzero(first_of_word)
+    lengths = np.diff(np.append(word_starts, len(sel)))
+    bounds = np.zeros(num_lines + 1, np.int64)
+    np.cumsum(np.bincount(line_of[word_starts], minlength=num_lines), out=bounds[1:])
+    bounds = bounds.tolist()
+    return (with_sep.tobytes().decode("utf-32-le").split("\n")[:-1],
+            text.tobytes().decode("utf-32-le").split("\n")[:-1],
+            [lengths[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def pd_documents_batch(records: list[str]) -> list[tuple[str, list[str] | np.ndarray]]:
+    """(text, words) of raw People's Daily lines: ``text, words = "".join(w), w`` for ``w =
+    normalize_words(_pd_words(r))``, faster (see above); ``words`` comes as its word lengths (int64) where
+    the fast path made it, else as the list of words."""
+    fast = _pd_fast([_pd_strip(r) for r in records])
+    out: list[tuple[str, list[str] | np.ndarray]] = []
+    for i, raw in enumerate(records):
+        if fast is not None:
+            joined, text = fast[0][i], fast[1][i]
+            if unicodedata.is_normalized("NFKC", joined):
+                if " " not in text and text.isprintable():
+                    out.append((text, fast[2][i]))
+                    continue
+            else:                                      # as normalize_words_batch: NFKC of the joined words
+                joined = unicodedata.normalize("NFKC", joined)
+                if " " not in joined and joined.replace(_US, "").isprintable():
+                    parts = joined.split(_US)
+                    words = [w for w in parts if w] if "" in parts else parts
+                    out.append(("".join(words), words))
+                    continue
+        words = normalize_words(_pd_words(raw))
+        out.append(("".join(words), words))
+    return out
+
+
 def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Path]:
     """Files named by paths, directories (recursively, sorted) and glob patterns (InputRange s as they are)."""
     if isinstance(inputs, (str, os.PathLike, InputRange)):
@@ -371,44 +505,123 @@ def detect_format(path: Path) -> str:
     return "txt"
 
 
+_BLOCK_BYTES = 1 << 20
+"""Lines are read in blocks of this many bytes (1 MiB), decoded and split a block at a time."""
+
+
+def _where(path: Path, ranged: bool, lineno: int, line_start: int) -> str:
+    """A line for messages: ``path:N``, or ``path: the line at byte B`` in a range (InputRange)."""
+    return f"{path}: the line at byte {line_start}" if ranged else f"{path}:{lineno}"
+
+
+def _blocks(f, pos: int, end: Optional[int], limit: int) -> Iterator[tuple[Optional[bytes], int]]:
+    """(whole lines of ``f``, the file offset where they start) from ``pos``, up to the first line starting at or
+    after ``end``; a line longer than ``limit`` bytes (newline excluded) that does not end in the block it
+    starts in comes as (None, its size), read past in pieces, never held whole."""
+    carry: list[bytes] = []             # the start of a line that goes on in the next block
+    held = 0
+    while end is None or pos < end:
+        data = f.read(_BLOCK_BYTES)
+        if not data:
+            if carry:
+                yield b"".join(carry), pos
+            return
+        cut = data.rfind(b"\n") + 1
+        if not cut:
+            carry.append(data)
+            held += len(data)
+        else:
+            if carry:
+                data, cut = b"".join(carry) + data, cut + held
+                carry, held = [], 0
+            if end is not None and pos + cut > end:        # stop after the line holding byte end - 1
+                cut = data.index(b"\n", end - 1 - pos) + 1
+                yield data[:cut], pos
+                return
+            yield data[:cut], pos
+            pos += cut
+            if cut < len(data):
+                carry, held = [data[cut:]], len(data) - cut
+        if held > limit and (end is None or pos < end):   # a line longer than the limit: never held whole
+            size = held
+            while True:
+                piece = f.readline(_SKIP_CHUNK)
+                size += len(piece)
+                if not piece or piece.endswith(b"\n"):
+                    break
+            yield None, size
+            pos, carry, held = pos + size, [], 0
+
+
 def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Optional[int] = None,
-           max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
-    """(where, line) of the valid UTF-8 lines of a file, or of the lines starting in [start, end);
-    ``where`` names the line for messages (``path:N``, or ``path: the line at byte B`` in a range).
-    Lines over ``max_line_bytes`` are skipped and counted, unread (``strict``: DataError)."""
+           max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[tuple[int, int], str]]:
+    """((line number, byte offset), line) of the valid UTF-8 lines of a file, or of the lines starting in
+    [start, end) (:func:`_where` makes the pair a name for messages). Lines over ``max_line_bytes`` are
+    skipped and counted, unread (``strict``: DataError). Read in blocks (:data:`_BLOCK_BYTES`): a block
+    that decodes whole, holds no NUL and no over-long line is split at once; any other goes line by line."""
     lineno = invalid = nul = long = 0
     stats.max_line_bytes = max_line_bytes
+    ranged = bool(start)
     try:
         with _open_binary(path) as f:
             pos = 0
             if start:
                 f.seek(start - 1)
                 pos = start - 1 + read_line(f, max_line_bytes)[1]   # the first line that starts at or after `start`
-            while end is None or pos < end:
-                raw, size = read_line(f, max_line_bytes)
-                if not size:
-                    break
-                lineno += 1
-                line_start, pos = pos, pos + size
-                where = f"{path}:{lineno}" if not start else f"{path}: the line at byte {line_start}"
-                if raw is None:
+            for block, at in _blocks(f, pos, end, max_line_bytes):
+                if block is None:                              # one over-long line, already read past
+                    lineno += 1
                     if strict:
-                        raise DataError(f"{where}: a line of {size} bytes (newline included), longer than the limit of "
-                                        f"{max_line_bytes} bytes (--max-line-bytes; without --strict such lines are "
-                                        "skipped)")
+                        raise DataError(f"{_where(path, ranged, lineno, pos)}: a line of {at} bytes (newline "
+                                        f"included), longer than the limit of {max_line_bytes} bytes "
+                                        "(--max-line-bytes; without --strict such lines are skipped)")
                     long += 1
+                    pos += at
                     continue
-                if b"\0" in raw:
-                    nul += 1
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    if strict:
-                        raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start}); expected UTF-8 "
-                                        f"text (without --strict such lines are skipped)") from None
-                    invalid += 1
+                pos = at
+                text = None
+                if b"\0" not in block and (len(block) <= max_line_bytes + 1 or _longest_line(block) <= max_line_bytes):
+                    try:
+                        text = block.decode("utf-8")
+                    except UnicodeDecodeError:
+                        pass
+                if text is not None:                           # the common case: every line valid
+                    lines = text.split("\n")
+                    last = lines.pop()
+                    if ranged:                                 # offsets, for messages
+                        starts = (np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + 1 + pos).tolist()
+                        starts.insert(0, pos)
+                    for i, line in enumerate(lines):
+                        lineno += 1
+                        yield (lineno, starts[i] if ranged else 0), line + "\n"
+                    if last:
+                        lineno += 1
+                        yield (lineno, starts[-1] if ranged else 0), last
+                    pos += len(block)
                     continue
-                yield where, line
+                for raw in _split_nl(block):
+                    size = len(raw)
+                    lineno += 1
+                    line_start, pos = pos, pos + size
+                    if size - raw.endswith(b"\n") > max_line_bytes:
+                        if strict:
+                            raise DataError(f"{_where(path, ranged, lineno, line_start)}: a line of {size} bytes "
+                                            f"(newline included), longer than the limit of {max_line_bytes} bytes "
+                                            "(--max-line-bytes; without --strict such lines are skipped)")
+                        long += 1
+                        continue
+                    if b"\0" in raw:
+                        nul += 1
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        if strict:
+                            raise DataError(f"{_where(path, ranged, lineno, line_start)}: invalid UTF-8 ({e.reason} "
+                                            f"at byte {e.start}); expected UTF-8 text (without --strict such lines "
+                                            "are skipped)") from None
+                        invalid += 1
+                        continue
+                    yield (lineno, line_start), line
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"input {path}: cannot be read after line {lineno} ({_reason(e)})") from None
     finally:
@@ -421,6 +634,20 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
             part = f" (bytes {start}-{end})" if start or end is not None else ""
             stats.file_warnings.append(f"input {path}{part} looks binary, not text ({', '.join(why)}); only its "
                                        "valid lines were used")
+
+
+def _split_nl(block: bytes) -> list[bytes]:
+    """The lines of ``block`` split at b"\\n" only, newlines kept (``bytes.splitlines`` also splits at \\r)."""
+    parts = block.split(b"\n")
+    last = parts.pop()
+    return [p + b"\n" for p in parts] + ([last] if last else [])
+
+
+def _longest_line(block: bytes) -> int:
+    """The longest line of ``block`` in bytes, newline excluded."""
+    nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+    edges = np.concatenate(([-1], nl, [len(block)]))
+    return int((np.diff(edges) - 1).max())
 
 
 def _pd_words(line: str) -> list[str]:
@@ -451,16 +678,16 @@ def to_document(record: tuple[str, str], stats: Optional[CorpusStats] = None) ->
 
 def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Optional[Document]]:
     """:func:`to_document` of each of a batch of raw records (None, counted, for an empty one), normalised
-    in one go (:func:`normalize_batch`, :func:`normalize_words_batch`)."""
+    in one go (:func:`normalize_batch`, :func:`pd_documents_batch`: gold words may come as their lengths)."""
     stats = stats if stats is not None else CorpusStats()
     texts: list[Optional[str]] = [None] * len(records)
-    words: list[Optional[list[str]]] = [None] * len(records)
+    words: list = [None] * len(records)
     plain = [i for i, (kind, _) in enumerate(records) if kind != "pd"]
     tagged = [i for i, (kind, _) in enumerate(records) if kind == "pd"]
     for i, t in zip(plain, normalize_batch([records[i][1] for i in plain])):
         texts[i] = t
-    for i, w in zip(tagged, normalize_words_batch([_pd_words(records[i][1]) for i in tagged])):
-        words[i], texts[i] = w, "".join(w)
+    for i, (t, w) in zip(tagged, pd_documents_batch([records[i][1] for i in tagged])):
+        words[i], texts[i] = w, t
     docs = [Document(t, w) if t else None for t, w in zip(texts, words)]
     kept = [d for d in docs if d is not None]
     stats.empty_docs += len(records) - len(kept)
@@ -493,7 +720,7 @@ def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "l
     stats.files += start == 0
     lines = _lines(path, stats, strict, start, end, max_line_bytes)
     if fmt == "jsonl":
-        yield from _jsonl_records(lines, jsonl_field, strict, stats)
+        yield from _jsonl_records(lines, jsonl_field, strict, stats, path, bool(start))
     elif fmt == "pd":
         for _, line in lines:
             if not line.strip():
@@ -504,11 +731,12 @@ def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "l
         for _, line in lines:
             yield ("text", line)
     else:
-        yield from _blank_separated(lines, strict, stats, max_line_bytes)
+        yield from _blank_separated(lines, strict, stats, max_line_bytes, path)
 
 
-def _jsonl_records(lines, jsonl_field: str, strict: bool, stats: CorpusStats) -> Iterator[tuple[str, str]]:
-    for where, line in lines:
+def _jsonl_records(lines, jsonl_field: str, strict: bool, stats: CorpusStats, path: Path,
+                   ranged: bool) -> Iterator[tuple[str, str]]:
+    for at, line in lines:
         if not line.strip():
             stats.empty_docs += 1
             continue
@@ -518,29 +746,29 @@ def _jsonl_records(lines, jsonl_field: str, strict: bool, stats: CorpusStats) ->
             if strict:
                 why = e.msg if isinstance(e, json.JSONDecodeError) else \
                     "nested too deeply" if isinstance(e, RecursionError) else str(e)
-                raise DataError(f"{where}: invalid JSON ({why})") from None
+                raise DataError(f"{_where(path, ranged, *at)}: invalid JSON ({why})") from None
             stats.invalid_json_lines += 1
             continue
         if not isinstance(obj, dict) or jsonl_field not in obj:
-            raise DataError(f"{where}: expected a JSON object with a string field "
+            raise DataError(f"{_where(path, ranged, *at)}: expected a JSON object with a string field "
                             f"{jsonl_field!r} (set --jsonl-field), got "
                             f"{'keys ' + str(sorted(obj)[:20]) if isinstance(obj, dict) else type(obj).__name__}")
         value = obj[jsonl_field]
         if not isinstance(value, str):
-            raise DataError(f"{where}: field {jsonl_field!r} must be a string, got "
+            raise DataError(f"{_where(path, ranged, *at)}: field {jsonl_field!r} must be a string, got "
                             f"{type(value).__name__}")
         yield ("text", value)
 
 
-def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int) -> Iterator[tuple[str, str]]:
+def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int, path: Path) -> Iterator[tuple[str, str]]:
     """Documents separated by blank lines; one whose lines add up to more than ``max_bytes`` is skipped and
     counted in ``long_lines`` (``strict``: DataError naming its first line)."""
     buf: list[str] = []
     size, first, too_long = 0, "", False
-    for where, line in lines:
+    for at, line in lines:
         if line.strip():
             if not buf and not too_long:
-                first = where
+                first = _where(path, False, *at)          # blank-line documents are never read in ranges
             size += len(line.encode("utf-8", "surrogatepass"))
             if size > max_bytes and not too_long:
                 if strict:

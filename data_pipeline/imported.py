@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import DataError, UsageError
-from .tokenizer import SPECIAL_TOKENS, jieba_cut, sha256_file
+from .tokenizer import SPECIAL_TOKENS, jieba_cut, sha256_file, word_lengths
 
 __all__ = ["KINDS", "SENTENCEPIECE", "TOKENIZER_JSON", "WORDPIECE_VOCAB", "ImportedTokenizer", "find_tokenizer_file",
            "kind_of", "open_tokenizer", "tokenizer_facts", "manifest_kind"]
@@ -194,7 +194,7 @@ class ImportedTokenizer:
         for i, doc_words in enumerate(words or ()):
             if doc_words is None or not lengths[i]:
                 continue
-            wlen = np.fromiter(map(len, doc_words), np.int64, len(doc_words))
+            wlen = word_lengths([doc_words], len(doc_words))
             is_start = np.zeros(int(wlen.sum()) + 1, bool)
             is_start[np.cumsum(wlen) - wlen] = True
             starts = np.fromiter((s for s, _ in encs[i].offsets), np.int64, int(lengths[i]))

@@ -1,8 +1,9 @@
 """The shard-set manifest: reading and validating it, and checking it against its tokenizer.
 
-``manifest.json`` (format 1) describes a shard set::
+``manifest.json`` (format 2) describes a shard set::
 
-    format        1
+    format        2 (blocks of documents per tar member, :mod:`.tario`); 1 (a member pair per document,
+                  sets written before) is read too; any other value is refused
     tokenizer     {path: "tokenizer.model" (a file of the set) or null, sha256: hex or null,
                    kind: "tokenizer-json" | "wordpiece-vocab" (an imported tokenizer; absent: our
                    SentencePiece model, "sentencepiece")}
@@ -53,11 +54,14 @@ from .source import ShardSource, TooLargeError, UrlError, check_name, name_probl
 from .tario import MAX_SHARD_BYTES
 from .tokenizer import SPECIAL_IDS, SPECIAL_TOKENS, sha256_file
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "SHARD_NAME", "read_manifest", "parse_manifest", "tokenizer_path",
-           "read_tokenizer", "check_tokenizer", "check_training_data", "as_source", "dtype_for", "shard_byte_limit",
-           "MAX_VOCAB_SIZE", "MAX_SHARD_BYTES", "MAX_MANIFEST_BYTES", "MAX_TOKENIZER_BYTES"]
+__all__ = ["FORMAT_VERSION", "READ_FORMATS", "MANIFEST", "SHARD_NAME", "read_manifest", "parse_manifest",
+           "tokenizer_path", "read_tokenizer", "check_tokenizer", "check_training_data", "as_source", "dtype_for",
+           "shard_byte_limit", "MAX_VOCAB_SIZE", "MAX_SHARD_BYTES", "MAX_MANIFEST_BYTES", "MAX_TOKENIZER_BYTES"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""What the builders write: format 2 stores documents in blocks (:mod:`.tario`)."""
+READ_FORMATS = (1, 2)
+"""What the readers take: format 1 (one tar member pair per document) reads as it always did."""
 MANIFEST = "manifest.json"
 SHARD_NAME = re.compile(r"^shard-[0-9]{6,}\.tar\Z")
 MAX_VOCAB_SIZE = 1 << 24
@@ -162,8 +166,9 @@ def parse_manifest(raw: bytes | str, path) -> dict:
             raise _field_error(path, key, expected, m[key])
         return m[key]
 
-    if req("format", int, f"format version {FORMAT_VERSION}") != FORMAT_VERSION:
-        raise _field_error(path, "format", f"format version {FORMAT_VERSION}", m["format"])
+    readable = f"format version {FORMAT_VERSION} (or {', '.join(map(str, READ_FORMATS[:-1]))})"
+    if req("format", int, readable) not in READ_FORMATS:
+        raise _field_error(path, "format", readable, m["format"])
     _check_tokenizer_entry(path, req("tokenizer", dict, "an object {path, sha256}"))
     vocab = req("vocab_size", int, "a positive integer")
     if not 0 < vocab <= MAX_VOCAB_SIZE:
@@ -195,8 +200,9 @@ def parse_manifest(raw: bytes | str, path) -> dict:
 
 def shard_byte_limit(entry: dict, itemsize: int) -> int:
     """The most bytes a read of the shard of manifest ``entry`` takes: its ``bytes`` when the manifest has
-    them, else twice what its documents can take in the tar format (two members of a header and padding
-    each, ``itemsize + 1`` bytes a token, the end blocks) plus 1 MiB, at most MAX_SHARD_BYTES."""
+    them (every set written since format 2), else twice what its documents can take in the tar format
+    (format 1's layout, the larger: two members of a header and padding each, ``itemsize + 1`` bytes a
+    token, the end blocks) plus 1 MiB, at most MAX_SHARD_BYTES."""
     if "bytes" in entry:
         return int(entry["bytes"])
     need = 2 * 1024 * entry["num_docs"] + (itemsize + 1) * entry["num_tokens"] + 11264

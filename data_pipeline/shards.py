@@ -5,7 +5,8 @@ A shard set is a directory (or, for reading, a URL prefix: :mod:`.source`)::
     manifest.json            written last, atomically (:mod:`.manifest` describes its fields)
     tokenizer.model          the SentencePiece model (``prepare`` and ``shards`` put it here), or the
                              imported tokenizer.json / vocab.txt (:mod:`.imported`)
-    shard-000000.tar ...     members <key>.ids and <key>.wwm (:mod:`.tario` describes the format)
+    shard-000000.tar ...     blocks of documents: members <key>.ids, <key>.len and <key>.wwm (:mod:`.tario`
+                             describes the format; sets of format 1 hold one document per .ids/.wwm pair)
 
 Building never destroys: the set is written into a staging directory beside its final place and
 moved there only when it is complete (:class:`~data_pipeline.atomic.StagedDir`). An existing set
@@ -32,8 +33,7 @@ from .imported import KINDS, SENTENCEPIECE, open_tokenizer
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
                        shard_byte_limit, tokenizer_path)
 from .source import TooLargeError, UrlError, read_local_file
-from .tario import (MAX_SHARD_BYTES, CorruptShardError, ShardData, ShardWriter, documents_blob, iter_tar_members,
-                    parse_shard)
+from .tario import MAX_SHARD_BYTES, CorruptShardError, ShardData, ShardWriter, iter_tar_members, parse_shard
 from .tokenizer import SPECIAL_IDS, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CorruptShardError", "ShardData", "read_manifest", "tokenizer_path",
@@ -241,7 +241,7 @@ def _encode_chunk(job: tuple[int, list]) -> tuple:
         keep = np.flatnonzero(lengths)
         stats.empty_docs += len(lengths) - len(keep)
         keys, lengths = keys[keep], lengths[keep]
-    # compact (3 bytes a token): the tar members, about 8x larger for short documents, are made by the writer
+    # compact (3 bytes a token): the writer makes the blocks of tar members (about 1% more) from these
     return keys, ids.astype(tok.dtype), lengths, marks, stats
 
 
@@ -274,6 +274,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     under its kind's name (recorded in the manifest), else record ``tokenizer``'s own path (the cluster
     tasks: such a manifest is only an intermediate result, :func:`~data_pipeline.cluster.merge` writes
     the set's).
+    Shards are written in format 2 (:mod:`.tario`: blocks of documents) and the manifest says so.
     ``on_progress(docs, tokens, text_bytes)`` is called after each chunk. ``warn_corpus``: log the
     corpus warnings (binary-looking files, many skipped lines, over-long lines). ``max_line_bytes``:
     the longest input line read (:mod:`.corpus`). ``allow_empty``: no documents is not an error (a
@@ -308,8 +309,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
             pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_path), kind, jieba))
             results = pool.imap(_encode_chunk, _chunks(records, chunk_docs), chunksize=1)
         for keys, ids, lengths, marks, st in results:
-            blob, doc_bytes = documents_blob(keys, ids, lengths, marks)
-            writer.add_blob(blob, doc_bytes, lengths * ids.dtype.itemsize, lengths)
+            writer.add_docs(keys, ids, lengths, marks)
             tokens += int(lengths.sum())
             docs += len(lengths)
             stats.add_counts(st)

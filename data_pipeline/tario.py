@@ -1,20 +1,33 @@
 """The shard tar format: a fast reader (index of the members of a tar held in memory) and the writer.
 
-A shard is a ustar archive whose members are ``<key>.ids`` (the document's token ids, raw
-little-endian, the manifest's dtype) and ``<key>.wwm`` (one byte per token, 1 where a word
-starts), one pair per document, in order. ``<key>`` is a 10-digit document number, unique
-within the shard. Headers carry mode 644, mtime 0 and no owner, so the same documents give
-byte-identical shards (and hashes). Any tar reader (``tarfile``, webdataset) reads them; ours
-indexes a whole shard with a few vectorised numpy operations (see ``bench/loader.py`` for
-the comparison with webdataset's tar iterator).
+A shard is a ustar archive of *blocks* of consecutive documents (format 2, what :class:`ShardWriter`
+writes), three members each, in order::
+
+    <key>.ids   the token ids of the block's documents, concatenated (raw little-endian, the manifest's dtype)
+    <key>.len   each document's token count, uint32 little-endian (so the block's documents are known)
+    <key>.wwm   one byte per token, 1 where a word starts, concatenated like .ids (absent without marks)
+
+``<key>`` is the 10-digit number of the block's first document (unique and increasing within the
+shard); a block closes after the document that brings it to ``BLOCK_TOKENS`` (65536) tokens, and
+at the end of the shard, so the layout depends only on the documents, never on how the builder
+batched them. Documents, not blocks, are the unit of everything above this module
+(:class:`ShardData` is per document: counts, resume positions, shuffling). Format 1 (sets written
+before blocks existed: manifest ``format`` 1) has one document per ``<key>.ids`` / ``<key>.wwm``
+pair and no ``.len``: the reader takes both (a ``.ids`` member without a ``.len`` is one document).
+Headers carry mode 644, mtime 0 and no owner, so the same documents give byte-identical shards (and
+hashes). Any tar reader (``tar``, ``tarfile``, webdataset: a block is one sample) reads them; ours
+indexes a whole shard with a few vectorised numpy operations (see ``bench/loader.py`` for the
+comparison with webdataset's tar iterator).
 
 Shards are untrusted input. Both readers (:func:`iter_tar_members`, :func:`parse_shard`) accept a
 member size only as octal digits, optionally padded with spaces and NULs (a sign, another base
 or GNU's base-256 form is refused), and only when the member fits in what is left of the file;
-each header moves the position forward by at least one block, so parsing ends. Anything else is a
-:class:`CorruptShardError` naming the shard, the byte offset of the header and the field. A shard
-file larger than ``MAX_SHARD_BYTES`` (16 GiB) is neither written nor read. ``parse_shard`` with
-``vocab_size`` also refuses a token id at or above it (one ``max`` over the ids).
+each header moves the position forward by at least one block, so parsing ends. A ``.len`` member
+must hold a multiple of 4 bytes whose counts add up to its ``.ids`` (and ``.wwm``) member, and a
+shard with ``.len`` members must have one for every ``.ids``. Anything else is a
+:class:`CorruptShardError` naming the shard, the byte offset of the header or the member, and the
+field. A shard file larger than ``MAX_SHARD_BYTES`` (16 GiB) is neither written nor read.
+``parse_shard`` with ``vocab_size`` also refuses a token id at or above it (one ``max`` over the ids).
 """
 
 from __future__ import annotations
@@ -31,11 +44,14 @@ import numpy as np
 
 from .errors import DataError, UsageError
 
-__all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter", "documents_blob",
-           "max_token_id", "check_token_ids", "MAX_SHARD_BYTES"]
+__all__ = ["CorruptShardError", "ShardData", "iter_tar_members", "parse_shard", "ShardWriter", "max_token_id",
+           "check_token_ids", "MAX_SHARD_BYTES", "BLOCK_TOKENS"]
 
 MAX_SHARD_BYTES = 1 << 34
 """The largest shard file (16 GiB): a shard is read whole into memory, by every loader worker."""
+BLOCK_TOKENS = 1 << 16
+"""A block of documents closes after the document that brings it to this many tokens (module docstring):
+its three 512-byte headers and padding are then about 1% of its 3 bytes a token."""
 
 
 class CorruptShardError(DataError):
@@ -112,8 +128,12 @@ _OCT = 8 ** np.arange(10, -1, -1, dtype=np.int64)
 _USTAR = np.frombuffer(b"ustar\0", np.uint8)
 
 
+_EXTS = (b".ids", b".wwm", b".len")
+
+
 def _index_members_fast(buf: bytes):
-    """Vectorised index of a shard in our writer's layout, or None (then the loop decides).
+    """Vectorised index of a shard in our writer's layout, or None (then the loop decides): for each of
+    ``.ids``, ``.wwm``, ``.len`` (:data:`_EXTS`), the (data offsets, sizes, keys) of its members.
 
     Candidate headers are the 512-byte blocks with the ustar magic; the candidates are accepted
     only if they form the exact header chain (each header's size leads to the next candidate,
@@ -139,23 +159,25 @@ def _index_members_fast(buf: bytes):
     if not np.isin(blocks[cand, 156], (48, 0)).all():
         return None
     ext = head[:, 10:14]
-    is_ids = (ext == np.frombuffer(b".ids", np.uint8)).all(axis=1)
-    is_wwm = (ext == np.frombuffer(b".wwm", np.uint8)).all(axis=1)
     keydig = head[:, :10].astype(np.int64) - 48
     if ((keydig < 0) | (keydig > 9)).any():
         return None
     keys = keydig @ (10 ** np.arange(9, -1, -1, dtype=np.int64))
-    ik, wk = keys[is_ids], keys[is_wwm]
+    starts = (cand + 1) * 512
+    out = []
+    for e in _EXTS:
+        sel = (ext == np.frombuffer(e, np.uint8)).all(axis=1)
+        out.append((starts[sel], sizes[sel], keys[sel]))
+    ik = out[0][2]
     if len(ik) > 1 and not (np.diff(ik) > 0).all():
         return None  # not strictly increasing keys: let the general path check for duplicates
-    if len(wk) and not np.array_equal(ik, wk):
+    if any(len(k) and not np.array_equal(ik, k) for _, _, k in out[1:]):
         return None
-    starts = (cand + 1) * 512
-    return starts[is_ids], sizes[is_ids], starts[is_wwm], sizes[is_wwm], ik, wk
+    return out
 
 
 def _index_members(buf: bytes, name: str):
-    """Offsets and sizes of the .ids / .wwm members (a flat loop: the loader's hot path)."""
+    """:func:`_index_members_fast`'s result, by a flat loop where that declines (the general layout)."""
     fast = _index_members_fast(buf)
     if fast is not None:
         return fast
@@ -163,8 +185,7 @@ def _index_members(buf: bytes, name: str):
     if n >= 512 and buf[0] != 0 and buf[257:262] != b"ustar":
         raise CorruptShardError(f"{name}: not a ustar tar file")
     pos = 0
-    ids, wwm = [], []
-    ids_append, wwm_append = ids.append, wwm.append
+    found: dict[bytes, list] = {e: [] for e in _EXTS}
     while True:
         if pos + 512 > n:
             raise CorruptShardError(f"{name}: truncated (archive ends at byte {n} without an end-of-archive "
@@ -173,7 +194,7 @@ def _index_members(buf: bytes, name: str):
             break
         start = pos + 512
         size = _member_size(bytes(buf[pos + 124:pos + 136]), pos, name, n - start)
-        if buf[pos + 14] == 0:     # our writer's names: 10-digit key + .ids / .wwm
+        if buf[pos + 14] == 0:     # our writer's names: 10-digit key + .ids / .wwm / .len
             member = buf[pos:pos + 14]
         else:
             if buf[pos + 257:pos + 262] != b"ustar":
@@ -182,14 +203,60 @@ def _index_members(buf: bytes, name: str):
             if buf[pos + 345] != 0:
                 member = buf[pos + 345:pos + 500].rstrip(b"\0") + b"/" + member
         if buf[pos + 156] in (48, 0):  # regular file
-            if member.endswith(b".ids"):
-                ids_append((start, size, member[:-4]))
-            elif member.endswith(b".wwm"):
-                wwm_append((start, size, member[:-4]))
+            group = found.get(bytes(member[-4:]))
+            if group is not None:
+                group.append((start, size, bytes(member[:-4])))
         pos = start + ((size + 511) & ~511)
-    starts, sizes, keys = (list(x) for x in zip(*ids)) if ids else ([], [], [])
-    wstarts, wsizes, wkeys = (list(x) for x in zip(*wwm)) if wwm else ([], [], [])
-    return starts, sizes, wstarts, wsizes, keys, wkeys
+    return [tuple(list(x) for x in zip(*found[e])) if found[e] else ([], [], []) for e in _EXTS]
+
+
+def _by_key(path: str, keys: list, got: tuple, ext: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, sizes) of the ``ext`` members in the order of the ``.ids`` ``keys`` (matched by key)."""
+    starts, sizes, their = got
+    if list(their) != keys:  # not our writer's order: match them by key
+        where = dict(zip(their, zip(starts, sizes)))
+        missing = next((k for k in keys if k not in where), None)
+        if missing is not None:
+            shown = missing.decode("utf-8", "replace") if isinstance(missing, bytes) else f"{int(missing):010d}"
+            raise CorruptShardError(f"{path}: document {shown} has no {ext} member")
+        starts, sizes = [where[k][0] for k in keys], [where[k][1] for k in keys]
+    return np.asarray(starts, np.int64), np.asarray(sizes, np.int64)
+
+
+def _gather(buf: bytes, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The bytes ``buf[starts[i]:starts[i] + sizes[i]]`` of every i, concatenated (uint8)."""
+    u8 = np.frombuffer(buf, np.uint8)
+    if len(starts) == 1:
+        return u8[starts[0]:starts[0] + sizes[0]]
+    first = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=first[1:])
+    return u8[np.repeat(starts - first, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)]
+
+
+def _documents_of_blocks(path: str, buf: bytes, itemsize: int, ids: tuple, lens: tuple,
+                         wwm: Optional[tuple]) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """Per-document (token starts, lengths, mark starts) of the blocks whose .ids / .len (/ .wwm) members
+    are at ``ids`` / ``lens`` / ``wwm`` = (offsets, sizes) (format 2)."""
+    (istart, isize), (lstart, lsize) = ids, lens
+    if (lsize % 4).any():
+        raise CorruptShardError(f"{path}: a .len member (at byte {int(lstart[np.flatnonzero(lsize % 4)[0]])}) has a "
+                                "size that is not a multiple of 4 (uint32 counts)")
+    per_block = lsize // 4
+    lengths = _gather(buf, lstart, lsize).view("<u4").astype(np.int64) if len(lsize) else np.zeros(0, np.int64)
+    csum = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=csum[1:])
+    first = np.zeros(len(per_block) + 1, np.int64)
+    np.cumsum(per_block, out=first[1:])
+    block_tokens = csum[first[1:]] - csum[first[:-1]]
+    for what, (starts, sizes), scale in (("ids", ids, itemsize), ("wwm", wwm, 1)):
+        if starts is not None and not np.array_equal(block_tokens * scale, sizes):
+            b = int(np.flatnonzero(block_tokens * scale != sizes)[0])
+            raise CorruptShardError(f"{path}: the .len member at byte {int(lstart[b])} counts {int(block_tokens[b])} "
+                                    f"tokens, its .{what} member holds {int(sizes[b]) // scale}")
+    within = csum[:-1] - np.repeat(csum[first[:-1]], per_block)      # tokens before a document in its block
+    tok_start = np.repeat(istart // itemsize, per_block) + within
+    wwm_start = None if wwm[0] is None else np.repeat(wwm[0], per_block) + within
+    return tok_start, lengths, wwm_start
 
 
 def max_token_id(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
@@ -215,9 +282,10 @@ def check_token_ids(top: int, vocab_size: int, where: str) -> None:
 
 def parse_shard(buf: bytes, name: str, dtype: str | np.dtype, entry: Optional[dict] = None,
                 verify_hash: bool = True, vocab_size: Optional[int] = None) -> ShardData:
-    """Index one shard held in memory; CorruptShardError naming it (``name``: its path or URL) when it is
-    truncated, unparsable or differs from its manifest ``entry`` (sha256, document and token counts), or,
-    with ``vocab_size``, holds a token id at or above it."""
+    """Index one shard held in memory (format 2 blocks or format 1 documents, see the module docstring);
+    CorruptShardError naming it (``name``: its path or URL) when it is truncated, unparsable or differs
+    from its manifest ``entry`` (sha256, document and token counts), or, with ``vocab_size``, holds a
+    token id at or above it."""
     path = name
     dtype = np.dtype(dtype).newbyteorder("<")
     if entry is not None and verify_hash:
@@ -225,37 +293,37 @@ def parse_shard(buf: bytes, name: str, dtype: str | np.dtype, entry: Optional[di
         if got != entry["sha256"]:
             raise CorruptShardError(f"{path}: sha256 mismatch (manifest {entry['sha256'][:16]}..., file "
                                     f"{got[:16]}...): the shard is corrupt or from another build")
-    starts, lengths, wstarts, wsizes, keys, wkeys = _index_members(buf, str(path))
-    keys, wkeys = list(keys), list(wkeys)
+    ids, wwm, lens = _index_members(buf, str(path))
+    starts, sizes, keys = ids
+    keys = list(keys)
     if len(keys) != len(set(keys)):
         raise CorruptShardError(f"{path}: duplicate document keys")
-    lengths = np.asarray(lengths, np.int64)
-    if (lengths % dtype.itemsize).any():
-        bad = keys[int(np.flatnonzero(lengths % dtype.itemsize)[0])]
+    sizes = np.asarray(sizes, np.int64)
+    if (sizes % dtype.itemsize).any():
+        bad = keys[int(np.flatnonzero(sizes % dtype.itemsize)[0])]
+        bad = bad.decode("utf-8", "replace") if isinstance(bad, bytes) else f"{int(bad):010d}"
         raise CorruptShardError(f"{path}: member {bad}.ids has a size that is not a multiple of "
                                 f"{dtype.itemsize} ({dtype.name})")
-    if wkeys and wkeys != keys:  # not our writer's ids/wwm pairs in order: match them by key
-        wmap = dict(zip(wkeys, zip(wstarts, wsizes)))
-        if any(k not in wmap for k in keys):
-            raise CorruptShardError(f"{path}: document {next(k for k in keys if k not in wmap)} has "
-                                    f"no .wwm member")
-        wstarts, wsizes = [wmap[k][0] for k in keys], [wmap[k][1] for k in keys]
-    n_docs = len(keys)
-    lengths //= dtype.itemsize
     starts = np.asarray(starts, np.int64)
-    if wkeys and not np.array_equal(np.asarray(wsizes, np.int64), lengths):
-        raise CorruptShardError(f"{path}: a .wwm member's length differs from its document's token count")
+    has_wwm = len(wwm[2]) > 0
+    wpos = _by_key(path, keys, wwm, ".wwm") if has_wwm else (None, None)
+    if len(lens[2]):                                   # format 2: blocks of documents
+        tok_start, lengths, wwm_start = _documents_of_blocks(path, buf, dtype.itemsize, (starts, sizes),
+                                                             _by_key(path, keys, lens, ".len"), wpos)
+    else:                                              # format 1: a document per member
+        lengths = sizes // dtype.itemsize
+        tok_start = starts // dtype.itemsize
+        wwm_start = wpos[0]
+        if has_wwm and not np.array_equal(wpos[1], lengths):
+            raise CorruptShardError(f"{path}: a .wwm member's length differs from its document's token count")
+    n_docs = len(lengths)
     usable = len(buf) // dtype.itemsize * dtype.itemsize
     tokens = np.frombuffer(buf, dtype=dtype, count=usable // dtype.itemsize)
-    marks = wwm_start = None
-    if wkeys:
-        marks = np.frombuffer(buf, dtype=np.uint8)
-        wwm_start = np.asarray(wstarts, np.int64)
+    marks = np.frombuffer(buf, dtype=np.uint8) if has_wwm else None
     if entry is not None:
         if n_docs != entry["num_docs"] or int(lengths.sum()) != entry["num_tokens"]:
             raise CorruptShardError(f"{path}: holds {n_docs} documents / {int(lengths.sum())} tokens, the "
                                     f"manifest says {entry['num_docs']} / {entry['num_tokens']}")
-    tok_start = starts // dtype.itemsize
     if vocab_size is not None:
         check_token_ids(max_token_id(tokens, tok_start, lengths), vocab_size, path)
     return ShardData(os.path.basename(str(path)), tokens, marks, tok_start, wwm_start, lengths)
@@ -290,59 +358,28 @@ def _tar_header(name: str, size: int) -> bytes:
     return bytes(hdr)
 
 
-_TEMPLATE = np.frombuffer(bytes(_HDR_TEMPLATE), np.uint8)
-_POW10 = 10 ** np.arange(9, -1, -1, dtype=np.int64)
-_POW8_11 = 8 ** np.arange(10, -1, -1, dtype=np.int64)
-_POW8_6 = 8 ** np.arange(5, -1, -1, dtype=np.int64)
-_EXT = np.frombuffer(b".ids.wwm", np.uint8).reshape(2, 4)
-
-
-def documents_blob(keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray,
-                   marks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The tar members of many documents at once (what :meth:`ShardWriter.add` writes for each, byte for
-    byte): ``keys`` int64 [D] (< 10**10, increasing), ``ids`` [total] in the shard dtype, ``lengths``
-    int64 [D], ``marks`` uint8 [total]. Returns (the bytes as uint8 [n], bytes per document int64 [D])."""
-    n_docs = len(lengths)
-    item = ids.dtype.itemsize
-    sizes = np.empty(2 * n_docs, np.int64)                       # members: doc 0 .ids, doc 0 .wwm, doc 1 .ids, ...
-    sizes[0::2], sizes[1::2] = lengths * item, lengths
-    if (sizes >= 8 ** 11).any() or (keys >= 10 ** 10).any():
-        raise ValueError("documents_blob: a member over 8 GB or a key over 10 digits")
-    span = 512 + (sizes + 511) // 512 * 512                       # header + padded data
-    head = np.zeros(2 * n_docs, np.int64)
-    np.cumsum(span[:-1], out=head[1:])
-    hdr = np.repeat(_TEMPLATE[None, :], 2 * n_docs, axis=0)
-    hdr[:, 0:10] = (np.repeat(keys, 2)[:, None] // _POW10 % 10 + 48).astype(np.uint8)
-    hdr[:, 10:14] = np.tile(_EXT, (n_docs, 1))
-    hdr[:, 124:135] = (sizes[:, None] // _POW8_11 % 8 + 48).astype(np.uint8)
-    hdr[:, 135] = 0
-    checksum = hdr.sum(axis=1, dtype=np.int64)                     # the checksum field counts as 8 spaces
-    hdr[:, 148:154] = (checksum[:, None] // _POW8_6 % 8 + 48).astype(np.uint8)
-    hdr[:, 154], hdr[:, 155] = 0, 32
-    total = int(span.sum())
-    out = np.zeros(total, np.uint8)
-    out.reshape(-1, 512)[head // 512] = hdr
-    for kind, data in ((0, ids.view(np.uint8)), (1, marks.view(np.uint8))):
-        size = sizes[kind::2]
-        src = np.zeros(n_docs, np.int64)
-        np.cumsum(size[:-1], out=src[1:])
-        out[np.repeat(head[kind::2] + 512 - src, size) + np.arange(len(data), dtype=np.int64)] = data
-    return out, span[0::2] + span[1::2]
-
-
 class ShardWriter:
-    """Writes documents into shard-NNNNNN.tar files of about ``shard_size_bytes`` of token ids; ``entries``:
-    the manifest entries of the shards written (name, num_docs, num_tokens, sha256, bytes: the file's size)."""
+    """Writes documents into shard-NNNNNN.tar files of about ``shard_size_bytes`` of token ids, in blocks of
+    about ``block_tokens`` tokens (format 2, module docstring); ``entries``: the manifest entries of the
+    shards written (name, num_docs, num_tokens, sha256, bytes: the file's size).
+
+    A shard closes after the document that brings it to ``shard_size_bytes`` of ids or to
+    ``max_docs_per_shard`` documents; the shards, blocks and bytes depend only on the sequence of
+    documents (and keys), never on how they were handed to :meth:`add_docs`."""
 
     def __init__(self, out_dir: str | os.PathLike, dtype: np.dtype, shard_size_bytes: int,
-                 max_docs_per_shard: Optional[int] = None):
+                 max_docs_per_shard: Optional[int] = None, block_tokens: int = BLOCK_TOKENS):
         self.out_dir = Path(out_dir)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.shard_size_bytes = max(1, int(shard_size_bytes))
         self.max_docs = max_docs_per_shard
+        self.block_tokens = max(1, int(block_tokens))
         self.entries: list[dict] = []
         self.num_docs_total = 0
+        self.wwm: Optional[bool] = None
         self._f = None
+        self._block: list[tuple] = []       # (keys, ids, lengths, marks) of the open block
+        self._block_tokens = 0
 
     def _open(self) -> None:
         name = f"shard-{len(self.entries):06d}.tar"
@@ -352,58 +389,86 @@ class ShardWriter:
         self._cur = {"name": name, "num_docs": 0, "num_tokens": 0, "sha256": ""}
         self._bytes = 0
 
-    def _write(self, b: bytes) -> None:
+    def _write(self, b) -> None:
         self._f.write(b)
         self._hash.update(b)
 
-    def _member(self, name: str, data: bytes) -> None:
-        self._write(_tar_header(name, len(data)))
-        self._write(data)
-        if len(data) % 512:
-            self._write(b"\0" * (512 - len(data) % 512))
+    def _member(self, name: str, data: np.ndarray) -> None:
+        self._write(_tar_header(name, data.nbytes))
+        self._write(data.data)
+        if data.nbytes % 512:
+            self._write(bytes(512 - data.nbytes % 512))
 
-    def add(self, ids: np.ndarray, marks: Optional[np.ndarray] = None) -> None:
-        if self._f is None:
-            self._open()
-        key = f"{self.num_docs_total:010d}"
-        data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
-        self._member(key + ".ids", data)
-        if marks is not None:
-            self._member(key + ".wwm", np.ascontiguousarray(marks, dtype=np.uint8).tobytes())
-        self.num_docs_total += 1
-        self._cur["num_docs"] += 1
-        self._cur["num_tokens"] += int(len(ids))
-        self._bytes += len(data)
-        if self._bytes >= self.shard_size_bytes or (self.max_docs and self._cur["num_docs"] >= self.max_docs):
-            self.close_shard()
+    def _flush_block(self) -> None:
+        if not self._block:
+            return
+        parts = self._block
+        key = f"{int(parts[0][0][0]):010d}"
+        cat = (lambda i: parts[0][i]) if len(parts) == 1 else (lambda i: np.concatenate([p[i] for p in parts]))
+        self._member(key + ".ids", np.ascontiguousarray(cat(1), self.dtype))
+        self._member(key + ".len", np.ascontiguousarray(cat(2), "<u4"))
+        if self.wwm:
+            self._member(key + ".wwm", np.ascontiguousarray(cat(3), np.uint8))
+        self._block, self._block_tokens = [], 0
 
-    def add_blob(self, blob, doc_bytes: np.ndarray, id_bytes: np.ndarray, tokens: np.ndarray) -> None:
-        """Write documents whose tar members are already made (:func:`documents_blob`), cutting shards where
-        :meth:`add` would: after the document that brings the shard to ``shard_size_bytes`` of ids or to
-        ``max_docs_per_shard`` documents. ``doc_bytes``/``id_bytes``/``tokens``: int64 per document."""
-        view = memoryview(blob).cast("B")
-        first, pos, n = 0, 0, len(doc_bytes)
+    def _into_blocks(self, keys, ids, lengths, marks) -> None:
+        """Documents of the open shard into blocks (a block closes after the document reaching block_tokens)."""
+        first, pos, n = 0, 0, len(lengths)
+        while first < n:
+            reach = np.cumsum(lengths[first:]) + self._block_tokens
+            take = min(int(np.searchsorted(reach, self.block_tokens, side="left")) + 1, n - first)
+            tok = int(reach[take - 1]) - self._block_tokens
+            self._block.append((keys[first:first + take], ids[pos:pos + tok], lengths[first:first + take],
+                                None if marks is None else marks[pos:pos + tok]))
+            self._block_tokens += tok
+            first, pos = first + take, pos + tok
+            if self._block_tokens >= self.block_tokens:
+                self._flush_block()
+
+    def add_docs(self, keys: np.ndarray, ids: np.ndarray, lengths: np.ndarray,
+                 marks: Optional[np.ndarray] = None) -> None:
+        """Write documents: ``keys`` int64 [D] (increasing, < 10**10: a block's key is its first document's),
+        ``ids`` [total] (the shard dtype), ``lengths`` int64 [D] (tokens per document, each > 0), ``marks``
+        uint8 [total] or None (the same for every call)."""
+        has = marks is not None
+        if self.wwm is None:
+            self.wwm = has
+        elif has != self.wwm:
+            raise ValueError("ShardWriter: documents with and without word marks in one shard set")
+        keys = np.asarray(keys, np.int64)
+        lengths = np.asarray(lengths, np.int64)
+        if len(keys) and int(keys[-1]) >= 10 ** 10:
+            raise ValueError("ShardWriter: a document key over 10 digits")
+        first, pos, n = 0, 0, len(lengths)
         while first < n:
             if self._f is None:
                 self._open()
-            reach = np.cumsum(id_bytes[first:]) + self._bytes
+            reach = np.cumsum(lengths[first:]) * self.dtype.itemsize + self._bytes
             take = int(np.searchsorted(reach, self.shard_size_bytes, side="left")) + 1   # closes after that one
             if self.max_docs:
                 take = min(take, self.max_docs - self._cur["num_docs"])
             take = min(take, n - first)
-            size = int(doc_bytes[first:first + take].sum())
-            self._write(view[pos:pos + size])
+            tok = int(lengths[first:first + take].sum())
+            self._into_blocks(keys[first:first + take], ids[pos:pos + tok], lengths[first:first + take],
+                              None if marks is None else marks[pos:pos + tok])
             self._cur["num_docs"] += take
-            self._cur["num_tokens"] += int(tokens[first:first + take].sum())
-            self._bytes += int(id_bytes[first:first + take].sum())
+            self._cur["num_tokens"] += tok
+            self._bytes += tok * self.dtype.itemsize
             self.num_docs_total += take
-            first, pos = first + take, pos + size
+            first, pos = first + take, pos + tok
             if self._bytes >= self.shard_size_bytes or (self.max_docs and self._cur["num_docs"] >= self.max_docs):
                 self.close_shard()
+
+    def add(self, ids: np.ndarray, marks: Optional[np.ndarray] = None) -> None:
+        """One document, keyed by its number in the whole set."""
+        ids = np.ascontiguousarray(ids, dtype=self.dtype)
+        self.add_docs(np.array([self.num_docs_total]), ids, np.array([len(ids)]),
+                      None if marks is None else np.ascontiguousarray(marks, dtype=np.uint8))
 
     def close_shard(self) -> None:
         if self._f is None:
             return
+        self._flush_block()
         end = b"\0" * 1024
         pos = self._f.tell() + len(end)
         end += b"\0" * ((-pos) % tarfile.RECORDSIZE)
@@ -419,4 +484,3 @@ class ShardWriter:
                              f"(MAX_SHARD_BYTES, {MAX_SHARD_BYTES}); use a smaller --shard-size-mb")
         os.replace(self._tmp, self.out_dir / self._cur["name"])
         self.entries.append(self._cur)
-

@@ -31,7 +31,7 @@ import numpy as np
 from .errors import DataError, UsageError
 
 __all__ = ["SPECIAL_TOKENS", "SPECIAL_IDS", "train_tokenizer", "Tokenizer", "sha256_file", "jieba_cut",
-           "split_long"]
+           "split_long", "word_lengths"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,15 @@ def _train(spm, sentences, model_prefix, vocab_size, model_type, character_cover
     )
 
 
+def word_lengths(docs: Sequence[Sequence[str] | np.ndarray], total: int) -> np.ndarray:
+    """The characters of every word of ``docs`` (each a list of words, or already their lengths: an int
+    array, as :func:`~data_pipeline.corpus.to_documents` gives them), concatenated (int64 [total])."""
+    if all(isinstance(w, np.ndarray) for w in docs):
+        return np.concatenate(docs).astype(np.int64, copy=False) if docs else np.zeros(0, np.int64)
+    return np.fromiter(itertools.chain.from_iterable(w if isinstance(w, np.ndarray) else map(len, w) for w in docs),
+                       np.int64, total)
+
+
 class Tokenizer:
     """A loaded SentencePiece model with the project's special ids and word-start marks."""
 
@@ -297,7 +306,7 @@ class Tokenizer:
     def encode_marked(self, texts: Sequence[str], words: Optional[Sequence[Optional[Sequence[str]]]] = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids int64 [total], each text's count int64 [n], :meth:`word_marks_flat` uint8 [total]) of
-        normalised texts; ``words[i]``: the gold words of text i or None."""
+        normalised texts; ``words[i]``: the gold words of text i (or their lengths, :func:`word_lengths`) or None."""
         ids, lengths = self.encode_flat(texts)
         keep = np.flatnonzero(lengths)
         if len(keep) < len(lengths):                   # texts that encode to nothing have no marks
@@ -330,10 +339,10 @@ class Tokenizer:
         tok_start = before - before[firsts][doc_of]                   # ... within its document
         with_words = [w for w in words if w is not None]
         num_words = np.fromiter(map(len, with_words), np.int64, len(with_words))
-        wlen = np.fromiter(map(len, itertools.chain.from_iterable(with_words)), np.int64, int(num_words.sum()))
+        wlen = word_lengths(with_words, int(num_words.sum()))
         text_len = np.zeros(len(lengths), np.int64)                   # chars of each document (its words' sum)
         wdoc = np.repeat(np.flatnonzero(has), num_words)
-        np.add.at(text_len, wdoc, wlen)
+        text_len[:] = np.bincount(wdoc, weights=wlen, minlength=len(lengths))    # exact: sums far below 2**53
         base = np.zeros(len(lengths) + 1, np.int64)                   # a slot of text_len + 1 per document
         np.cumsum(text_len + 1, out=base[1:])
         wbefore = np.cumsum(wlen) - wlen

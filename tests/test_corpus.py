@@ -1,6 +1,7 @@
 import gzip
 import json
 
+import numpy as np
 import pytest
 
 from data_pipeline.corpus import CorpusStats, normalize, read_documents
@@ -70,7 +71,8 @@ def test_missing_input_is_a_clear_error(tmp_path):
 
 def test_batch_normalisation_equals_the_one_by_one_rules(peoples_daily):
     """The hot path (normalize_batch / normalize_words_batch) gives exactly normalize / normalize_words."""
-    from data_pipeline.corpus import _pd_words, normalize_batch, normalize_words, normalize_words_batch
+    from data_pipeline.corpus import (_pd_words, normalize_batch, normalize_words, normalize_words_batch,
+                                      pd_documents_batch)
 
     lines = open(peoples_daily, encoding="utf-8").readlines()[:1500]
     texts = ["".join(_pd_words(x)) for x in lines] + lines[:50] + [
@@ -80,3 +82,53 @@ def test_batch_normalisation_equals_the_one_by_one_rules(peoples_daily):
     words = [_pd_words(x) for x in lines] + [["Ａ", "\u0301b"], ["a b", "  ", "c\ue000d"], ["x\u200b", "ｙ"],
                                              ["\u3000"], ["①", "ｶﾞ"]]
     assert normalize_words_batch(words) == [normalize_words(w) for w in words]
+    # raw People's Daily lines: the vectorised parser (pd_documents_batch) against _pd_words + normalize_words
+    odd = ["[中央/n  人民/n  广播/vn  电台/n]nt  [a/b/c  x/n]", "  /w  [/w  ]/w  ［/w  ／/w  ｘ/n  a]b/n  [[x/n",
+           "19980101-01-001-001/m  迈向/v", "19980101-01-001-001/m", "notag  [ /n [x]/n [y]z/n \u3000全角/n\u2028分/n",
+           "a/n\tb/n\x85c/n", "Ａ/n\u0301/n e/n\u0301x/n", "/n /nn /n]x [/n", "[", "abc/", "a/1 b/n1 c/N", "a/n]b]c/n",
+           "\x00ctl/n \u200bzw/n", "a/n]", "", "  "]
+    raw = lines + odd
+    assert not any(chr(cp).isspace() for cp in range(0x3001, 0x110000))    # the parser's class table ends there
+    for batch in (raw, ["x\ue000y/n"] + odd, ["\ud800/n"] + odd):               # the last two: the slow path
+        got = [(t, w.tolist() if isinstance(w, np.ndarray) else [len(x) for x in w])
+               for t, w in pd_documents_batch(batch)]
+        assert got == [("".join(w), [len(x) for x in w]) for w in (normalize_words(_pd_words(r)) for r in batch)]
+
+
+def test_block_reader_equals_reading_line_by_line(tmp_path, monkeypatch):
+    """Lines read in blocks (any block size: lines across blocks, CRLF, a last line without newline, and the
+    blocks that go line by line: invalid UTF-8, NUL, over-long lines) and in byte ranges give exactly the
+    records and counts of reading one line at a time."""
+    import data_pipeline.corpus as corpus
+    from data_pipeline.corpus import InputRange, iter_records
+
+    lines = [b"first line\n", "中文一行，全角\n".encode(), b"crlf\r\n", b"\xff\xfe bad utf-8\n", b"nul \0 here\n",
+             b"L" * 70 + b"\n", b"\n", b"after the long one\n", b"y" * 45 + b"\n", b"no newline at the end"]
+    f = tmp_path / "mixed.txt"
+    everything = lines[:-1] * 3 + lines[-1:]
+    f.write_bytes(b"".join(everything))
+
+    def by_line(limit):       # the rules one line at a time: valid UTF-8 lines of at most `limit` bytes
+        out = []
+        for raw in everything:
+            try:
+                out += [raw.decode("utf-8")] if len(raw.rstrip(b"\n")) <= limit else []
+            except UnicodeDecodeError:
+                pass
+        return out
+
+    size = f.stat().st_size
+    for block in (5, 64, 1 << 20):
+        monkeypatch.setattr(corpus, "_BLOCK_BYTES", block)
+        st = CorpusStats()
+        got = [t for _, t in iter_records(f, fmt="txt", stats=st, max_line_bytes=50)]
+        assert got == by_line(50), block
+        assert (st.lines, st.invalid_utf8_lines, st.long_lines) == (28, 3, 3)
+        cuts = [0, 7, 100, 101, 230, size]
+        ranged = [t for a, b in zip(cuts, cuts[1:])
+                  for _, t in iter_records(InputRange(f, a, b), fmt="txt", max_line_bytes=50)]
+        assert ranged == got, block
+    with pytest.raises(DataError, match=r"mixed\.txt:4: invalid UTF-8"):
+        list(iter_records(f, fmt="txt", strict=True))
+    with pytest.raises(DataError, match=r"mixed\.txt: the line at byte 63: a line of 71 bytes"):
+        list(iter_records(InputRange(f, 60, size), fmt="txt", strict=True, max_line_bytes=50))
