@@ -684,9 +684,9 @@ def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Opt
     words: list = [None] * len(records)
     plain = [i for i, (kind, _) in enumerate(records) if kind != "pd"]
     tagged = [i for i, (kind, _) in enumerate(records) if kind == "pd"]
-    for i, t in zip(plain, normalize_batch([records[i][1] for i in plain])):
+    for i, t in zip(plain, normalize_batch([records[i][1] for i in plain]) if plain else ()):
         texts[i] = t
-    for i, (t, w) in zip(tagged, pd_documents_batch([records[i][1] for i in tagged])):
+    for i, (t, w) in zip(tagged, pd_documents_batch([records[i][1] for i in tagged]) if tagged else ()):
         words[i], texts[i] = w, t
     docs = [Document(t, w) if t else None for t, w in zip(texts, words)]
     kept = [d for d in docs if d is not None]
