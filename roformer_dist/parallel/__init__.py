@@ -7,7 +7,8 @@ vocab-parallel loss), ``pipeline.py`` (the model as a DeepSpeed ``PipelineModule
 decoder), ``engine.py`` (the DeepSpeed config and ``build_engine``: the one place DeepSpeed is wired
 up), ``runner.py`` (``build_parallel_engine`` -> ``ParallelRunner``: one optimizer step, eval steps,
 checkpoint files through the engine), ``snapshot.py`` (a DeepSpeed save into host memory, for
-asynchronous checkpoints), ``consolidate.py`` (merging tensor-parallel shards).
+asynchronous checkpoints), ``compiled.py`` (``trainer.compile``: the model compiled once per stage, its
+cache directory), ``consolidate.py`` (merging tensor-parallel shards).
 
 May import: ``roformer_dist.nn``, ``config``, ``errors``; deepspeed lazily.
 
