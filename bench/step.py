@@ -215,7 +215,8 @@ def main(argv=None) -> None:
     C.print_table(["model", "step ms (median)", "tokens/s", "loss", "TFLOP/s", "peak MiB", "MFU %"], rows)
     if a.compile:
         tol = 1e-4 if a.dtype == "fp32" else 5e-2
-        assert abs(losses["compiled"] - losses["ours"]) <= tol * max(1.0, abs(losses["ours"])), losses
+        if a.dropout == 0.0:  # with dropout the compiled model draws other masks (inductor's random streams)
+            assert abs(losses["compiled"] - losses["ours"]) <= tol * max(1.0, abs(losses["ours"])), losses
         print(f"compiled vs eager (ours): step {times['compiled'] * 1e3:.1f} ms vs {times['ours'] * 1e3:.1f} ms "
               f"(medians of {a.repeats}), speed-up {times['ours'] / times['compiled']:.3f}x; compile (first step) "
               f"{compile_s:.1f} s; |loss diff| {abs(losses['compiled'] - losses['ours']):.2e}; load {C.load_average()}")
