@@ -61,10 +61,8 @@ class AsyncSaver:
         self._step: Optional[int] = None
 
     # ------------------------------------------------------------------ the step loop's side
-    def save(self, runner: SnapshotsCheckpoint, step: int, payload: TrainerState) -> float:
-        """Snapshot ``step`` and hand it to the background writer; returns the seconds the loop was held
-        (waiting for the previous save included)."""
-        t0 = time.monotonic()
+    def save(self, runner: SnapshotsCheckpoint, step: int, payload: TrainerState) -> None:
+        """Wait for the previous save, snapshot ``step`` and hand it to the background writer."""
         self.wait()
         tag = store.tag_for(step)
         ckpt_dir = self.ckpt_root / tag
@@ -79,7 +77,6 @@ class AsyncSaver:
         self._thread = threading.Thread(target=self._write, args=(step, files), name=f"checkpoint-writer-{tag}",
                                         daemon=True)
         self._thread.start()
-        return time.monotonic() - t0
 
     def poll(self) -> None:
         """Raise the error of a finished background save, once (called after every step)."""

@@ -317,11 +317,12 @@ class Trainer:
 
     def finish_saves(self) -> None:
         """Every rank: return once the save in flight is committed (a no-op for synchronous saves)."""
-        if self.saver is not None and self.saver.in_flight is not None:
+        if self.saver is None:
+            return
+        if self.saver.in_flight is not None:
             log.info("waiting for the checkpoint of step %d to be written", self.saver.in_flight)
-        if self.saver is not None:
-            self.saver.wait()
-            self.comm.barrier()
+        self.saver.wait()
+        self.comm.barrier()
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
