@@ -71,7 +71,8 @@ install -d -m 0700 "$STATE/ctld" "$LOG"
 # A cluster whose slurm.conf keeps its state elsewhere (an older start.sh used /tmp/roformer-slurm, or
 # another ROFORMER_SLURM_ROOT) must be stopped first: its daemons hold the ports and its pid files
 # are not in $STATE.
-PREV_STATE=$(sed -n 's|^StateSaveLocation=\(.*\)/ctld$|\1|p' "$CONF" 2>/dev/null | head -n 1)
+PREV_STATE=""  # no slurm.conf yet on a machine where the packages were just installed
+[ -f "$CONF" ] && PREV_STATE=$(sed -n 's|^StateSaveLocation=\(.*\)/ctld$|\1|p' "$CONF" | head -n 1)
 if [ -n "$PREV_STATE" ] && [ "$PREV_STATE" != "$STATE" ]; then
   running=""
   alive "$PREV_STATE/slurmctld.pid" slurmctld && running="$running slurmctld"
