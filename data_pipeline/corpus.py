@@ -572,9 +572,7 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
                 if block is None:                              # one over-long line, already read past
                     lineno += 1
                     if strict:
-                        raise DataError(f"{_where(path, ranged, lineno, pos)}: a line of {at} bytes (newline "
-                                        f"included), longer than the limit of {max_line_bytes} bytes "
-                                        "(--max-line-bytes; without --strict such lines are skipped)")
+                        raise _too_long(_where(path, ranged, lineno, pos), at, max_line_bytes)
                     long += 1
                     pos += at
                     continue
@@ -605,9 +603,7 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
                     line_start, pos = pos, pos + size
                     if size - raw.endswith(b"\n") > max_line_bytes:
                         if strict:
-                            raise DataError(f"{_where(path, ranged, lineno, line_start)}: a line of {size} bytes "
-                                            f"(newline included), longer than the limit of {max_line_bytes} bytes "
-                                            "(--max-line-bytes; without --strict such lines are skipped)")
+                            raise _too_long(_where(path, ranged, lineno, line_start), size, max_line_bytes)
                         long += 1
                         continue
                     if b"\0" in raw:
@@ -636,6 +632,11 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
                                        "valid lines were used")
 
 
+def _too_long(where: str, size: int, limit: int) -> DataError:
+    return DataError(f"{where}: a line of {size} bytes (newline included), longer than the limit of {limit} bytes "
+                     "(--max-line-bytes; without --strict such lines are skipped)")
+
+
 def _split_nl(block: bytes) -> list[bytes]:
     """The lines of ``block`` split at b"\\n" only, newlines kept (``bytes.splitlines`` also splits at \\r)."""
     parts = block.split(b"\n")
@@ -651,11 +652,7 @@ def _longest_line(block: bytes) -> int:
 
 
 def _pd_words(line: str) -> list[str]:
-    line = line.strip()
-    first, _, rest = line.partition(" ")
-    if _PD_DATE.match(first):
-        line = rest
-    return _PD_OPEN.sub("", _PD_TAG.sub("", line)).split()
+    return _PD_OPEN.sub("", _PD_TAG.sub("", _pd_strip(line))).split()
 
 
 def to_document(record: tuple[str, str], stats: Optional[CorpusStats] = None) -> Optional[Document]:

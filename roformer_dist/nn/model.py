@@ -141,9 +141,13 @@ class RoFormerSelfAttention(nn.Module):
     def output(self, ctx: torch.Tensor, out_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(ctx, out_weight, self.out.bias)
 
+    def kernel_for(self, cos: Optional[torch.Tensor], device: torch.device) -> Optional[str]:
+        """The rotary kernel for this layer's inputs (``rotary.model_kernel``); None without rotary tables."""
+        return model_kernel(self.rotary_backend, device) if cos is not None else None
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        kernel = model_kernel(self.rotary_backend, x.device) if cos is not None else None
+        kernel = self.kernel_for(cos, x.device)
         qkv, out_weight = self.project(x, kernel)
         return self.output(self.attend(qkv, attn_mask, cos, sin, kernel), out_weight)
 
@@ -169,7 +173,7 @@ class RoFormerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        kernel = model_kernel(self.attention.rotary_backend, hidden.device) if cos is not None else None
+        kernel = self.attention.kernel_for(cos, hidden.device)
         qkv, out_weight = self.attention.project(hidden, kernel)
         return self.finish(hidden, self.attention.attend(qkv, attn_mask, cos, sin, kernel), out_weight)
 

@@ -41,7 +41,6 @@ import torch
 
 from roformer_dist.config import Config
 from roformer_dist.nn.documents import DocumentPlan
-from roformer_dist.nn.rotary import model_kernel
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ class StageCompiler:
         c = self._compiled
         hidden = c["embed"](self.model.embeddings, input_ids, token_type_ids, positions)
         for layer in self.model.layers:
-            kernel = model_kernel(layer.attention.rotary_backend, hidden.device) if cos is not None else None
+            kernel = layer.attention.kernel_for(cos, hidden.device)
             qkv, out_weight = c["project"](layer, hidden, kernel)
             ctx = layer.attention.attend(qkv, mask, cos, sin, kernel)  # the plan's blocks: eager
             hidden = c["finish"](layer, hidden, ctx, out_weight)

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
 from roformer_dist.errors import CheckpointError
-from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir
 from roformer_dist.nn.rotary import set_rope
+from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir
 from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
 

@@ -82,8 +82,7 @@ def peak_flops(precision: MatmulPrecision) -> Optional[float]:
     turns a run's ``deepspeed.precision`` into it); None without CUDA, and None with one warning per GPU
     and precision when the figure is not known (then there is no MFU).
 
-    MFU = tokens/s x ``RoFormerForMaskedLM.flops_per_token(seq_len, predicted_fraction)`` / (peak x GPUs).
-    The default precision is the old behaviour (bf16 whatever the run's): callers pass theirs."""
+    MFU = tokens/s x ``RoFormerForMaskedLM.flops_per_token(seq_len, predicted_fraction)`` / (peak x GPUs)."""
     if not torch.cuda.is_available():
         return None
     return _peak(torch.cuda.get_device_name(), precision)
