@@ -5,8 +5,11 @@
     python bench/shards.py --corpus FILE ...  # your own corpus files (each measured on its own)
     python bench/shards.py --tiny             # 400 lines of People's Daily, once over, one repeat, vocabulary 3000
 
-baseline = ``SentencePieceProcessor.Encode`` of the corpus' *already normalised* documents, in
-           batches of 256, one thread, in this process; nothing else (no reading, no writing).
+baseline = ``SentencePieceProcessor.Encode`` of the corpus' *already normalised* documents (ids as Python
+           lists), in batches of 1024, one thread, in this process; nothing else (no reading, no writing).
+buffers  = the same encoder returning each document's ids as an int32 buffer (what ``Encode(out_type="numpy")``
+           wraps, without its array per document): SentencePiece's C++ work with no Python int per token, the
+           call the builder makes. The second ratio is against this one.
 ours     = ``write_shards`` (what ``roformer-data shards`` runs): read (1 MiB blocks), normalise,
            encode, word marks, shard writing (format 2: blocks of documents, tar members, sha256,
            write) + manifest; ``--workers`` 1 (in this process) and 2 (a process pool, this process
@@ -15,7 +18,7 @@ MB/s per worker = MB of normalised text / seconds / workers. Seconds are CPU sec
 processes involved (``time.process_time`` + ``RUSAGE_CHILDREN``: robust on a shared machine)
 and, printed beside, wall seconds; medians of --repeats, baseline and builds interleaved.
 ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read lines,
-normalise, encode (+ flatten: SentencePiece's lists into one array), word marks, shard writing (tar
+normalise, encode (+ flatten: SentencePiece's buffers into one array), word marks, shard writing (tar
 members, sha256, write)), where the time beyond the baseline goes, and the shard bytes per byte of
 token ids + marks. The tokenizer:
 SentencePiece unigram, 8000 pieces (--vocab), trained on the first 6000 documents. Ends with one JSON
@@ -44,15 +47,18 @@ from data_pipeline.shards import write_shards  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 
+CHUNK = 1024     # documents per batch: the builder's chunk (write_shards' chunk_docs)
+
+
 def cpu_now() -> float:
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def baseline(tok: Tokenizer, texts: list[str]) -> tuple[float, float]:
+def baseline(encode, texts: list[str]) -> tuple[float, float]:
     c, w = cpu_now(), time.perf_counter()
-    for i in range(0, len(texts), 256):
-        tok.sp.Encode(texts[i:i + 256], num_threads=1)
+    for i in range(0, len(texts), CHUNK):
+        encode(texts[i:i + CHUNK])
     return cpu_now() - c, time.perf_counter() - w
 
 
@@ -80,8 +86,7 @@ def stages(src: Path, model: Path) -> dict:
     """CPU seconds of each stage of the 1-worker build, run one after the other in this process."""
     import numpy as np
 
-    from data_pipeline.corpus import CorpusStats, iter_records, to_documents
-    from data_pipeline.shards import _chunks
+    from data_pipeline.corpus import iter_record_chunks, normalize_records
     from data_pipeline.tario import ShardWriter
 
     tok = Tokenizer(model)
@@ -93,15 +98,15 @@ def stages(src: Path, model: Path) -> dict:
         out[name] = round(now - t, 3)
         t = now
 
-    chunks = [r for _, r in _chunks(iter_records(src, stats=CorpusStats()), 256)]
+    chunks = list(iter_record_chunks(src, size=CHUNK))
     lap("read lines")
-    docs = [[d for d in to_documents(r) if d is not None] for r in chunks]
+    docs = [normalize_records(kind, records) for _, kind, records in chunks]
     lap("normalise")
-    enc = [tok.encode_flat([d.text for d in c]) for c in docs]
+    enc = [tok.encode_flat(texts) for _, texts, _ in docs]
     lap("encode (+ flatten)")
     tok.char_len  # noqa: B018 - the tables, built once, not part of the stage
     t = time.process_time()
-    marks = [tok.word_marks_flat(i, n, [d.text for d in c], [d.words for d in c]) for (i, n), c in zip(enc, docs)]
+    marks = [tok.word_marks_flat(i, n, texts, words) for (i, n), (_, texts, words) in zip(enc, docs)]
     lap("word marks")
     with tempfile.TemporaryDirectory(prefix="bench-stages-") as d:
         w = ShardWriter(d, tok.dtype, 64 * 10 ** 6)
@@ -124,9 +129,13 @@ def measure(name: str, src: Path, tmp: Path, repeats: int, vocab_size: int = 800
         train_tokenizer(texts[:6000], tmp / "tok" / "sp", vocab_size=vocab_size, num_threads=2)
     model = tmp / "tok" / "sp.model"
     tok = Tokenizer(model)
-    runs: dict[str, list] = {"base": [], "w1": [], "w2": []}
+    bases = {"base": lambda batch: tok.sp.Encode(batch, num_threads=1)}
+    if tok._buffers is not None:
+        bases["base_buffers"] = tok._buffers
+    runs: dict[str, list] = {**{k: [] for k in bases}, "w1": [], "w2": []}
     for _ in range(repeats):
-        runs["base"].append(baseline(tok, texts))
+        for k, encode in bases.items():
+            runs[k].append(baseline(encode, texts))
         for w in (1, 2):
             c, wall, m = build(src, model, tmp / "out", w)
             assert abs(m["text_bytes"] / 1e6 - mb) < 1e-6, (m["text_bytes"], mb)
@@ -135,11 +144,16 @@ def measure(name: str, src: Path, tmp: Path, repeats: int, vocab_size: int = 800
     base_cpu, base_wall = mb / med["base"][0], mb / med["base"][1]
     out = {"corpus": name, "mb": round(mb, 2), "docs": len(texts),
            "baseline": {"cpu": round(base_cpu, 2), "wall": round(base_wall, 2)}}
+    if "base_buffers" in med:
+        out["baseline_buffers"] = {"cpu": round(mb / med["base_buffers"][0], 2),
+                                   "wall": round(mb / med["base_buffers"][1], 2)}
     for w in (1, 2):
         cpu_s, wall_s = med[f"w{w}"]
         out[f"workers_{w}"] = {"per_worker_cpu": round(mb / cpu_s, 2), "per_worker_wall": round(mb / wall_s / w, 2),
                                "total_wall": round(mb / wall_s, 2), "ratio_cpu": round(mb / cpu_s / base_cpu, 3),
                                "ratio_wall": round(mb / wall_s / w / base_wall, 3)}
+        if "base_buffers" in med:
+            out[f"workers_{w}"]["ratio_cpu_buffers"] = round(med["base_buffers"][0] / cpu_s, 3)
     out["scaling_1_to_2_wall"] = round(med["w1"][1] / med["w2"][1], 2)
     out["stages_cpu_s"] = stages(src, model)
     return out
@@ -159,13 +173,17 @@ def main(argv=None) -> int:
         tmp = Path(d)
         for name, src in corpora(tmp, args.corpus, args.scale, args.lines):
             results.append(measure(name, src, tmp, args.repeats, args.vocab))
-    print(f"{'corpus':<44}{'':>10}{'MB/s/worker cpu':>17}{'wall':>8}{'ratio cpu':>11}{'wall':>7}")
+    print(f"{'corpus':<44}{'':>10}{'MB/s/worker cpu':>17}{'wall':>8}{'ratio cpu':>11}{'wall':>7}"
+          f"{'ratio cpu (buffers)':>21}")
     for r in results:
         print(f"{r['corpus'][:43]:<44}{'baseline':>10}{r['baseline']['cpu']:>17.2f}{r['baseline']['wall']:>8.2f}")
+        if "baseline_buffers" in r:
+            b = r["baseline_buffers"]
+            print(f"{'':<44}{'buffers':>10}{b['cpu']:>17.2f}{b['wall']:>8.2f}")
         for w in (1, 2):
             x = r[f"workers_{w}"]
             print(f"{'':<44}{f'{w} worker':>10}{x['per_worker_cpu']:>17.2f}{x['per_worker_wall']:>8.2f}"
-                  f"{x['ratio_cpu']:>11.3f}{x['ratio_wall']:>7.3f}")
+                  f"{x['ratio_cpu']:>11.3f}{x['ratio_wall']:>7.3f}{x.get('ratio_cpu_buffers', float('nan')):>21.3f}")
         print(f"{'':<44}{'1 -> 2 workers (wall):':>32} {r['scaling_1_to_2_wall']:.2f}x   ({r['mb']} MB, {r['docs']} docs)")
     for r in results:
         st = r["stages_cpu_s"]

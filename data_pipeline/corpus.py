@@ -53,7 +53,7 @@ import unicodedata
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -61,7 +61,8 @@ from .errors import DataError, UsageError
 
 __all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
            "splittable",
-           "read_documents", "iter_records", "to_document", "to_documents", "normalize_batch",
+           "read_documents", "iter_records", "iter_record_chunks", "to_document", "to_documents",
+           "normalize_records", "normalize_batch",
            "normalize_words_batch", "pd_documents_batch", "detect_format", "FORMATS", "MAX_LINE_BYTES", "read_line"]
 
 FORMATS = ("auto", "txt", "jsonl", "pd")
@@ -210,7 +211,8 @@ def normalize_words(words: Iterable[str]) -> list[str]:
 # full-width ASCII (U+FF01-U+FF5E) and U+3000 are mapped to their NFKC forms for a whole batch in
 # one numpy pass (the mapping is character for character, and NFKC of the mapped text equals NFKC
 # of the original: those characters' compatibility decomposition is exactly that ASCII character);
-# NFKC itself then runs only on texts that its quick check does not already accept; and a text that
+# NFKC itself then runs only on texts that its quick check does not already accept (in a chunk joined by newlines,
+# after "…" -> "..." (its NFKC form; a starter that composes with nothing) on halves that it refuses); and a text that
 # is printable (no control, format or odd whitespace characters) without double spaces needs only
 # ``strip``. Anything else takes the general path.
 
@@ -219,23 +221,35 @@ def _halfwidth(texts: list[str]) -> list[str]:
     joined = "".join(texts)
     if joined.isascii():
         return texts
-    try:
-        cps = np.frombuffer(joined.encode("utf-32-le"), np.uint32)
+    try:                                # UTF-16 code units: the mapped ones are never surrogates
+        units = np.frombuffer(joined.encode("utf-16-le"), np.uint16)
     except UnicodeEncodeError:          # lone surrogates (JSON escapes): the general path copes
         return texts
-    full = (cps >= 0xFF01) & (cps <= 0xFF5E)
-    space = cps == 0x3000
+    full = (units >= 0xFF01) & (units <= 0xFF5E)
+    space = units == 0x3000
     if not (full.any() or space.any()):
         return texts
-    cps = cps.copy()
-    cps[full] -= 0xFEE0
-    cps[space] = 0x20
-    joined = cps.tobytes().decode("utf-32-le")
+    units = units.copy()
+    units[full] -= 0xFEE0
+    units[space] = 0x20
+    joined = units.tobytes().decode("utf-16-le")
     out, pos = [], 0
     for t in texts:
         out.append(joined[pos:pos + len(t)])
         pos += len(t)
     return out
+
+
+def _nfkc_lines(text: str) -> str:
+    """NFKC of newline-separated lines (which is NFKC of each line, see _normalize_joined), computed only for the
+    lines of the halves, quarters, ... that its quick check refuses (most text needs none: one fast pass)."""
+    if unicodedata.is_normalized("NFKC", text):
+        return text
+    cut = text.find("\n", len(text) // 2)
+    cut = text.rfind("\n") if cut < 0 else cut
+    if cut < 0:
+        return unicodedata.normalize("NFKC", text)
+    return _nfkc_lines(text[:cut]) + "\n" + _nfkc_lines(text[cut + 1:])
 
 
 def _nfkc(text: str) -> str:
@@ -244,12 +258,47 @@ def _nfkc(text: str) -> str:
 
 def normalize_batch(texts: list[str]) -> list[str]:
     """``[normalize(t) for t in texts]``, faster (see above)."""
+    fast = _normalize_joined(texts)
+    if fast is not None:
+        return fast
     out = []
     for t in _halfwidth(texts):
         t = _nfkc(t)
         s = t.strip()
         out.append(s if s.isprintable() and "  " not in s else normalize(t))
     return out
+
+
+def _normalize_joined(texts: list[str]) -> Optional[list[str]]:
+    """:func:`normalize_batch` of texts without a newline, done on all of them joined by newlines at once (a
+    newline is a starter that NFKC neither makes, removes nor composes with, so NFKC of the joined text is the
+    NFKC of each joined); None when a text holds a newline or, once mapped and stripped, anything besides
+    printable characters and single inner spaces (the general path then takes each text)."""
+    for attempt in (texts, None):
+        if attempt is None:                            # then stripped: trailing spaces, CRLF, blank lines
+            attempt = [t.strip() for t in texts]
+        nonempty = [t for t in attempt if t] if "" in attempt else attempt
+        done = _nfkc_joined(nonempty) if nonempty else []
+        if done is not None:
+            if nonempty is attempt:
+                return done
+            it = iter(done)
+            return [next(it) if t else t for t in attempt]
+    return None
+
+
+def _nfkc_joined(texts: list[str]) -> Optional[list[str]]:
+    """NFKC of non-empty texts joined by newlines, split again; None unless each comes out printable, with no
+    leading, trailing or double spaces (and no newline in any)."""
+    joined = "\n".join(texts)
+    if joined.count("\n") != len(texts) - 1:
+        return None
+    joined = _nfkc_lines(_halfwidth([joined])[0].replace("\u2026", "..."))
+    flat = joined.replace("\n", " ")
+    if not flat.isprintable() or "  " in flat or flat[0] == " " or flat[-1] == " " or \
+            joined.count("\n") != len(texts) - 1:
+        return None
+    return joined.split("\n")
 
 
 def normalize_words_batch(docs: list[list[str]]) -> list[list[str]]:
@@ -553,12 +602,13 @@ def _blocks(f, pos: int, end: Optional[int], limit: int) -> Iterator[tuple[Optio
             pos, carry, held = pos + size, [], 0
 
 
-def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Optional[int] = None,
-           max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[tuple[int, int], str]]:
-    """((line number, byte offset), line) of the valid UTF-8 lines of a file, or of the lines starting in
-    [start, end) (:func:`_where` makes the pair a name for messages). Lines over ``max_line_bytes`` are
-    skipped and counted, unread (``strict``: DataError). Read in blocks (:data:`_BLOCK_BYTES`): a block
-    that decodes whole, holds no NUL and no over-long line is split at once; any other goes line by line."""
+def _line_batches(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Optional[int] = None,
+                  max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, Optional[list[int]], list[str]]]:
+    """The valid UTF-8 lines of a file, or of the lines starting in [start, end), without their newline, in
+    batches: (the line number of the batch's first line, each line's byte offset when reading a range (for
+    messages, :func:`_where`; else None), the lines). Lines over ``max_line_bytes`` are skipped and counted,
+    unread (``strict``: DataError). Read in blocks (:data:`_BLOCK_BYTES`): a block that decodes whole, holds no
+    NUL and no over-long line is one batch, split at once; any other goes line by line, a batch of one each."""
     lineno = invalid = nul = long = 0
     stats.max_line_bytes = max_line_bytes
     ranged = bool(start)
@@ -585,16 +635,14 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
                         pass
                 if text is not None:                           # the common case: every line valid
                     lines = text.split("\n")
-                    last = lines.pop()
-                    if ranged:                                 # offsets, for messages
+                    if not lines[-1]:                          # the block ends with a newline
+                        lines.pop()
+                    starts = None
+                    if ranged:
                         starts = (np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + 1 + pos).tolist()
                         starts.insert(0, pos)
-                    for i, line in enumerate(lines):
-                        lineno += 1
-                        yield (lineno, starts[i] if ranged else 0), line + "\n"
-                    if last:
-                        lineno += 1
-                        yield (lineno, starts[-1] if ranged else 0), last
+                    yield lineno + 1, starts, lines
+                    lineno += len(lines)
                     pos += len(block)
                     continue
                 for raw in _split_nl(block):
@@ -617,7 +665,7 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
                                             "are skipped)") from None
                         invalid += 1
                         continue
-                    yield (lineno, line_start), line
+                    yield lineno, [line_start] if ranged else None, [line[:-1] if line.endswith("\n") else line]
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"input {path}: cannot be read after line {lineno} ({_reason(e)})") from None
     finally:
@@ -630,6 +678,14 @@ def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Op
             part = f" (bytes {start}-{end})" if start or end is not None else ""
             stats.file_warnings.append(f"input {path}{part} looks binary, not text ({', '.join(why)}); only its "
                                        "valid lines were used")
+
+
+def _lines(path: Path, stats: CorpusStats, strict: bool, start: int = 0, end: Optional[int] = None,
+           max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[tuple[int, int], str]]:
+    """((line number, byte offset), line) of :func:`_line_batches`, a line at a time."""
+    for first, starts, lines in _line_batches(path, stats, strict, start, end, max_line_bytes):
+        for i, line in enumerate(lines):
+            yield (first + i, starts[i] if starts is not None else 0), line
 
 
 def _too_long(where: str, size: int, limit: int) -> DataError:
@@ -673,33 +729,60 @@ def to_document(record: tuple[str, str], stats: Optional[CorpusStats] = None) ->
     return Document(text, words)
 
 
-def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Optional[Document]]:
-    """:func:`to_document` of each of a batch of raw records (None, counted, for an empty one), normalised
-    in one go (:func:`normalize_batch`, :func:`pd_documents_batch`: gold words may come as their lengths)."""
+def normalize_records(kind: str, records: list[str], stats: Optional[CorpusStats] = None, utf8: bool = False
+                      ) -> tuple[Sequence[int], list, Optional[list]]:
+    """Records of one kind (a chunk of :func:`iter_record_chunks`) normalised in one go: (the indices of those
+    that are documents, their texts, their gold words or None). Empty ones are counted in ``stats``; gold words
+    (People's Daily) may come as their lengths (:func:`pd_documents_batch`). ``utf8``: the texts as UTF-8 bytes
+    (encoded in one pass: what SentencePiece reads without converting each str), where they have no lone
+    surrogate (else as str)."""
     stats = stats if stats is not None else CorpusStats()
-    texts: list[Optional[str]] = [None] * len(records)
-    words: list = [None] * len(records)
-    plain = [i for i, (kind, _) in enumerate(records) if kind != "pd"]
-    tagged = [i for i, (kind, _) in enumerate(records) if kind == "pd"]
-    for i, t in zip(plain, normalize_batch([records[i][1] for i in plain]) if plain else ()):
-        texts[i] = t
-    for i, (t, w) in zip(tagged, pd_documents_batch([records[i][1] for i in tagged]) if tagged else ()):
-        words[i], texts[i] = w, t
-    docs = [Document(t, w) if t else None for t, w in zip(texts, words)]
-    kept = [d for d in docs if d is not None]
-    stats.empty_docs += len(records) - len(kept)
-    stats.docs += len(kept)
-    joined = "".join(d.text for d in kept)
-    stats.chars += len(joined)
-    stats.bytes += len(joined.encode("utf-8", "surrogatepass"))
+    if kind == "pd":
+        pairs = pd_documents_batch(records)
+        keep = [i for i, (t, _) in enumerate(pairs) if t]
+        texts, words = [pairs[i][0] for i in keep], [pairs[i][1] for i in keep]
+    else:
+        texts, words = normalize_batch(records), None
+        if "" in texts:
+            keep = [i for i, t in enumerate(texts) if t]
+            texts = [texts[i] for i in keep]
+        else:
+            keep = range(len(texts))
+    stats.empty_docs += len(records) - len(keep)
+    stats.docs += len(keep)
+    joined = "\n".join(texts)                        # normalised texts hold no newline
+    stats.chars += len(joined) - max(len(texts) - 1, 0)
+    data = None
+    if utf8:
+        try:
+            data = joined.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+    if data is None:
+        data = joined.encode("utf-8", "surrogatepass")
+    elif texts:
+        texts = data.split(b"\n")
+    stats.bytes += len(data) - max(len(texts) - 1, 0)
+    return keep, texts, words
+
+
+def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Optional[Document]]:
+    """:func:`to_document` of each of a batch of raw ``(kind, record)`` pairs (None, counted, for an empty one),
+    normalised a kind at a time (:func:`normalize_records`)."""
+    docs: list[Optional[Document]] = [None] * len(records)
+    for kind in {k for k, _ in records}:
+        where = [i for i, (k, _) in enumerate(records) if k == kind]
+        keep, texts, words = normalize_records(kind, [records[i][1] for i in where], stats)
+        for j, i in enumerate(keep):
+            docs[where[i]] = Document(texts[j], None if words is None else words[j])
     return docs
 
 
-def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-              strict: bool = False, stats: Optional[CorpusStats] = None,
-              max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
-    """Raw records ``(kind, text)`` of one file (or InputRange), kind ``text`` or ``pd``; not yet normalised.
-    Lines (and blank-line separated documents) over ``max_line_bytes`` are skipped (module docstring)."""
+def _file_batches(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+                  strict: bool = False, stats: Optional[CorpusStats] = None,
+                  max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, list[str]]]:
+    """The raw records of one file (or InputRange) in batches ``(kind, records)``: kind ``text`` or ``pd``
+    (one kind a file), records not yet normalised; plain lines come a read block at a time (no per-line work)."""
     stats = stats if stats is not None else CorpusStats()
     start, end = 0, None
     if isinstance(path, InputRange):
@@ -715,24 +798,35 @@ def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "l
     if end is not None and not splittable(path, fmt, doc_boundary):
         raise UsageError(f"input {path}: a byte range of a compressed file or of blank-line separated documents")
     stats.files += start == 0
-    lines = _lines(path, stats, strict, start, end, max_line_bytes)
-    if fmt == "jsonl":
-        yield from _jsonl_records(lines, jsonl_field, strict, stats, path, bool(start))
-    elif fmt == "pd":
-        for _, line in lines:
-            if not line.strip():
-                stats.empty_docs += 1
-                continue
-            yield ("pd", line)
-    elif doc_boundary == "line":
-        for _, line in lines:
-            yield ("text", line)
+    if fmt == "pd":
+        for _, _, lines in _line_batches(path, stats, strict, start, end, max_line_bytes):
+            records = [line for line in lines if not line.isspace() and line]
+            stats.empty_docs += len(lines) - len(records)
+            yield "pd", records
+    elif fmt == "txt" and doc_boundary == "line":
+        for _, _, lines in _line_batches(path, stats, strict, start, end, max_line_bytes):
+            yield "text", lines
     else:
-        yield from _blank_separated(lines, strict, stats, max_line_bytes, path)
+        lines = _lines(path, stats, strict, start, end, max_line_bytes)
+        records = (_jsonl_records(lines, jsonl_field, strict, stats, path, bool(start)) if fmt == "jsonl" else
+                   _blank_separated(lines, strict, stats, max_line_bytes, path))
+        for record in records:
+            yield "text", [record]
+
+
+def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+              strict: bool = False, stats: Optional[CorpusStats] = None,
+              max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
+    """Raw records ``(kind, text)`` of one file (or InputRange), kind ``text`` or ``pd``; not yet normalised
+    (a line comes without its newline). Lines (and blank-line separated documents) over ``max_line_bytes`` are
+    skipped (module docstring)."""
+    for kind, records in _file_batches(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
+        for record in records:
+            yield kind, record
 
 
 def _jsonl_records(lines, jsonl_field: str, strict: bool, stats: CorpusStats, path: Path,
-                   ranged: bool) -> Iterator[tuple[str, str]]:
+                   ranged: bool) -> Iterator[str]:
     for at, line in lines:
         if not line.strip():
             stats.empty_docs += 1
@@ -754,10 +848,10 @@ def _jsonl_records(lines, jsonl_field: str, strict: bool, stats: CorpusStats, pa
         if not isinstance(value, str):
             raise DataError(f"{_where(path, ranged, *at)}: field {jsonl_field!r} must be a string, got "
                             f"{type(value).__name__}")
-        yield ("text", value)
+        yield value
 
 
-def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int, path: Path) -> Iterator[tuple[str, str]]:
+def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int, path: Path) -> Iterator[str]:
     """Documents separated by blank lines; one whose lines add up to more than ``max_bytes`` is skipped and
     counted in ``long_lines`` (``strict``: DataError naming its first line)."""
     buf: list[str] = []
@@ -766,7 +860,7 @@ def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int, pa
         if line.strip():
             if not buf and not too_long:
                 first = _where(path, False, *at)          # blank-line documents are never read in ranges
-            size += len(line.encode("utf-8", "surrogatepass"))
+            size += len(line.encode("utf-8", "surrogatepass")) + 1     # and its newline
             if size > max_bytes and not too_long:
                 if strict:
                     raise DataError(f"{first}: a document (up to the next blank line) longer than the limit of "
@@ -777,10 +871,10 @@ def _blank_separated(lines, strict: bool, stats: CorpusStats, max_bytes: int, pa
                 buf.append(line)
         else:
             if buf:
-                yield ("text", " ".join(buf))
+                yield " ".join(buf)
             buf, size, too_long = [], 0, False
     if buf:
-        yield ("text", " ".join(buf))
+        yield " ".join(buf)
 
 
 def splittable(path: Path, fmt: str, doc_boundary: str) -> bool:
@@ -791,10 +885,32 @@ def splittable(path: Path, fmt: str, doc_boundary: str) -> bool:
 def iter_records(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
                  strict: bool = False, stats: Optional[CorpusStats] = None,
                  max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
-    """Raw records of all inputs in sorted file order; :func:`to_document` finishes them (in workers)."""
+    """Raw records of all inputs in sorted file order; :func:`to_document` finishes them."""
     stats = stats if stats is not None else CorpusStats()
     for path in expand_inputs(inputs):
         yield from read_file(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes)
+
+
+def iter_record_chunks(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
+                       strict: bool = False, stats: Optional[CorpusStats] = None, max_line_bytes: int = MAX_LINE_BYTES,
+                       size: int = 1024) -> Iterator[tuple[int, str, list[str]]]:
+    """The records of :func:`iter_records` in chunks ``(index of the chunk's first record, kind, records)`` of
+    ``size`` records, all of one file (a file's last chunk may be shorter); :func:`normalize_records` finishes
+    them (in the shard builder's workers)."""
+    stats = stats if stats is not None else CorpusStats()
+    first = 0
+    for path in expand_inputs(inputs):
+        buf: list[str] = []
+        kind = "text"
+        for kind, records in _file_batches(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
+            buf += records
+            while len(buf) >= size:
+                yield first, kind, buf[:size]
+                first += size
+                del buf[:size]
+        if buf:
+            yield first, kind, buf
+            first += len(buf)
 
 
 def read_documents(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",

@@ -160,6 +160,7 @@ class ImportedTokenizer:
                                 "imported tokenizer needs [PAD] [UNK] [CLS] [SEP] [MASK])")
             self.special_ids[key] = int(i)
         self.dtype = np.dtype("uint16") if self.vocab_size <= 1 << 16 else np.dtype("uint32")
+        self.reads_utf8 = False             # texts come as str
 
     @property
     def sha256(self) -> str:

@@ -22,12 +22,12 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
 from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
-from .corpus import MAX_LINE_BYTES, CorpusStats, check_inputs, iter_records, to_documents
+from .corpus import MAX_LINE_BYTES, CorpusStats, check_inputs, iter_record_chunks, normalize_records
 from .errors import DataError, UsageError
 from .imported import KINDS, SENTENCEPIECE, open_tokenizer
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
@@ -225,43 +225,28 @@ def _init_worker(model: str, kind: str, jieba: bool) -> None:
     _WORKER_TOK = open_tokenizer(model, kind, jieba)
 
 
-def _encode_chunk(job: tuple[int, list]) -> tuple:
-    """Records -> (keys, token ids, lengths, word marks, stats) of their documents (in the worker processes).
-
-    ``job``: (index of the first record, records). A document's key is its record's index, so keys
-    follow the corpus order whatever the chunking (empty records leave gaps)."""
-    first, records = job
+def _encode_chunk(job: tuple[int, str, list[str]]) -> tuple:
+    """A chunk of :func:`~data_pipeline.corpus.iter_record_chunks` -> (keys, token ids, lengths, word marks, stats)
+    of its documents (in the worker processes). A document's key is its record's index, so keys follow the
+    corpus order whatever the chunking (empty records leave gaps)."""
+    first, kind, records = job
     tok = _WORKER_TOK
     stats = CorpusStats()
-    docs = to_documents(records, stats)
-    keys = np.array([first + i for i, d in enumerate(docs) if d is not None], np.int64)
-    docs = [d for d in docs if d is not None]
-    ids, lengths, marks = tok.encode_marked([d.text for d in docs], [d.words for d in docs])
+    keep, texts, words = normalize_records(kind, records, stats, utf8=tok.reads_utf8)
+    keys = first + np.asarray(keep, np.int64)
+    ids, lengths, marks = tok.encode_marked(texts, words)
     if (lengths == 0).any():                       # a text that encodes to nothing
-        keep = np.flatnonzero(lengths)
-        stats.empty_docs += len(lengths) - len(keep)
-        keys, lengths = keys[keep], lengths[keep]
+        nonzero = np.flatnonzero(lengths)
+        stats.empty_docs += len(lengths) - len(nonzero)
+        keys, lengths = keys[nonzero], lengths[nonzero]
     # compact (3 bytes a token): the writer makes the blocks of tar members (about 1% more) from these
     return keys, ids.astype(tok.dtype), lengths, marks, stats
-
-
-def _chunks(it: Iterable, n: int) -> Iterator[tuple[int, list]]:
-    buf, first = [], 0
-    for i, x in enumerate(it):
-        if not buf:
-            first = i
-        buf.append(x)
-        if len(buf) >= n:
-            yield first, buf
-            buf = []
-    if buf:
-        yield first, buf
 
 
 def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int = 1,
                  shard_size_mb: float = 64.0, max_docs_per_shard: Optional[int] = None, fmt: str = "auto",
                  doc_boundary: str = "line", jsonl_field: str = "text", strict: bool = False,
-                 jieba: bool = False, progress: bool = True, chunk_docs: int = 256,
+                 jieba: bool = False, progress: bool = True, chunk_docs: int = 1024,
                  stats: Optional[CorpusStats] = None, copy_tokenizer: bool = True,
                  progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True,
                  allow_empty: bool = False, max_line_bytes: int = MAX_LINE_BYTES,
@@ -293,7 +278,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
         model_path = Path(tokenizer)
         tok_entry = _tokenizer_entry(str(model_path.resolve()), sha256_file(model_path), kind)
     stats = stats if stats is not None else CorpusStats()
-    records = iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes)
+    chunks = iter_record_chunks(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes, chunk_docs)
     writer = ShardWriter(out_dir, tok.dtype, int(shard_size_mb * 1e6), max_docs_per_shard)
     t0 = time.perf_counter()
     text_bytes = tokens = docs = 0
@@ -303,11 +288,11 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
         if workers <= 1:
             global _WORKER_TOK
             _WORKER_TOK = tok                # model_path holds a byte-identical copy of `tokenizer`
-            results = map(_encode_chunk, _chunks(records, chunk_docs))
+            results = map(_encode_chunk, chunks)
         else:
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
             pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_path), kind, jieba))
-            results = pool.imap(_encode_chunk, _chunks(records, chunk_docs), chunksize=1)
+            results = pool.imap(_encode_chunk, chunks, chunksize=1)
         for keys, ids, lengths, marks, st in results:
             writer.add_docs(keys, ids, lengths, marks)
             tokens += int(lengths.sum())

@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -213,6 +213,29 @@ def word_lengths(docs: Sequence[Sequence[str] | np.ndarray], total: int) -> np.n
                            for w in docs]).astype(np.int64, copy=False)
 
 
+_ASCII_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_PROBE = ["中文，全角１２ text 123", "", "𠀀龘 [SEP]"]
+
+
+def _buffer_encoder(sp) -> Optional[Callable[[list[str]], list]]:
+    """SentencePiece's batch encoding into int32 buffers, one thread (what its ``out_type="numpy"`` wraps, without
+    an array object per text), or None where this sentencepiece has no such call or it disagrees with ``Encode``
+    on a probe."""
+    fn = getattr(getattr(sp, "_processor", None), "_EncodeAsBufferBatch", None)
+    if fn is None:
+        return None
+
+    def encode(texts: list[str]) -> list:
+        # (input, num_threads, thread_pool, enable_sampling, nbest_size, alpha, add_bos, add_eos, reverse)
+        return fn(texts, 1, None, False, 0, 0.0, False, False, False)
+
+    try:
+        got = [np.frombuffer(b, np.int32).tolist() for b in encode(_PROBE)]
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return encode if got == sp.Encode(_PROBE) else None
+
+
 class Tokenizer:
     """A loaded SentencePiece model with the project's special ids and word-start marks."""
 
@@ -242,10 +265,12 @@ class Tokenizer:
                                  f"(train it with data_pipeline.tokenizer.train_tokenizer)")
         self.dtype = np.dtype("uint16") if self.vocab_size <= 1 << 16 else np.dtype("uint32")
         self._tables = False
+        self._buffers = None if jieba else _buffer_encoder(self.sp)
+        self.reads_utf8 = not jieba         # encode_flat / encode_marked take texts as UTF-8 bytes too
 
     def __getattr__(self, name: str):
-        # the per-piece tables of word_marks, built on first use (a loop over the whole vocabulary)
-        if name in ("char_len", "_starts_alnum", "_ends_alnum", "_prefixed", "_cont_byte") and not self._tables:
+        # the per-piece tables of word_marks, built on first use (from the whole vocabulary)
+        if name in ("char_len", "_flags") and not self._tables:
             self._build_tables()
             return getattr(self, name)
         raise AttributeError(name)
@@ -253,28 +278,32 @@ class Tokenizer:
     def _build_tables(self) -> None:
         self._tables = True
         n = self.vocab_size
-        pieces = [self.sp.IdToPiece(i) for i in range(n)]
-        self.char_len = np.zeros(n, np.int64)       # characters each piece starts in the text (a byte-
-                                                    # fallback char counts at its leading byte)
-        starts_alnum = np.zeros(n, bool)
-        ends_alnum = np.zeros(n, bool)
-        prefixed = np.zeros(n, bool)
+        ids = list(range(n))
+        pieces = self.sp.IdToPiece(ids)
+        byte = np.array(self.sp.IsByte(ids), bool)
+        plain = ~(byte | np.array(self.sp.IsControl(ids), bool) | np.array(self.sp.IsUnknown(ids), bool))
+        texts = [p.replace("\u2581", " ") if ok else "" for p, ok in zip(pieces, plain.tolist())]
+        byte_ids = np.flatnonzero(byte)
+        value = np.array([int(pieces[i][3:5], 16) for i in byte_ids], np.int64)
         cont_byte = np.zeros(n, bool)               # byte-fallback piece of a UTF-8 continuation byte
-        for i, p in enumerate(pieces):
-            if self.sp.IsByte(i):
-                b = int(p[3:5], 16)
-                cont_byte[i] = 0x80 <= b < 0xC0
-                self.char_len[i] = 0 if cont_byte[i] else 1
-                continue
-            if self.sp.IsControl(i) or self.sp.IsUnknown(i):
-                continue
-            text = p.replace("\u2581", " ")
-            self.char_len[i] = len(text)
-            prefixed[i] = p.startswith("\u2581")
-            starts_alnum[i] = text[:1].isascii() and text[:1].isalnum()
-            ends_alnum[i] = text[-1:].isascii() and text[-1:].isalnum()
-        self._starts_alnum, self._ends_alnum, self._prefixed, self._cont_byte = (
-            starts_alnum, ends_alnum, prefixed, cont_byte)
+        cont_byte[byte_ids] = (value >= 0x80) & (value < 0xC0)
+        self.char_len = np.fromiter(map(len, texts), np.int64, n)  # characters each piece starts in the text
+        self.char_len[byte_ids] = ~cont_byte[byte_ids]             # (byte fallback: at a character's lead byte)
+        prefixed = np.fromiter((p.startswith("\u2581") for p in pieces), bool, n) & plain
+        starts_alnum = np.fromiter((t[:1] in _ASCII_ALNUM for t in texts), bool, n)
+        ends_alnum = np.fromiter((t[-1:] in _ASCII_ALNUM for t in texts), bool, n)
+        # one gather per token: bit 0 "continues a letter/digit run when the piece before ends one" (no '▁'
+        # before it), bit 1 "ends a letter/digit run", bit 2 "a UTF-8 continuation byte"
+        self._flags = ((starts_alnum & ~prefixed) | ends_alnum << 1 | cont_byte << 2).astype(np.uint8)
+
+    def _continues(self, ids: np.ndarray) -> np.ndarray:
+        """bool per token: it continues the word of the token before (a run of ASCII letters/digits without '▁',
+        or a UTF-8 continuation byte of byte fallback); the first token never does."""
+        f = self._flags[ids]
+        cont = np.zeros(len(ids), bool)
+        if len(ids) > 1:
+            cont[1:] = ((f[1:] & (f[:-1] >> 1) & 1) | (f[1:] >> 2)).astype(bool)
+        return cont
 
     @property
     def sha256(self) -> str:
@@ -293,19 +322,25 @@ class Tokenizer:
             return [self.encode(t) for t in texts]
         return [np.asarray(ids, np.int64) for ids in self.sp.Encode(list(texts))]
 
-    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids of normalised texts, concatenated (int64 [total]), and each text's count (int64 [n])."""
+    def encode_flat(self, texts: Sequence[str] | Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of normalised texts (str, or UTF-8 bytes where :attr:`reads_utf8`), concatenated (int32 or
+        int64 [total]), and each text's count (int64 [n])."""
         if self.jieba:
             arrays = [self.encode(t) for t in texts]
             lengths = np.fromiter(map(len, arrays), np.int64, len(arrays))
             return (np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), lengths
+        if self._buffers is not None:                  # no Python int per token
+            bufs = self._buffers(list(texts))
+            lengths = np.fromiter(map(len, map(memoryview, bufs)), np.int64, len(bufs))
+            return np.frombuffer(b"".join(bufs), np.int32), lengths
         ids = self.sp.Encode(list(texts), num_threads=1)   # one thread: the builder runs one process per core
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
         return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
 
-    def encode_marked(self, texts: Sequence[str], words: Optional[Sequence[Optional[Sequence[str]]]] = None
+    def encode_marked(self, texts: Sequence[str] | Sequence[bytes],
+                      words: Optional[Sequence[Optional[Sequence[str]]]] = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids int64 [total], each text's count int64 [n], :meth:`word_marks_flat` uint8 [total]) of
+        """(ids int32/int64 [total], each text's count int64 [n], :meth:`word_marks_flat` uint8 [total]) of
         normalised texts; ``words[i]``: the gold words of text i (or their lengths, :func:`word_lengths`) or None."""
         ids, lengths = self.encode_flat(texts)
         keep = np.flatnonzero(lengths)
@@ -323,9 +358,7 @@ class Tokenizer:
             return np.zeros(0, np.uint8)
         firsts = np.zeros(len(lengths), np.int64)                    # index of each document's first token
         np.cumsum(lengths[:-1], out=firsts[1:])
-        cont = np.zeros(n, bool)
-        nxt, prv = ids[1:], ids[:-1]
-        cont[1:] = (~self._prefixed[nxt] & self._ends_alnum[prv] & self._starts_alnum[nxt]) | self._cont_byte[nxt]
+        cont = self._continues(ids)
         cont[firsts] = False
         marks = (~cont).astype(np.uint8)
         if words is None and self.jieba:
@@ -386,7 +419,4 @@ class Tokenizer:
             marks = is_start[np.minimum(tok_starts, total)]
             marks[0] = True
             return marks.astype(np.uint8)
-        cont = np.zeros(n, bool)
-        nxt, prv = ids[1:], ids[:-1]
-        cont[1:] = (~self._prefixed[nxt] & self._ends_alnum[prv] & self._starts_alnum[nxt]) | self._cont_byte[nxt]
-        return (~cont).astype(np.uint8)
+        return (~self._continues(ids)).astype(np.uint8)

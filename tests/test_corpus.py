@@ -95,6 +95,36 @@ def test_batch_normalisation_equals_the_one_by_one_rules(peoples_daily):
         assert got == [("".join(w), [len(x) for x in w]) for w in (normalize_words(_pd_words(r)) for r in batch)]
 
 
+def test_joined_normalisation_equals_the_one_by_one_rules(peoples_daily):
+    """A chunk normalised as one joined text (the shard builder's hot path) gives exactly normalize of each text;
+    a chunk holding anything the joined checks do not take goes the general way, with the same result."""
+    import random
+
+    from data_pipeline.corpus import _normalize_joined, _pd_words, normalize_batch
+
+    lines = open(peoples_daily, encoding="utf-8").readlines()[:3000]
+    clean = ["".join(_pd_words(x)) for x in lines if x.strip()]           # full-width forms, "…", ①, ℃: NFKC's work
+    edges = ["", "   ", " 前后空格\r", "Ａ１，ｂ\u3000ｃ", "…", "ｶﾞ", "a\u00a0b", "e\u0301", "\u3000全角\uff01 "]
+    tricky = ["a\nb", "a\u200bb", "x\ty", "a  b", "x\u2028y", "\x00", "\ud800x", "\u0301开头", "ｂ\u3000\u3000ｃ",
+              "\ue000", "\u00a8"]
+    rng = random.Random(0)
+    taken = 0
+    for i in range(300):
+        batch = rng.sample(clean, rng.randint(1, 40)) + rng.sample(edges, rng.randint(0, 3))
+        if i % 3 == 0:
+            batch.append(rng.choice(tricky))
+        rng.shuffle(batch)
+        want = [normalize(t) for t in batch]
+        assert normalize_batch(batch) == want, batch
+        fast = _normalize_joined(batch)
+        taken += fast is not None
+        assert fast is None or fast == want, batch
+    assert taken >= 150                                   # the joined path did the work, not the fallback
+    for t in tricky:                                      # each of these alone is refused by the joined checks
+        assert _normalize_joined(["好", t]) is None or normalize(t) == t.strip(), t
+    assert _normalize_joined(["", " ", "\r"]) == ["", "", ""]
+
+
 def test_block_reader_equals_reading_line_by_line(tmp_path, monkeypatch):
     """Lines read in blocks (any block size: lines across blocks, CRLF, a last line without newline, and the
     blocks that go line by line: invalid UTF-8, NUL, over-long lines) and in byte ranges give exactly the
@@ -108,11 +138,11 @@ def test_block_reader_equals_reading_line_by_line(tmp_path, monkeypatch):
     everything = lines[:-1] * 3 + lines[-1:]
     f.write_bytes(b"".join(everything))
 
-    def by_line(limit):       # the rules one line at a time: valid UTF-8 lines of at most `limit` bytes
-        out = []
+    def by_line(limit):       # the rules one line at a time: valid UTF-8 lines of at most `limit` bytes, as
+        out = []              # records without their newline
         for raw in everything:
             try:
-                out += [raw.decode("utf-8")] if len(raw.rstrip(b"\n")) <= limit else []
+                out += [raw.decode("utf-8").removesuffix("\n")] if len(raw.rstrip(b"\n")) <= limit else []
             except UnicodeDecodeError:
                 pass
         return out
@@ -132,3 +162,27 @@ def test_block_reader_equals_reading_line_by_line(tmp_path, monkeypatch):
         list(iter_records(f, fmt="txt", strict=True))
     with pytest.raises(DataError, match=r"mixed\.txt: the line at byte 63: a line of 71 bytes"):
         list(iter_records(InputRange(f, 60, size), fmt="txt", strict=True, max_line_bytes=50))
+
+
+def test_record_chunks_equal_the_records_one_file_at_a_time(tmp_path, peoples_daily):
+    """iter_record_chunks: the records of iter_records, in order, numbered by their index in the whole input,
+    in chunks of at most `size` that never span two files (one kind per chunk)."""
+    from data_pipeline.corpus import iter_record_chunks, iter_records
+
+    d = tmp_path / "in"
+    d.mkdir()
+    lines = open(peoples_daily, encoding="utf-8").readlines()[:700]
+    (d / "a_pd.txt").write_text("".join(lines[:300]), encoding="utf-8")                  # tagged: kind pd
+    (d / "b_plain.txt").write_text("一\n\n二\r\n  \n三", encoding="utf-8")               # blank lines are records
+    (d / "c.jsonl").write_text("".join(json.dumps({"text": f"第{i}行"}) + "\n" for i in range(250)), encoding="utf-8")
+    want = list(iter_records(d))
+    for size in (1, 7, 100, 1024):
+        st = CorpusStats()
+        chunks = list(iter_record_chunks(d, stats=st, size=size))
+        assert [(k, r) for _, k, recs in chunks for r in recs] == want
+        assert [first for first, _, _ in chunks] == list(np.cumsum([0] + [len(c) for _, _, c in chunks])[:-1])
+        assert all(0 < len(recs) <= size for _, _, recs in chunks)
+        kinds = [k for _, k, _ in chunks]
+        assert kinds == sorted(kinds, key=["pd", "text"].index) and {"pd", "text"} == set(kinds)
+        assert st.files == 3 and st.lines == 300 + 5 + 250
+    assert want[300:305] == [("text", "一"), ("text", ""), ("text", "二\r"), ("text", "  "), ("text", "三")]

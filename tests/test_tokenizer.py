@@ -81,3 +81,38 @@ def test_batch_encoding_and_word_marks_equal_the_per_document_ones(small_shards,
         assert marks[pos:pos + n].tolist() == tk.word_marks(d.text, ids[pos:pos + n], d.words).tolist()
         pos += n
     assert pos == len(ids)
+
+
+def test_buffer_encoding_and_piece_tables_against_plain_sentencepiece(small_shards, reviews):
+    """encode_flat through SentencePiece's int32 buffers gives Encode's ids, and the same with the buffers
+    unavailable (an older sentencepiece); the word-start rule checked against the pieces' own strings."""
+    from data_pipeline.corpus import read_documents
+
+    tk = Tokenizer(small_shards.tokenizer)
+    assert tk._buffers is not None                          # this sentencepiece has them: the path under test
+    texts = [d.text for d in read_documents(reviews[0], limit=500)] + ["𠀀龘 Hello World123 [SEP]", "a1 b2▁c"]
+    want = tk.sp.Encode(texts)
+    ids, lengths = tk.encode_flat(texts)
+    assert lengths.tolist() == [len(w) for w in want] and ids.tolist() == [i for w in want for i in w]
+    plain = Tokenizer(small_shards.tokenizer)
+    plain._buffers = None
+    ids2, lengths2 = plain.encode_flat(texts)
+    assert ids2.tolist() == ids.tolist() and lengths2.tolist() == lengths.tolist()
+    # the rule in words: a piece continues the word before it when it is a UTF-8 continuation byte, or when it
+    # starts with an ASCII letter/digit (no '▁') and the piece before ends with one
+    sp = tk.sp
+    for text in texts[-2:] + texts[:50]:
+        got = tk.word_marks(text, tk.encode(text)).tolist()
+        pieces = [sp.IdToPiece(i) for i in sp.Encode(text)]
+
+        def alnum(ch):
+            return ch.isascii() and ch.isalnum()
+
+        def continues(prev, cur):
+            if cur.startswith("<0x") and cur.endswith(">") and len(cur) == 6:
+                return 0x80 <= int(cur[3:5], 16) < 0xC0
+            if prev.startswith("<0x") or prev in ("[UNK]",) or cur in ("[UNK]",):
+                return False
+            return not cur.startswith("\u2581") and alnum(cur[0]) and alnum(prev[-1])
+
+        assert got == [1] + [0 if continues(a, b) else 1 for a, b in zip(pieces, pieces[1:])], text
