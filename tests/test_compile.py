@@ -85,3 +85,29 @@ def test_layouts_compile_does_not_cover_are_refused_by_name():
         with pytest.raises(ConfigError, match=message):
             validate(load_config(overrides=["trainer.compile=true", *over]))
     validate(load_config(overrides=["trainer.compile=true"]))
+
+
+def test_compiled_dropout_draws_the_eager_mask(tmp_path):
+    """After configure_inductor, a compiled function with dropout gives the eager result under the same seed
+    (the masks come from torch's generator, not inductor's own random-number code)."""
+    import torch
+
+    from roformer_dist.parallel.compiled import configure_inductor
+
+    configure_inductor(tmp_path / "cache")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 32)
+    x = torch.randn(16, 32)
+
+    def f(x):
+        h = torch.nn.functional.dropout(lin(x), 0.5, training=True)
+        return torch.nn.functional.dropout(torch.relu(h), 0.5, training=True)
+
+    torch.manual_seed(1)
+    want = f(x)
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True)
+    torch.manual_seed(1)
+    got = g(x)
+    assert ((want == 0) == (got == 0)).all()           # the same units dropped
+    torch.testing.assert_close(got, want)

@@ -18,8 +18,10 @@ all layers). Evaluation (``eval()`` or no grad) calls the eager model: eval leng
 stage's, and compiling them would be a recompile per length for a few batches.
 
 Numerics: inductor reorders and fuses float arithmetic, so losses equal the eager model's up to
-rounding (tests/test_compile.py: relative 1e-4 over a short run). Dropout draws its masks from
-inductor's own generator (seeded from torch's), so with dropout the masks differ from eager.
+rounding (tests/test_compile.py: relative 1e-4 over a short run). Dropout draws its masks through torch's
+generator, as in eager (``fallback_random``: a dropout gives eager's mask; across a whole model the order
+of the draws can differ, so a run with dropout follows the eager one only statistically). Inductor's own
+random-number code is left off: on CPU it made a step with dropout slower compiled than eager.
 
 Cache: inductor's FX-graph and AOT-autograd caches go to the cache dir (TORCHINDUCTOR_CACHE_DIR, set
 in this process before its first compile), so a requeued job loads the stage's kernels instead of
@@ -53,8 +55,9 @@ def compile_cache_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.compile_cache_dir or Path(cfg.run_dir) / "compile_cache")
 
 
-def use_cache_dir(path: Path) -> None:
-    """Put inductor's on-disk caches (FX graphs, AOT-autograd graphs, the C++ kernels) under ``path``.
+def configure_inductor(path: Path) -> None:
+    """Put inductor's on-disk caches (FX graphs, AOT-autograd graphs, the C++ kernels) under ``path``, and have
+    compiled random ops (dropout) draw from torch's generator as eager ones do (``fallback_random``).
     Before this process's first compile: inductor reads TORCHINDUCTOR_CACHE_DIR when it first needs it."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -63,6 +66,10 @@ def use_cache_dir(path: Path) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
+    # inductor's own random-number code made a CPU step with dropout 0.1 slower compiled than eager (0.80x,
+    # bench/step.py --compile --dropout 0.1 --threads 1); through torch's generator it is 1.01-1.08x, and a
+    # dropout draws the same mask as in eager
+    inductor_config.fallback_random = True
 
 
 def _cache_counts() -> tuple[int, int]:
@@ -93,7 +100,7 @@ class StageCompiler:
 
     def __init__(self, model: torch.nn.Module, cache_dir: Path):
         self.model, self.cache_dir = model, cache_dir
-        use_cache_dir(cache_dir)
+        configure_inductor(cache_dir)
         self.eager_stack, self.eager_predict = model.stack, model.predict
         model.stack, model.predict = self.stack, self.predict
         self._pending: Optional[tuple[str, int, int, int, int]] = None
@@ -152,4 +159,4 @@ class StageCompiler:
         return self._compiled["predict"](h, target)
 
 
-__all__ = ["StageCompiler", "compile_cache_dir", "use_cache_dir", "RECOMPILE_LIMIT"]
+__all__ = ["StageCompiler", "compile_cache_dir", "configure_inductor", "RECOMPILE_LIMIT"]
