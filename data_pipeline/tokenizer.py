@@ -330,9 +330,8 @@ class Tokenizer:
             lengths = np.fromiter(map(len, arrays), np.int64, len(arrays))
             return (np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), lengths
         if self._buffers is not None:                  # no Python int per token
-            bufs = self._buffers(list(texts))
-            lengths = np.fromiter(map(len, map(memoryview, bufs)), np.int64, len(bufs))
-            return np.frombuffer(b"".join(bufs), np.int32), lengths
+            views = list(map(memoryview, self._buffers(list(texts))))
+            return np.frombuffer(b"".join(views), np.int32), np.fromiter(map(len, views), np.int64, len(views))
         ids = self.sp.Encode(list(texts), num_threads=1)   # one thread: the builder runs one process per core
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
         return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths

@@ -186,3 +186,21 @@ def test_record_chunks_equal_the_records_one_file_at_a_time(tmp_path, peoples_da
         assert kinds == sorted(kinds, key=["pd", "text"].index) and {"pd", "text"} == set(kinds)
         assert st.files == 3 and st.lines == 300 + 5 + 250
     assert want[300:305] == [("text", "一"), ("text", ""), ("text", "二\r"), ("text", "  "), ("text", "三")]
+
+
+def test_records_normalised_as_utf8_bytes_equal_the_str_texts(peoples_daily):
+    """normalize_records(utf8=True) (what the shard builder hands SentencePiece) gives the str texts' UTF-8 bytes
+    and the same counts; a chunk with a lone surrogate (from JSON escapes) stays str."""
+    from data_pipeline.corpus import _pd_words, normalize_records
+
+    lines = open(peoples_daily, encoding="utf-8").read().split("\n")[:800]
+    for kind, records in (("pd", lines), ("text", ["".join(_pd_words(x)) for x in lines] + ["", " a  b ", "x\u3000y"])):
+        s1, s2 = CorpusStats(), CorpusStats()
+        keep, texts, words = normalize_records(kind, records, s1)
+        keep8, data, words8 = normalize_records(kind, records, s2, utf8=True)
+        assert list(keep8) == list(keep) and all(isinstance(b, bytes) for b in data)
+        assert data == [t.encode("utf-8") for t in texts] and s1 == s2 and s1.bytes == sum(map(len, data))
+        assert s1.chars == sum(map(len, texts)) and s1.docs == len(texts) == len(keep)
+        assert (words is None) == (words8 is None) == (kind == "text")
+    keep, texts, _ = normalize_records("text", ["ok", "bad \ud800"], utf8=True)
+    assert texts == ["ok", "bad \ud800"]
