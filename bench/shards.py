@@ -21,9 +21,9 @@ MB/s per worker = MB of normalised text / seconds / workers. Seconds are CPU sec
 processes involved (``time.process_time`` + ``RUSAGE_CHILDREN``: robust on a shared machine)
 and, printed beside, wall seconds; medians of --repeats, baseline and builds interleaved.
 ratio = ours per worker / baseline. Then the CPU seconds of each stage of the 1-worker build (read lines,
-normalise, encode (+ flatten: SentencePiece's buffers into one array), word marks, shard writing (tar
-members, sha256, write)), where the time beyond the baseline goes, and the shard bytes per byte of
-token ids + marks. The tokenizer:
+normalise (to UTF-8 bytes), encode (+ flatten: SentencePiece's buffers into one array), word marks, shard
+writing (tar members, sha256, write)), where the time beyond the baseline goes, and the shard bytes per
+byte of token ids + marks. The tokenizer:
 SentencePiece unigram, 8000 pieces (--vocab), trained on the first 6000 documents. Ends with one JSON
 line (the first corpus): {"bench": "shards", "ours": MB/s per worker (1 worker, CPU), "baseline": MB/s
 (CPU), "unit": "MB/s", "ratio": ..., "workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
@@ -106,7 +106,7 @@ def stages(src: Path, model: Path) -> dict:
 
     chunks = list(iter_record_chunks(src, size=CHUNK))
     lap("read lines")
-    docs = [normalize_records(kind, records) for _, kind, records in chunks]
+    docs = [normalize_records(kind, records, utf8=tok.reads_utf8) for _, kind, records in chunks]
     lap("normalise")
     enc = [tok.encode_flat(texts) for _, texts, _ in docs]
     lap("encode (+ flatten)")

@@ -333,7 +333,10 @@ def _start_time(pid: int) -> int:
 
 
 def _sleeper():
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # SIGINT's default action set explicitly: a shell starting the suite in the background ignores SIGINT in
+    # what it starts, and a Python started that way keeps ignoring it
+    return subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                             "signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"])
 
 
 def test_cancel_signals_a_local_job_only_when_it_is_the_recorded_process(tmp_path, capsys):
