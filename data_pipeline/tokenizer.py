@@ -217,7 +217,7 @@ _ASCII_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 _PROBE = ["中文，全角１２ text 123", "", "𠀀龘 [SEP]"]
 
 
-def _buffer_encoder(sp) -> Optional[Callable[[list[str]], list]]:
+def _buffer_encoder(sp) -> Optional[Callable[[list], list]]:
     """SentencePiece's batch encoding into int32 buffers, one thread (what its ``out_type="numpy"`` wraps, without
     an array object per text), or None where this sentencepiece has no such call or it disagrees with ``Encode``
     on a probe."""
@@ -225,7 +225,7 @@ def _buffer_encoder(sp) -> Optional[Callable[[list[str]], list]]:
     if fn is None:
         return None
 
-    def encode(texts: list[str]) -> list:
+    def encode(texts: list) -> list:          # of str or UTF-8 bytes
         # (input, num_threads, thread_pool, enable_sampling, nbest_size, alpha, add_bos, add_eos, reverse)
         return fn(texts, 1, None, False, 0, 0.0, False, False, False)
 
