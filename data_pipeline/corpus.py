@@ -800,7 +800,7 @@ def _file_batches(path: Path | InputRange, fmt: str = "auto", doc_boundary: str 
     stats.files += start == 0
     if fmt == "pd":
         for _, _, lines in _line_batches(path, stats, strict, start, end, max_line_bytes):
-            records = [line for line in lines if not line.isspace() and line]
+            records = [line for line in lines if line and not line.isspace()]
             stats.empty_docs += len(lines) - len(records)
             yield "pd", records
     elif fmt == "txt" and doc_boundary == "line":
@@ -901,7 +901,6 @@ def iter_record_chunks(inputs, fmt: str = "auto", doc_boundary: str = "line", js
     first = 0
     for path in expand_inputs(inputs):
         buf: list[str] = []
-        kind = "text"
         for kind, records in _file_batches(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
             buf += records
             while len(buf) >= size:
