@@ -61,7 +61,7 @@ from .errors import DataError, UsageError
 
 __all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
            "splittable",
-           "read_documents", "iter_records", "iter_record_chunks", "to_document", "to_documents",
+           "read_documents", "iter_records", "iter_record_chunks", "to_document",
            "normalize_records", "normalize_batch",
            "normalize_words_batch", "pd_documents_batch", "detect_format", "FORMATS", "MAX_LINE_BYTES", "read_line"]
 
@@ -116,9 +116,9 @@ class Document:
     text: str
     """Normalised text."""
     words: "Optional[list[str] | np.ndarray]" = None
-    """Gold word segmentation (``"".join(words) == text``) when the source has it; from :func:`to_documents`
-    (the shard builder's batches) possibly as the words' lengths in characters (int64 array), which is all
-    the word marks need (no string per word)."""
+    """Gold word segmentation (``"".join(words) == text``) when the source has it. (The shard builder's batches,
+    :func:`normalize_records`, carry gold words possibly as their lengths in characters (int64 array), which is
+    all the word marks need: no string per word.)"""
 
 
 @dataclass
@@ -764,18 +764,6 @@ def normalize_records(kind: str, records: list[str], stats: Optional[CorpusStats
         texts = data.split(b"\n")
     stats.bytes += len(data) - max(len(texts) - 1, 0)
     return keep, texts, words
-
-
-def to_documents(records: list, stats: Optional[CorpusStats] = None) -> list[Optional[Document]]:
-    """:func:`to_document` of each of a batch of raw ``(kind, record)`` pairs (None, counted, for an empty one),
-    normalised a kind at a time (:func:`normalize_records`)."""
-    docs: list[Optional[Document]] = [None] * len(records)
-    for kind in {k for k, _ in records}:
-        where = [i for i, (k, _) in enumerate(records) if k == kind]
-        keep, texts, words = normalize_records(kind, [records[i][1] for i in where], stats)
-        for j, i in enumerate(keep):
-            docs[where[i]] = Document(texts[j], None if words is None else words[j])
-    return docs
 
 
 def _file_batches(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",

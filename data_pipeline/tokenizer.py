@@ -206,7 +206,7 @@ def _train(spm, sentences, model_prefix, vocab_size, model_type, character_cover
 
 def word_lengths(docs: Sequence[Sequence[str] | np.ndarray], total: int) -> np.ndarray:
     """The characters of every word of ``docs`` (each a list of words, or already their lengths: an int
-    array, as :func:`~data_pipeline.corpus.to_documents` gives them), concatenated (int64 [total])."""
+    array, as :func:`~data_pipeline.corpus.normalize_records` gives them), concatenated (int64 [total])."""
     if not any(isinstance(w, np.ndarray) for w in docs):
         return np.fromiter(map(len, itertools.chain.from_iterable(docs)), np.int64, total)
     return np.concatenate([w if isinstance(w, np.ndarray) else np.fromiter(map(len, w), np.int64, len(w))
