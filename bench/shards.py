@@ -45,12 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as C  # noqa: E402
 
-from data_pipeline.corpus import _pd_words, read_documents  # noqa: E402
+from data_pipeline.corpus import CHUNK_RECORDS, _pd_words, read_documents  # noqa: E402
 from data_pipeline.shards import write_shards  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-
-
-CHUNK = 1024     # documents per batch: the builder's chunk (write_shards' chunk_docs)
 
 
 def cpu_now() -> float:
@@ -63,8 +60,8 @@ def baseline(encode, texts: list[str]) -> tuple[float, float]:
     # SentencePiece has asked for it, and encoding the same objects again would skip that part of the work
     texts = [t.encode("utf-8").decode("utf-8") for t in texts]
     c, w = cpu_now(), time.perf_counter()
-    for i in range(0, len(texts), CHUNK):
-        encode(texts[i:i + CHUNK])
+    for i in range(0, len(texts), CHUNK_RECORDS):
+        encode(texts[i:i + CHUNK_RECORDS])
     return cpu_now() - c, time.perf_counter() - w
 
 
@@ -104,7 +101,7 @@ def stages(src: Path, model: Path) -> dict:
         out[name] = round(now - t, 3)
         t = now
 
-    chunks = list(iter_record_chunks(src, size=CHUNK))
+    chunks = list(iter_record_chunks(src, size=CHUNK_RECORDS))
     lap("read lines")
     docs = [normalize_records(kind, records, utf8=tok.reads_utf8) for _, kind, records in chunks]
     lap("normalise")

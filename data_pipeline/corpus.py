@@ -61,7 +61,7 @@ from .errors import DataError, UsageError
 
 __all__ = ["Document", "CorpusStats", "InputRange", "normalize", "normalize_words", "expand_inputs", "check_inputs",
            "splittable",
-           "read_documents", "iter_records", "iter_record_chunks", "to_document",
+           "read_documents", "iter_records", "iter_record_chunks", "CHUNK_RECORDS", "to_document",
            "normalize_records", "normalize_batch",
            "normalize_words_batch", "pd_documents_batch", "detect_format", "FORMATS", "MAX_LINE_BYTES", "read_line"]
 
@@ -554,6 +554,9 @@ def detect_format(path: Path) -> str:
     return "txt"
 
 
+CHUNK_RECORDS = 1024
+"""Records per chunk of :func:`iter_record_chunks` (the shard builder's unit of work) by default."""
+
 _BLOCK_BYTES = 1 << 20
 """Lines are read in blocks of this many bytes (1 MiB), decoded and split a block at a time."""
 
@@ -881,7 +884,7 @@ def iter_records(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_fi
 
 def iter_record_chunks(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
                        strict: bool = False, stats: Optional[CorpusStats] = None, max_line_bytes: int = MAX_LINE_BYTES,
-                       size: int = 1024) -> Iterator[tuple[int, str, list[str]]]:
+                       size: int = CHUNK_RECORDS) -> Iterator[tuple[int, str, list[str]]]:
     """The records of :func:`iter_records` in chunks ``(index of the chunk's first record, kind, records)`` of
     ``size`` records, all of one file (a file's last chunk may be shorter); :func:`normalize_records` finishes
     them (in the shard builder's workers)."""

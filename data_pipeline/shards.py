@@ -27,7 +27,8 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
-from .corpus import MAX_LINE_BYTES, CorpusStats, check_inputs, iter_record_chunks, normalize_records
+from .corpus import (CHUNK_RECORDS, MAX_LINE_BYTES, CorpusStats, check_inputs, iter_record_chunks,
+                     normalize_records)
 from .errors import DataError, UsageError
 from .imported import KINDS, SENTENCEPIECE, open_tokenizer
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
@@ -246,7 +247,7 @@ def _encode_chunk(job: tuple[int, str, list[str]]) -> tuple:
 def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int = 1,
                  shard_size_mb: float = 64.0, max_docs_per_shard: Optional[int] = None, fmt: str = "auto",
                  doc_boundary: str = "line", jsonl_field: str = "text", strict: bool = False,
-                 jieba: bool = False, progress: bool = True, chunk_docs: int = 1024,
+                 jieba: bool = False, progress: bool = True, chunk_docs: int = CHUNK_RECORDS,
                  stats: Optional[CorpusStats] = None, copy_tokenizer: bool = True,
                  progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True,
                  allow_empty: bool = False, max_line_bytes: int = MAX_LINE_BYTES,
