@@ -158,7 +158,7 @@ def test_pretrained_start_and_from_scratch(tiny_export, sentiment, tmp_path):
 
 def test_sentence_pairs_from_tsv(tiny_export, sentiment, tmp_path):
     from roformer_dist.finetune.data import read_examples
-    from roformer_dist.finetune.train import encode
+    from roformer_dist.finetune.tasks import encode
     from roformer_dist.hf.tokenizer import load_hf_tokenizer
 
     rows = [json.loads(x) for x in (sentiment / "train.jsonl").read_text(encoding="utf-8").splitlines()]

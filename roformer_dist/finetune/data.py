@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 from data_pipeline.corpus import MAX_LINE_BYTES, read_line
 from data_pipeline.errors import DataError
 
-__all__ = ["Example", "Dataset", "read_examples", "label_list", "encode_labels"]
+__all__ = ["Example", "Dataset", "read_examples", "label_list", "encode_labels", "numbered_lines", "json_line"]
 
 Label = Union[str, int]
 _SINGLE, _PAIR = ("sentence",), ("sentence1", "sentence2")
@@ -70,7 +70,7 @@ def _text(value, key: str, where: str) -> str:
     return value
 
 
-def _numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+def numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
     """(line number, line) of binary file ``f``; a line over ``MAX_LINE_BYTES`` (one example per line:
     no real one is that long) is a DataError naming it, and is never read whole."""
     lineno = 0
@@ -85,26 +85,34 @@ def _numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
         yield lineno, raw
 
 
+def json_line(raw: bytes, where: str) -> Optional[dict]:
+    """The JSON object of one line of a jsonl file (None for a blank line); DataError naming ``where``."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # nested too deeply, an integer of too many digits
+        raise DataError(f"{where}: invalid JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") \
+            from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def _read_jsonl(path: Path) -> tuple[str, list[Example]]:
     task, out = None, []
     with open(path, "rb") as f:
-        for lineno, raw in _numbered_lines(f, path):
+        for lineno, raw in numbered_lines(f, path):
             where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
+            obj = json_line(raw, where)
+            if obj is None:
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            except (ValueError, RecursionError) as e:  # nested too deeply, an integer of too many digits
-                raise DataError(f"{where}: invalid JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") \
-                    from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             t = _task_of(obj, where)
             if task is None:
                 task = t
@@ -124,7 +132,7 @@ def _read_tsv(path: Path) -> tuple[str, list[Example]]:
     out: list[Example] = []
     header = None
     with open(path, "rb") as f:
-        for lineno, raw in _numbered_lines(f, path):
+        for lineno, raw in numbered_lines(f, path):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")

@@ -1,5 +1,6 @@
-"""The fine-tuning loop: dynamic padding, length-grouped batches, AdamW with linear warm-up and decay,
-one pass over dev per epoch, TensorBoard scalars, the best model (by dev accuracy, then macro-F1) kept.
+"""The fine-tuning loop of every task: dynamic padding, length-grouped batches, AdamW with linear warm-up
+and decay, one pass over dev per epoch, TensorBoard scalars, the best model (by the task's dev scores:
+accuracy then macro-F1, or entity F1) kept. What differs between the tasks is in ``tasks.py``.
 
 Under ``torchrun`` (WORLD_SIZE > 1) each rank trains on its share of every epoch's batches inside
 DistributedDataParallel and evaluates the whole dev set itself (the replicas are identical); rank 0
@@ -17,39 +18,15 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from data_pipeline.atomic import StagedDir
-from roformer_dist.finetune.metrics import accuracy, macro_f1
+from roformer_dist.finetune.tasks import Encoded
 from roformer_dist.hf.export import share_with_group
 
-__all__ = ["Encoded", "encode", "Dist", "fit", "GROUP_BATCHES"]
+__all__ = ["Dist", "fit", "predict", "GROUP_BATCHES"]
 
 GROUP_BATCHES = 50
 """Examples are sorted by length within windows of this many batches (less padding, still shuffled)."""
-
-
-@dataclass
-class Encoded:
-    ids: list[list[int]]
-    type_ids: list[list[int]]
-    labels: np.ndarray
-    num_truncated: int
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def encode(tokenizer, examples, labels: list[int], max_length: int) -> Encoded:
-    """Token ids ([CLS] a [SEP] (b [SEP])) truncated to ``max_length``; counts what was truncated."""
-    a = [e.text_a for e in examples]
-    b = [e.text_b for e in examples] if examples and examples[0].text_b is not None else None
-    full = tokenizer(a, b, add_special_tokens=True, truncation=False, return_attention_mask=False,
-                     return_token_type_ids=False, verbose=False)["input_ids"]
-    enc = tokenizer(a, b, add_special_tokens=True, truncation=True, max_length=max_length,
-                    return_attention_mask=False, return_token_type_ids=True)
-    num_truncated = sum(len(x) > max_length for x in full)
-    return Encoded(enc["input_ids"], enc["token_type_ids"], np.asarray(labels, np.int64), num_truncated)
 
 
 @dataclass(frozen=True)
@@ -95,11 +72,14 @@ def eval_batches(data: Encoded, batch_size: int) -> list[np.ndarray]:
 
 
 @torch.no_grad()
-def predict(clf, data: Encoded, batch_size: int, device) -> np.ndarray:
+def predict(clf, task, data: Encoded, batch_size: int, device) -> list:
+    """The task's prediction for every example of ``data``, in order."""
     clf.model.eval()
-    pred = np.zeros(len(data), np.int64)
+    pred: list = [None] * len(data)
     for idx in eval_batches(data, batch_size):
-        pred[idx] = clf.logits(clf.model, _collate(data, idx, clf.tokenizer.pad_token_id, device)).argmax(-1).cpu().numpy()
+        logits = clf.logits(clf.model, _collate(data, idx, clf.tokenizer.pad_token_id, device))
+        for i, p in zip(idx, task.predictions(logits, data, idx)):
+            pred[i] = p
     return pred
 
 
@@ -113,10 +93,11 @@ def _optimizer(model, lr: float, weight_decay: float = 0.01) -> torch.optim.Opti
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr)
 
 
-def fit(clf, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batch_size: int, seed: int,
+def fit(clf, task, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batch_size: int, seed: int,
         out_dir: Path, device, dist: Dist, progress: bool, warmup: float = 0.1,
         on_epoch: Optional[Callable[[dict], None]] = None, say: Callable[[str], None] = print) -> list[dict]:
-    """Train for ``epochs``; returns one record per epoch. The best model goes to ``out_dir/best``."""
+    """Train for ``epochs`` on ``task`` (tasks.SequenceTask or TokenTask); returns one record per epoch
+    (train loss, the task's dev scores, seconds). The best model goes to ``out_dir/best``."""
     from tqdm import tqdm
 
     model = clf.model.to(device)
@@ -152,8 +133,8 @@ def fit(clf, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batch_size
                        mininterval=1.0, leave=False)
             for idx in bar:
                 batch = _collate(train, idx, pad, device)
-                y = torch.as_tensor(train.labels[idx], device=device)
-                loss = F.cross_entropy(clf.logits(wrapped, batch).float(), y)
+                y = task.targets(train, idx, batch["input_ids"].shape[1]).to(device)
+                loss = task.loss(clf.logits(wrapped, batch), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -168,25 +149,25 @@ def fit(clf, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batch_size
             bar.close()
             if dist.world_size > 1:
                 torch.distributed.all_reduce(loss_sum)
-            pred = predict(clf, dev, batch_size * 2, device)
-            rec = {"epoch": epoch, "dev_accuracy": accuracy(dev.labels, pred),
-                   "dev_macro_f1": macro_f1(dev.labels, pred),
+            pred = predict(clf, task, dev, batch_size * 2, device)
+            rec = {"epoch": epoch, **task.scores(pred),
                    "train_loss": loss_sum[0].item() / max(1.0, loss_sum[1].item()),
                    "seconds": round(time.perf_counter() - t0, 2)}
             records.append(rec)
-            improved = best is None or (rec["dev_accuracy"], rec["dev_macro_f1"]) > best
+            key = tuple(rec[k] for k in task.selects)
+            improved = best is None or key > best
             if dist.main:
-                tb.add_scalar("dev/accuracy", rec["dev_accuracy"], epoch)
-                tb.add_scalar("dev/macro_f1", rec["dev_macro_f1"], epoch)
+                for k, v in rec.items():
+                    if k.startswith("dev_") and isinstance(v, float):
+                        tb.add_scalar("dev/" + k[4:], v, epoch)
                 tb.add_scalar("train/epoch_loss", rec["train_loss"], epoch)
                 tb.flush()
-                say(f"epoch {epoch}/{epochs}: train loss {rec['train_loss']:.4f}  dev accuracy "
-                    f"{rec['dev_accuracy']:.4f}  macro-F1 {rec['dev_macro_f1']:.4f}  ({rec['seconds']:.1f} s)"
-                    + ("  best so far" if improved and epoch > 1 else ""))
+                say(f"epoch {epoch}/{epochs}: train loss {rec['train_loss']:.4f}  {task.describe(rec)}  "
+                    f"({rec['seconds']:.1f} s)" + ("  best so far" if improved and epoch > 1 else ""))
                 if improved:
                     save_best(clf, out_dir)
             if improved:
-                best = (rec["dev_accuracy"], rec["dev_macro_f1"])
+                best = key
             if on_epoch is not None and dist.main:
                 on_epoch(rec)
     finally:
