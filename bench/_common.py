@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 # `python bench/x.py` from a checkout works without installing the package
 sys.path.insert(0, str(REPO))
 
+from roformer_dist.train.plots import line_plot  # noqa: E402,F401  (re-exported: benches plot with it)
+
 # DeepSpeed on CPU, with one cache of its JIT-built ops per machine (set before DeepSpeed is imported;
 # every child process inherits it)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
@@ -116,48 +118,6 @@ def emit(bench: str, ours: float, baseline: float, unit: str, ratio: float, **ex
     print(json.dumps({"bench": bench, "ours": round(ours, 6), "baseline": round(baseline, 6), "unit": unit,
                       "ratio": round(ratio, 3), **extra}))
     sys.stdout.flush()
-
-
-def line_plot(path: Path, panels: list[dict], title: Optional[str] = None, width: float = 5.0) -> bool:
-    """A PNG of line charts side by side; each panel is ``{"title", "xlabel", "ylabel", "series": {label:
-    (xs, ys)}, "hlines": {label: y} (optional), "logx": bool (optional), "bands": {label: (xs, lo, hi)}
-    (optional: a shaded range behind the series of that label)}``. Returns False, saying so, when matplotlib
-    is missing (``pip install 'roformer-dist[plot]'``): benches print their tables all the same."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"{Path(sys.argv[0]).stem}: matplotlib is not installed (pip install 'roformer-dist[plot]'): "
-              f"{path} not written", file=sys.stderr)
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 3.6), dpi=100, squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        colors = {}
-        for label, (xs, ys) in panel["series"].items():
-            line, = ax.plot(xs, ys, marker="o" if len(xs) <= 12 else None, markersize=3, linewidth=1.5,
-                            label=label)
-            colors[label] = line.get_color()
-        for label, (xs, lo, hi) in panel.get("bands", {}).items():
-            ax.fill_between(xs, lo, hi, color=colors.get(label), alpha=0.2, linewidth=0)
-        for i, (label, y) in enumerate(panel.get("hlines", {}).items()):
-            ax.axhline(y, color="gray", linestyle=("--", ":", "-.")[i % 3], linewidth=1, label=label)
-        if panel.get("logx"):
-            ax.set_xscale("log")
-        ax.set_title(panel.get("title", ""), fontsize=10)
-        ax.set_xlabel(panel.get("xlabel", ""))
-        ax.set_ylabel(panel.get("ylabel", ""))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return True
 
 
 def env_flag(name: str) -> bool:

@@ -9,10 +9,11 @@ initialisation (same budget) and the naive Bayes n-gram baseline, all scored on 
 reviews the demo never pretrains on (a split of its own could put pretraining text into dev). A training
 size takes the first N examples of train.jsonl (the demo writes it in seeded random order). Accuracy is
 the last epoch's (the held-out set selects nothing), the median over --seeds (fine-tuning seeds: head and,
-from scratch, encoder initialisation, batch order). One process, --threads torch threads. Ends with one
+from scratch, encoder initialisation, batch order). One process, --threads torch threads. Writes
+OUT/finetune_reviews.png (medians against the training size, the seeds' range shaded). Ends with one
 JSON line: {"bench": "finetune_reviews", "ours": pretrained median accuracy at the largest size,
 "baseline": from scratch at that size, "ratio": ours / baseline, "curve": {size: {method: [accuracy per
-seed]}}}.
+seed]}}}. ``bench/finetune_ner.py`` draws the same curve for named entities with this file's code.
 
 --tiny builds its inputs in a temporary directory, without the demo: a split of the reviews made by the
 demo's own split function (40 held out, 60 to fine-tune) and, as the "pretrained" model, an HF export of
@@ -23,7 +24,6 @@ lines: its accuracies mean nothing, the code path is the bench's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -108,38 +108,64 @@ def main(argv=None) -> int:
     common = ["--dev", str(data / "dev.jsonl"), "--epochs", str(args.epochs), "--lr", str(args.lr),
               "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
               "--threads", str(args.threads), "--no-progress"]
-    curve: dict[int, dict[str, list[float]]] = {}
-    seconds: dict[int, float] = {}
-    for n in sizes:
-        train = first_examples(data / "train.jsonl", n, out / f"n{n}" / "train.jsonl")
-        curve[n] = {name: [] for name in METHODS}
-        for name, extra in METHODS.items():
-            model = [] if name == "naive Bayes" else ["--model", args.model, "--pooling", args.pooling]
-            for seed in seeds[:1] if name == "naive Bayes" else seeds:  # naive Bayes has nothing random
-                print(f"== {n} training examples: {name}, seed {seed}", flush=True)
-                t0 = time.perf_counter()
-                res = run([*model, *extra, "--train", str(train), *common, "--seed", str(seed),
-                           "--out", str(out / f"n{n}" / f"{name.replace(' ', '_')}_{seed}")])
-                if name == "pretrained":
-                    seconds[n] = time.perf_counter() - t0
-                curve[n][name].append(res["last_dev_accuracy"])
+    methods = {name: (extra if name == "naive Bayes" else ["--model", args.model, "--pooling", args.pooling, *extra])
+               for name, extra in METHODS.items()}
+    curve, seconds = label_curve(methods, sizes, seeds, data / "train.jsonl", out, common, "last_dev_accuracy",
+                                 deterministic={"naive Bayes"})
     print(f"{args.model}; dev {data / 'dev.jsonl'}; {args.epochs} epochs, lr {args.lr:g}, batch {args.batch_size}, "
           f"max length {args.max_length}, {args.pooling} pooling, {args.threads} threads, seeds {args.seeds} "
           f"(median, min-max); load average {os.getloadavg()[0]:.1f}")
+    report("finetune_reviews", curve, seconds, "accuracy", "held-out accuracy", out / "finetune_reviews.png",
+           "review sentiment: held-out accuracy against labelled examples")
+    return 0
+
+
+def label_curve(methods: dict[str, list[str]], sizes: list[int], seeds: list[int], train_src: Path, out: Path,
+                common: list[str], score: str, deterministic: set[str]) -> tuple[dict, dict]:
+    """roformer-finetune for every size (the first N examples of ``train_src``), method (its flags) and seed
+    (once for a method in ``deterministic``); ({size: {method: [results[score] per seed]}}, {size: seconds of
+    the first "pretrained" run})."""
+    curve: dict[int, dict[str, list[float]]] = {}
+    seconds: dict[int, float] = {}
+    for n in sizes:
+        train = first_examples(train_src, n, out / f"n{n}" / train_src.name)
+        curve[n] = {name: [] for name in methods}
+        for name, flags in methods.items():
+            for seed in seeds[:1] if name in deterministic else seeds:
+                print(f"== {n} training examples: {name}, seed {seed}", flush=True)
+                t0 = time.perf_counter()
+                res = run([*flags, "--train", str(train), *common, "--seed", str(seed),
+                           "--out", str(out / f"n{n}" / f"{name.replace(' ', '_')}_{seed}")])
+                if name == "pretrained" and n not in seconds:
+                    seconds[n] = time.perf_counter() - t0
+                curve[n][name].append(res[score])
+    return curve, seconds
+
+
+def report(bench: str, curve: dict, seconds: dict, score: str, unit: str, png: Path, title: str) -> None:
+    """The table (median and min-max per size and method), the PNG (medians, min-max shaded) and the JSON
+    line (ours: pretrained, baseline: from scratch, at the largest size)."""
+    sizes, methods = list(curve), list(next(iter(curve.values())))
 
     def cell(xs: list[float]) -> str:
         return f"{median(xs):.4f}" + (f" ({min(xs):.3f}-{max(xs):.3f})" if len(xs) > 1 else "")
 
     med = {n: {m: median(v) for m, v in curve[n].items()} for n in sizes}
-    rows = [[n, *(cell(curve[n][m]) for m in METHODS),
+    rows = [[n, *(cell(curve[n][m]) for m in methods),
              f"{100 * (med[n]['pretrained'] - med[n]['from scratch']):+.1f}", f"{seconds[n]:.0f}"] for n in sizes]
-    print_table(["labelled examples", *(f"{m} accuracy" for m in METHODS), "pretrained - scratch (points)",
+    print_table(["labelled examples", *(f"{m} {score}" for m in methods), "pretrained - scratch (points)",
                  "seconds per pretrained run"], rows)
+    drawn = C.line_plot(png, [{"title": title, "xlabel": "labelled training examples", "ylabel": unit, "logx": True,
+                               "series": {m: (sizes, [med[n][m] for n in sizes]) for m in methods},
+                               "bands": {m: (sizes, [min(curve[n][m]) for n in sizes], [max(curve[n][m]) for n in sizes])
+                                         for m in methods}}])
+    if drawn:
+        print(f"plot: {png}")
     top = sizes[-1]
-    emit("finetune_reviews", med[top]["pretrained"], med[top]["from scratch"], "held-out accuracy",
-         med[top]["pretrained"] / med[top]["from scratch"], curve={str(n): curve[n] for n in sizes},
+    emit(bench, med[top]["pretrained"], med[top]["from scratch"], unit,
+         med[top]["pretrained"] / med[top]["from scratch"] if med[top]["from scratch"] else float("inf"),
+         curve={str(n): curve[n] for n in sizes}, png=str(png) if drawn else None,
          load_average=round(os.getloadavg()[0], 1))
-    return 0
 
 
 if __name__ == "__main__":

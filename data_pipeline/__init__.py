@@ -7,7 +7,8 @@ WordPiece vocab.txt with its own special ids), :mod:`.tario` (the shard tar form
 URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (preparation split over
 tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.mixture`
 (corpus mixtures: sources, token shares, the interleaving), :mod:`.loader` (``ShardLoader``),
-:mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``).
+:mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``); :mod:`.pd_ner` (named entities
+from People's Daily's tags, for the demo's NER task).
 
 The pipeline imports nothing of roformer_dist or launcher (a checked contract: ``lint-imports``).
 ``roformer-data prepare|shards --tasks N`` runs its tasks through a runner handed to

@@ -30,6 +30,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "context_extension": ("context_extension", "(d) fork, yarn x3"),
     "ds_zero3_fp32_master": ("ds_zero3_fp32_master", "duplicated"),
     "e2e": ("e2e", "roformer-train / bare step"),
+    "finetune_ner": ("finetune_ner", "labelled examples  dictionary F1"),
     "finetune_reviews": ("finetune_reviews", "labelled examples"),
     "gpu_check": ("gpu_backend_equality", '"ok": true'),
     "hf_tokenizer": ("hf_tokenizer", "identical %"),

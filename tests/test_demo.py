@@ -105,3 +105,26 @@ def test_rope_decay_bound_matches_a_direct_computation(tmp_path):
     png = out / "rope_decay.png"
     if summary["png"]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ner_split_draws_from_the_right_lines_and_grows_by_extension(peoples_daily, tmp_path):
+    """The demo's NER task: training sentences only from the pretraining lines, held-out ones only from the
+    held-out lines; seeded; a larger training size extends the same list and leaves dev alone (the label
+    curve's first 1000 sentences are the demo's)."""
+    from data_pipeline.pd_ner import ner_sentences
+    from roformer_dist.cli.demo import ner_split
+
+    lines = peoples_daily.read_text(encoding="utf-8").splitlines(keepends=True)
+    train_lines, eval_lines = tmp_path / "train.txt", tmp_path / "eval.txt"
+    train_lines.write_text("".join(lines[:300]), encoding="utf-8")
+    eval_lines.write_text("".join(lines[300:400]), encoding="utf-8")
+    train, dev = ner_split(train_lines, eval_lines, 100, 50)
+    more, dev2 = ner_split(train_lines, eval_lines, 200, 50)
+    assert more[:100] == train and dev2 == dev and (len(train), len(dev)) == (100, 50)
+    pool = {s[0] for line in lines[:300] for s in ner_sentences(line)}
+    held = {s[0] for line in lines[300:400] for s in ner_sentences(line)}
+    assert {t for t, _ in train} <= pool and {t for t, _ in dev} <= held
+    assert ner_split(train_lines, eval_lines, 100, 50, seed=1)[0] != train
+    assert sum(len(sp) for _, sp in train) > 50  # it has entities
+    with pytest.raises(ValueError, match="sentences, 100000 needed"):
+        ner_split(train_lines, eval_lines, 100000, 50)

@@ -344,9 +344,12 @@ def test_bad_conll_dev_types_and_flags(ner, tmp_path, capsys):
     assert main([*base, "--train", str(tmp_path / "train.conll"), "--dev", str(tmp_path / "dev.conll")]) == EXIT_DATA
     assert "train.conll:4: expected a token and its tag" in capsys.readouterr().err
     (tmp_path / "train.conll").write_text("北 B-LOC\n京 I-LOC\n", "utf-8")
-    (tmp_path / "dev.conll").write_text("a O\n\n张 B-PER\n", "utf-8")
-    assert main([*base, "--train", str(tmp_path / "train.conll"), "--dev", str(tmp_path / "dev.conll")]) == EXIT_DATA
-    assert "dev.conll:3: entity type 'PER' does not occur in" in capsys.readouterr().err
+    (tmp_path / "dev.conll").write_text("a O\n\n张 B-PER\n\n北 B-LOC\n京 I-LOC\n", "utf-8")
+    assert main([*base, "--train", str(tmp_path / "train.conll"), "--dev", str(tmp_path / "dev.conll")]) == 0
+    out = capsys.readouterr().out
+    assert "dev.conll:3: entity type 'PER' does not occur in" in out and "1 dev entities are scored as missed" in out
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert (res["best_dev_recall"], res["best_dev_precision"]) == (0.5, 1.0)  # the PER entity: missed
     files = ["--train", str(ner / "train.jsonl"), "--dev", str(ner / "dev.jsonl"), "--out", str(tmp_path / "o")]
     assert main(["--task", "token", "--baseline", "ngram", *files]) == EXIT_CONFIG
     assert "--baseline ngram does not apply to --task token (its baseline: dict)" in capsys.readouterr().err

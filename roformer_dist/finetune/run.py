@@ -179,7 +179,12 @@ def _read(args) -> tuple:
     """(train, dev, labels): the datasets of the task and its labels (BIO tags for the token task)."""
     if args.task == "token":
         train, dev = read_token_examples(args.train), read_token_examples(args.dev)
-        return train, dev, bio_labels(entity_types(train, dev))
+        types, unseen = entity_types(train, dev)
+        for label, line in unseen.items():
+            n = sum(s.label == label for e in dev.examples for s in e.spans)
+            print(f"{dev.path}:{line}: entity type {label!r} does not occur in {train.path} (its types: "
+                  f"{', '.join(types)}): its {n} dev entities are scored as missed")
+        return train, dev, bio_labels(types)
     train, dev = read_examples(args.train), read_examples(args.dev)
     return train, dev, label_list(train, dev)
 

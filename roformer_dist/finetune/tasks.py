@@ -105,7 +105,8 @@ def encode_token_examples(tokenizer, examples, tags: Sequence[str], max_length: 
     for ex, ids, offsets in zip(examples, enc["input_ids"], enc["offset_mapping"]):
         offsets = [(0, 0) if i in special else tuple(o) for i, o in zip(ids, offsets)]
         al = label_pieces(ex.text, ex.spans, offsets)
-        labels.append(np.asarray([IGNORE_INDEX if t is None else tag_id[t] for t in al.tags], np.int64))
+        # a tag of a type outside ``tags`` (a dev entity of a type training never saw) is O: never predicted
+        labels.append(np.asarray([IGNORE_INDEX if t is None else tag_id.get(t, 0) for t in al.tags], np.int64))
         covered = max((e for s, e in al.bounds if e > s), default=0)
         aligned.append(TokenAlignment(np.asarray([t is not None for t in al.tags]), al.bounds, al.crossing_pieces,
                                       al.unreachable, sum(1 for sp in ex.spans if sp.end > covered)))

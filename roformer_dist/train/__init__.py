@@ -9,7 +9,8 @@ learning rate at a step: pure), ``data.py`` (manifests checked against the confi
 ``init.from``, forks), ``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``profiling.py``
 (the ``torch.profiler`` window of ``trainer.profile``), ``evaluation.py`` (eval at each length beside the
 baselines), ``baselines.py`` (unigram and most-frequent-token baselines), ``length_report.py`` (a
-checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file).
+checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file), ``plots.py``
+(line charts as PNG: the demo's curves, the benches' figures; matplotlib lazily).
 
 May import: ``roformer_dist.hf`` (its weight conversion, for warm starts), ``checkpoint``, ``parallel``, ``nn``, ``runtime``, ``config``, ``errors``,
 ``data_pipeline``.

@@ -1,0 +1,102 @@
+"""Where pretraining pays for named entities: People's Daily NER (PER/LOC/ORG from the corpus's own
+``nr``/``ns``/``nt`` tags) against the number of labelled sentences. At each training size, the pretrained
+export fine-tuned with ``roformer-finetune --task token``, the same architecture from random initialisation
+(same budget) and the dictionary baseline (longest match of the training entities), all scored as entity F1
+on one held-out set.
+
+    python bench/finetune_ner.py [--model runs/demo/hf --corpus data/demo/corpus --sizes 300,1000,3000]
+    python bench/finetune_ner.py --data DIR     # DIR/train.jsonl (at least the largest size) and DIR/dev.jsonl
+    python bench/finetune_ner.py --tiny         # sizes 20 and 60, 1 epoch, 2 seeds, on inputs of its own (below)
+
+Without --data the sentences come from the demo's People's Daily split, as ``make demo`` draws them
+(``roformer_dist.cli.demo.ner_split``): training sentences from the lines the demo pretrains on, the held-out
+sentences (--dev, 1000) from the lines it never pretrains on; the demo's own NER task is the first 1000
+training sentences of the same list and the same held-out set. A training size takes the first N sentences.
+F1 is the last epoch's (the held-out set selects nothing), the median over --seeds (fine-tuning seeds);
+the dictionary has nothing random and runs once per size. One process, --threads torch threads. Writes
+OUT/finetune_ner.png and ends with one JSON line: {"bench": "finetune_ner", "ours": pretrained median F1 at
+the largest size, "baseline": from scratch at that size, "ratio", "curve": {size: {method: [F1 per seed]}}}.
+
+--tiny builds its inputs in a temporary directory without the demo: sentences of the few hundred People's
+Daily lines of _common.tiny_shards (train) and of its held-out lines (dev), and, as the "pretrained" model,
+bench/finetune_reviews.py's random-initialisation export: its scores mean nothing, the code path is the bench's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+from finetune_reviews import label_curve, report, tiny_export  # noqa: E402
+
+from roformer_dist.cli.demo import ner_split, write_ner_jsonl  # noqa: E402
+
+METHODS = {"dictionary": ["--baseline", "dict"], "pretrained": [], "from scratch": ["--from-scratch"]}
+
+
+def build_data(corpus: Path, num_train: int, num_dev: int, out: Path) -> Path:
+    """train.jsonl / dev.jsonl in ``out`` from the demo's corpus split (pd_train.txt, pd_eval.txt)."""
+    for name in ("pd_train.txt", "pd_eval.txt"):
+        if not (corpus / name).is_file():
+            raise SystemExit(f"{corpus / name}: not found (run `make demo` first, or pass --data or --corpus)")
+    train, dev = ner_split(corpus / "pd_train.txt", corpus / "pd_eval.txt", num_train, num_dev)
+    out.mkdir(parents=True, exist_ok=True)
+    write_ner_jsonl(out / "train.jsonl", train)
+    write_ner_jsonl(out / "dev.jsonl", dev)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="runs/demo/hf", help="HF export directory or training checkpoint")
+    p.add_argument("--corpus", default="data/demo/corpus", help="the demo's corpus split (pd_train.txt, pd_eval.txt)")
+    p.add_argument("--data", default=None, help="a directory with train.jsonl and dev.jsonl instead of --corpus")
+    p.add_argument("--dev", type=int, default=1000, help="held-out sentences (with --corpus)")
+    p.add_argument("--sizes", default="300,1000,3000", help="training sizes, comma-separated")
+    p.add_argument("--out", default="runs/finetune_ner")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--seeds", default="0,1,2", help="fine-tuning seeds, comma-separated")
+    p.add_argument("--threads", type=int, default=2)
+    C.tiny_defaults(p, argv, model=None, sizes="20,60", out=lambda: str(C.tiny_dir() / "runs"), epochs=1,
+                    batch_size=16, max_length=64, seeds="0,1", dev=40)
+    args = p.parse_args(argv)
+    sizes, seeds = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.seeds.split(",")]
+    out = Path(args.out)
+    if args.tiny:
+        train, _ = C.tiny_shards(C.tiny_dir() / "shards")
+        corpus = C.tiny_dir() / "corpus"
+        corpus.mkdir(parents=True, exist_ok=True)
+        for name, lines in (("pd_train.txt", C.TINY_TRAIN_LINES), ("pd_eval.txt", C.TINY_EVAL_LINES)):
+            C.peoples_daily_lines(corpus / name, lines)
+        args.corpus = str(corpus)
+        args.model = args.model or str(tiny_export(C.tiny_dir() / "hf"))
+    data = Path(args.data) if args.data else build_data(Path(args.corpus), max(sizes), args.dev, out / "data")
+    for name in ("train.jsonl", "dev.jsonl"):
+        if not (data / name).is_file():
+            raise SystemExit(f"{data / name}: not found")
+    common = ["--task", "token", "--dev", str(data / "dev.jsonl"), "--epochs", str(args.epochs), "--lr", str(args.lr),
+              "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+              "--threads", str(args.threads), "--no-progress"]
+    methods = {name: (extra if name == "dictionary" else ["--model", args.model, *extra])
+               for name, extra in METHODS.items()}
+    curve, seconds = label_curve(methods, sizes, seeds, data / "train.jsonl", out, common, "last_dev_f1",
+                                 deterministic={"dictionary"})
+    print(f"{args.model}; dev {data / 'dev.jsonl'}; {args.epochs} epochs, lr {args.lr:g}, batch {args.batch_size}, "
+          f"max length {args.max_length}, {args.threads} threads, seeds {args.seeds} (median, min-max); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    report("finetune_ner", curve, seconds, "F1", "held-out entity F1", out / "finetune_ner.png",
+           "People's Daily NER: held-out entity F1 against labelled sentences")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
