@@ -27,6 +27,7 @@ BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.name != "_co
 RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hold)
     "ablation": ("ablation", "eval loss by length:"),
     "checkpoint_stall": ("checkpoint_stall", "less with checkpoint.async"),
+    "curriculum": ("curriculum", "the 0.7x goal"),
     "context_extension": ("context_extension", "(d) fork, yarn x3"),
     "ds_zero3_fp32_master": ("ds_zero3_fp32_master", "duplicated"),
     "e2e": ("e2e", "roformer-train / bare step"),
@@ -46,7 +47,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "checkpoint_stall", "context_extension", "e2e", "linear_attention", "packing", "profile_e2e"}
+SLOW = {"ablation", "checkpoint_stall", "context_extension", "curriculum", "e2e", "linear_attention", "packing", "profile_e2e"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate"}
@@ -144,6 +145,28 @@ def check_profile_e2e(lines: list[dict], tail: str, stdout: str) -> None:
 
 
 CHECKS["profile_e2e"] = check_profile_e2e
+
+
+def check_curriculum(lines: list[dict], tail: str, stdout: str) -> None:
+    """bench/curriculum.py --tiny: the three variants (8 steps of 256 tokens each) evaluated at the same steps
+    (every 2: the same tokens), training time growing along each curve, finite losses, (b) reaching its own
+    final loss in its own time, and the loss at equal wall time taken at the first variant to finish."""
+    import math
+
+    (line,) = [x for x in lines if x.get("bench") == "curriculum"]
+    assert line["variants"] == ["a", "b", "c"] and line["tokens"] == 8 * 256, tail
+    for name, pts in line["eval_points"].items():
+        steps, seconds, losses = zip(*pts)
+        assert {2, 4, 6, 8} <= set(steps) and steps[-1] == 8, (name, pts)
+        assert all(b >= a for a, b in zip(seconds, seconds[1:])) and seconds[-1] > seconds[0], (name, pts)
+        assert all(math.isfinite(x) for x in losses), (name, pts)
+    assert line["share_of_b"]["b"] == 1.0 and line["baseline"] > 0, tail
+    assert line["equal_wall_s"] == min(line["train_s"].values()), tail
+    assert line["reached"] == (line["ratio"] > 0), tail
+    assert "eval loss at 128 tokens" in stdout and "the 0.7x goal" in stdout, tail
+
+
+CHECKS["curriculum"] = check_curriculum
 
 
 def test_e2e_watch_retries_a_real_abort_once_and_raises_at_the_second(tmp_path, monkeypatch):
