@@ -9,7 +9,8 @@ its own ``roformer-train`` run under one directory, so that one TensorBoard logd
 
 Then it prints the eval loss of both at every eval step and the difference, evaluates both final
 checkpoints at every length of ``--lengths`` (``roformer-eval``: past the trained 512 tokens too,
-see its notes on untrained positions), writes ``OUT/ablation.json`` and ends with one JSON line.
+see its notes on untrained positions), writes ``OUT/ablation.json`` and ``OUT/ablation.png`` (both
+curves, and the loss by eval length) and ends with one JSON line.
 A run that is already complete is not trained again (``roformer-train`` resumes), so re-running the
 command only re-prints the report.
 
@@ -153,6 +154,15 @@ def main(argv=None) -> int:
     from data_pipeline.atomic import atomic_write_text
 
     atomic_write_text(out / "ablation.json", json.dumps(result, indent=2) + "\n")
+    png = out / "ablation.png"
+    if rows and C.line_plot(png, [
+            {"title": "eval loss at the stage's own length", "xlabel": "optimizer step", "ylabel": "loss (nats)",
+             "series": {e: ([r["step"] for r in rows], [r[e] for r in rows]) for e in ENCODINGS}},
+            {"title": "final checkpoints by eval length", "xlabel": "eval length (tokens)", "ylabel": "loss (nats)",
+             "series": {e: ([r.length for r in reports[e].rows if r.loss is not None],
+                            [r.loss for r in reports[e].rows if r.loss is not None]) for e in ENCODINGS}}],
+            title="rotary vs absolute position embeddings (same model, data, seed and curriculum)"):
+        print(f"plot: {png}")
     print(f"\nTensorBoard (both runs overlaid): {Path(sys.executable).with_name('tensorboard')} --logdir {out}")
     print(f"report: {out / 'ablation.json'}")
     summary = {"bench": "ablation", "final_step": final and final["step"],

@@ -196,15 +196,16 @@ def vocab_size(shards: Path) -> int:
     return int(read_manifest(shards)["vocab_size"])
 
 
-def prepare(a) -> tuple[Path, Path]:
-    """(shard set, HF's directory: packed_<seq>.npy and tokenizer/), built once under --data."""
+def prepare(a, shards: Optional[Path] = None) -> tuple[Path, Path]:
+    """(shard set, HF's directory: packed_<seq>.npy and tokenizer/), built once under --data; ``shards``: another
+    shard set than :func:`shard_set`'s (``bench/parity.py``'s), HF's directory then built beside it."""
     import numpy as np
     import torch
 
     from data_pipeline.loader import ShardLoader
     from roformer_dist.hf.tokenizer import write_tokenizer_files
 
-    shards = shard_set(a)
+    shards = shards or shard_set(a)
     hf_dir = shards.with_name(shards.name + "_hf")
     (hf_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
     if not (hf_dir / "tokenizer" / "tokenizer.json").exists():

@@ -157,8 +157,8 @@ def report(bench: str, curve: dict, seconds: dict, score: str, unit: str, png: P
                  "seconds per pretrained run"], rows)
     drawn = C.line_plot(png, [{"title": title, "xlabel": "labelled training examples", "ylabel": unit, "logx": True,
                                "series": {m: (sizes, [med[n][m] for n in sizes]) for m in methods},
-                               "bands": {m: (sizes, [min(curve[n][m]) for n in sizes], [max(curve[n][m]) for n in sizes])
-                                         for m in methods}}])
+                               "bands": {m: (sizes, [min(curve[n][m]) for n in sizes],
+                                             [max(curve[n][m]) for n in sizes]) for m in methods}}])
     if drawn:
         print(f"plot: {png}")
     top = sizes[-1]

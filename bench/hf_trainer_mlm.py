@@ -32,7 +32,10 @@ The configuration (every value the comparison depends on):
   ``adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-6``, ``max_grad_norm=1.0``, ``optim`` left at its
   default (``adamw_torch_fused``: torch AdamW, fused kernel), ``save_strategy="no"``,
   ``eval_strategy="no"``, ``logging_steps=10`` (console), ``report_to="none"``, ``disable_tqdm=True``,
-  ``seed=1234``, ``dataloader_drop_last=True``; everything else at its default.
+  ``seed`` = ``--seed`` (default 1234), ``dataloader_drop_last=True``; everything else at its default.
+- seed: ``transformers.set_seed(--seed)`` before the model is built (as HF's ``run_mlm.py`` does), so that
+  the seed decides the initial weights as well as the sampler's order, the collator's masks and dropout
+  (the Trainer seeds every rank alike, so the ranks draw their masks and dropout from one random stream).
 - ``--deepspeed FILE``: HF's DeepSpeed integration with that JSON (``bench/e2e.py`` writes ZeRO-2 with
   the knobs roformer-train uses: contiguous gradients, no overlap, reduce-scatter, default buckets; no
   optimizer or scheduler section, so the Trainer's AdamW and schedule are used; batch sizes and
@@ -54,6 +57,19 @@ summary can find it (a label costs microseconds; nothing else changes).
 Timing: a ``TrainerCallback`` notes ``time.time()`` at the end of every optimizer step on every rank;
 rank 0 writes ``--out`` (JSON: the process start, the Trainer's creation, the step end times, and
 this rank's peak RSS) when training ends.
+
+Losses (for ``bench/parity.py``): ``--out`` also holds ``logged_loss``, ``[[step, loss], ...]`` as the
+Trainer logs it every ``logging_steps``; with ``--record-loss``, ``loss`` too: per optimizer step, the mean
+over the ranks of the loss the model returned on each rank (the mean cross-entropy over the masked
+positions of its micro-batch; the mean over the micro-batches with ``--accumulation``), noted by a
+forward hook and gathered once when training ends. The two differ: with more than one rank the Trainer's
+``average_tokens_across_devices`` (on by default) multiplies the loss by the world size, because
+``RoFormerForMaskedLM.forward`` takes ``**kwargs`` (so the Trainer expects it to divide by the batch's
+masked tokens on all ranks) yet averages over its own micro-batch; the gradient is scaled alike, before
+clipping. ``--per-rank-loss`` sets ``average_tokens_across_devices=False``: loss and gradient are each
+rank's own mean (then averaged over the ranks by DDP), as roformer-train's are, and the logged loss is the
+model's. ``--save-model DIR``: ``trainer.save_model(DIR)`` after training (the final weights,
+``from_pretrained`` format).
 """
 
 from __future__ import annotations
@@ -73,7 +89,7 @@ import _common as C  # noqa: E402  (bench helpers only: the --tiny flag)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import (AutoTokenizer, DataCollatorForLanguageModeling, RoFormerConfig,  # noqa: E402
-                          RoFormerForMaskedLM, Trainer, TrainerCallback, TrainingArguments)
+                          RoFormerForMaskedLM, Trainer, TrainerCallback, TrainingArguments, set_seed)
 
 
 class PackedSequences(torch.utils.data.Dataset):
@@ -180,6 +196,40 @@ class StepTimes(TrainerCallback):
         self.times.append(time.time())
 
 
+class LossLog(TrainerCallback):
+    """The Trainer's logged losses (``logged``: ``[step, loss]``) and, with ``model`` given, the model's own
+    training loss of every optimizer step on this rank (``steps``: a forward hook notes each training forward's
+    loss; one entry per step, the mean over its micro-batches)."""
+
+    def __init__(self, model=None):
+        self.logged: list[list[float]] = []
+        self.steps: list[float] = []
+        self.pending: list[torch.Tensor] = []
+        if model is not None:
+            model.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output) -> None:
+        if module.training and getattr(output, "loss", None) is not None:
+            self.pending.append(output.loss.detach())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending:
+            self.steps.append(float(torch.stack(self.pending).float().mean()))
+            self.pending.clear()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.logged.append([state.global_step, float(logs["loss"])])
+
+    def gathered_steps(self) -> list[float]:
+        """Per step, the mean over the ranks (collective: every rank calls it)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return list(self.steps)
+        per_rank = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(per_rank, self.steps)
+        return [sum(xs) / len(xs) for xs in zip(*per_rank)]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     need = not C.tiny_requested(argv)  # --tiny makes its own inputs
@@ -199,6 +249,11 @@ def parse_args(argv=None):
     p.add_argument("--profile-dir", type=Path, default=None, help="torch.profiler trace of rank 0 goes here")
     p.add_argument("--profile-start", type=int, default=5, help="first profiled optimizer step (1-based)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--record-loss", action="store_true",
+                   help="note the model's loss of every step (a forward hook) into --out as \"loss\"")
+    p.add_argument("--per-rank-loss", action="store_true",
+                   help="TrainingArguments(average_tokens_across_devices=False): the loss is each rank's own mean")
+    p.add_argument("--save-model", type=Path, default=None, help="trainer.save_model(DIR) after training")
     p.add_argument("--abort-at-step", type=int, default=0, help=argparse.SUPPRESS)
     C.tiny_defaults(p, argv)
     return p.parse_args(argv)
@@ -232,6 +287,7 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(a.data / "tokenizer"))
     dataset = PackedSequences(np.load(a.data / f"packed_{a.seq}.npy"), tokenizer.pad_token_id)
     config = RoFormerConfig.from_pretrained(str(a.model))
+    set_seed(a.seed)  # before the model: the seed decides the initial weights too
     model = RoFormerForMaskedLM(config)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
     args = TrainingArguments(
@@ -241,9 +297,10 @@ def main(argv=None) -> None:
         max_steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup, lr_scheduler_type="linear",
         weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-6, max_grad_norm=1.0,
         save_strategy="no", eval_strategy="no", logging_steps=10, report_to="none", disable_tqdm=True,
-        seed=a.seed, dataloader_drop_last=True, torch_compile=a.torch_compile)
-    timer = StepTimes()
-    callbacks = [timer]
+        seed=a.seed, dataloader_drop_last=True, torch_compile=a.torch_compile,
+        **({"average_tokens_across_devices": False} if a.per_rank_loss else {}))
+    timer, losses = StepTimes(), LossLog(model if a.record_loss else None)
+    callbacks = [timer, losses]
     if a.profile_dir is not None:
         if not 1 <= a.profile_start <= a.profile_start + a.profile_steps - 1 <= a.steps:
             sys.exit(f"hf_trainer_mlm: --profile-start {a.profile_start} --profile-steps {a.profile_steps}: "
@@ -254,11 +311,15 @@ def main(argv=None) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
     created = time.time()
     trainer.train()
+    if a.save_model is not None:
+        trainer.save_model(str(a.save_model))  # every rank calls it; the main process writes
+    per_step = losses.gathered_steps() if a.record_loss else None
     if args.process_index == 0:
         out = {"start": START, "trainer_created": created, "step_end": timer.times,
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "world_size": args.world_size, "optim": str(args.optim), "deepspeed": bool(a.deepspeed),
-               "threads": torch.get_num_threads(), "pid": os.getpid(), "torch_compile": a.torch_compile}
+               "threads": torch.get_num_threads(), "pid": os.getpid(), "torch_compile": a.torch_compile,
+               "seed": a.seed, "per_rank_loss": a.per_rank_loss, "logged_loss": losses.logged, **({"loss": per_step} if a.record_loss else {})}
         a.out.write_text(json.dumps(out) + "\n")
     # a rank that exits with its gloo group alive can abort at exit ("terminate called without an active
     # exception", SIGABRT: seen with --deepspeed), failing the launch after the work is done

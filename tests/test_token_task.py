@@ -96,6 +96,8 @@ def test_pieces_that_straddle_a_boundary_are_counted_and_decoded_to_their_own_sp
     aligned = label_pieces(text, gold, [(0, 2), (2, 4), (4, 6)])
     assert aligned.tags == ["O", "B-LOC", "O"] and (aligned.crossing_pieces, aligned.unreachable) == (0, 0)
     assert spans_from_pieces(aligned.tags, aligned.bounds) == gold
+    cut = label_pieces(text, gold, [(0, 2)])  # truncated before the entity: missed, but not "unreachable"
+    assert cut.tags == ["O"] and (cut.crossing_pieces, cut.unreachable) == (0, 0)
 
 
 def test_alignment_through_the_real_tokenizer(small_shards):
@@ -218,8 +220,8 @@ def tiny_export(small_shards, out: Path) -> Path:
     cfg = ModelConfig(vocab_size=small_shards.vocab_size, hidden_size=48, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=96, max_position_embeddings=128, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0)
-    export_hf_repository(RoFormerForMaskedLM(cfg), out, source=ExportSource("test"), tokenizer=Path(small_shards.tokenizer),
-                         check_docs=0, say=lambda *_: None)
+    export_hf_repository(RoFormerForMaskedLM(cfg), out, source=ExportSource("test"),
+                         tokenizer=Path(small_shards.tokenizer), check_docs=0, say=lambda *_: None)
     return out
 
 

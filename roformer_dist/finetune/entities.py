@@ -121,7 +121,8 @@ class Alignment:
     crossing_pieces: int
     """Pieces that hold characters both inside and outside one entity."""
     unreachable: int
-    """Entities whose first or last character lies inside a piece: no piece tagging gives their span."""
+    """Entities whose first or last character lies inside a piece: no piece tagging gives their span
+    (entities no piece reaches, those past a truncation, are not counted here)."""
 
 
 def label_pieces(text: str, spans: Sequence[Span], offsets: Sequence[tuple[int, int]]) -> Alignment:
@@ -134,6 +135,7 @@ def label_pieces(text: str, spans: Sequence[Span], offsets: Sequence[tuple[int, 
     tags: list[Optional[str]] = []
     bounds: list[tuple[int, int]] = []
     begun: set[int] = set()
+    reached: set[int] = set()
     crossing = 0
     starts: set[int] = set()
     ends: set[int] = set()
@@ -151,10 +153,11 @@ def label_pieces(text: str, spans: Sequence[Span], offsets: Sequence[tuple[int, 
             tags.append(OUTSIDE)
             continue
         k = int(hit[0])
+        reached.update(int(x) for x in np.unique(hit))
         crossing += int(np.unique(inside).size > 1)
         tags.append(("I-" if k in begun else "B-") + spans[k].label)
         begun.add(k)
-    unreachable = sum(1 for sp in spans if sp.start not in starts or sp.end not in ends)
+    unreachable = sum(1 for k, sp in enumerate(spans) if k in reached and (sp.start not in starts or sp.end not in ends))
     return Alignment(tags, bounds, crossing, unreachable)
 
 

@@ -191,7 +191,8 @@ def _read(args) -> tuple:
 
 def _describe_data(train, dev, labels) -> str:
     if train.task == "token":
-        return (f"token task, {(len(labels) - 1) // 2} entity types ({', '.join(t[2:] for t in labels[1::2])}); {len(train)} "
+        types = ", ".join(t[2:] for t in labels[1::2])
+        return (f"token task, {(len(labels) - 1) // 2} entity types ({types}); {len(train)} "
                 f"training sentences ({train.num_entities} entities), {len(dev)} dev sentences "
                 f"({dev.num_entities} entities)")
     return f"{train.task} task, {len(labels)} labels; {len(train)} training and {len(dev)} dev examples"
