@@ -210,7 +210,7 @@ class LossLog(TrainerCallback):
 
     def _hook(self, module, inputs, output) -> None:
         if module.training and getattr(output, "loss", None) is not None:
-            self.pending.append(output.loss.detach())
+            self.pending.append(output.loss.detach().clone())  # the Trainer may scale the loss in place
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.pending:

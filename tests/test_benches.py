@@ -39,6 +39,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "linear_attention": ("linear_attention", "eval MLM acc"),
     "loader": ("loader", "tar read, webdataset"),
     "packing": ("packing", "trained x eval packing"),
+    "parity": ("parity", "ours no worse than HF's by more than the run-to-run spread"),
     "parallel_memory": ("parallel_memory", "params MiB/rank"),
     "profile_e2e": ("profile_e2e", "Where a step goes"),
     "rope_decay": ("rope_decay", "relative upper bound B(r)"),
@@ -47,10 +48,10 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "checkpoint_stall", "context_extension", "curriculum", "e2e", "linear_attention", "packing", "profile_e2e"}
+SLOW = {"ablation", "checkpoint_stall", "context_extension", "curriculum", "parity", "e2e", "linear_attention", "packing", "profile_e2e"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
-NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate"}
+NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate", "parity": "accelerate"}
 """Packages beyond the core ones (the HF Trainer needs accelerate)."""
 TIMEOUT = 420
 
@@ -167,6 +168,31 @@ def check_curriculum(lines: list[dict], tail: str, stdout: str) -> None:
 
 
 CHECKS["curriculum"] = check_curriculum
+
+
+def check_parity(lines: list[dict], tail: str, stdout: str) -> None:
+    """bench/parity.py: four runs (two seeds per side, the seeds different), finite training and eval losses,
+    every model evaluated on the same masked tokens (our model natively and in its HF form agreeing), and a
+    verdict for both measures."""
+    import math
+
+    (line,) = [x for x in lines if x.get("bench") == "parity"]
+    runs = line["runs"]
+    assert sorted((r["side"], r["seed"]) for r in runs) == [("hf", 0), ("hf", 1), ("ours", 0), ("ours", 1)], tail
+    assert len(set(line["seeds"])) == len(line["seeds"]) == 2, tail
+    for r in runs:
+        assert math.isfinite(r["train_loss_last"]) and math.isfinite(r["eval_loss"]), (r, tail)
+        assert 0 < r["eval_loss"] < 20 and r["wall_s"] > 0, (r, tail)
+    masked = {r["eval_masked_tokens"] for r in runs}
+    assert masked == {line["eval_masked_tokens"]} and line["eval_masked_tokens"] > 0, tail
+    assert len({r["eval_loss"] for r in runs}) > 1, f"four runs, one eval loss: the seeds changed nothing{tail}"
+    assert line["native_check"]["ok"], tail
+    assert isinstance(line["verdict"], bool) and isinstance(line["train"]["verdict"], bool), tail
+    assert abs(line["ratio"] - line["baseline"] / line["ours"]) < 2e-3, tail
+    assert "ours no worse than HF's by more than the run-to-run spread:" in stdout, tail
+
+
+CHECKS["parity"] = check_parity
 
 
 def test_e2e_watch_retries_a_real_abort_once_and_raises_at_the_second(tmp_path, monkeypatch):

@@ -38,6 +38,9 @@ def line_plot(path: Path, panels: list[dict], title: Optional[str] = None, width
             ax.axhline(y, color="gray", linestyle=("--", ":", "-.")[i % 3], linewidth=1, label=label)
         if panel.get("logx"):
             ax.set_xscale("log")
+            xs = sorted({x for xs, _ in panel["series"].values() for x in xs})
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.minorticks_off()
         ax.set_title(panel.get("title", ""), fontsize=10)
         ax.set_xlabel(panel.get("xlabel", ""))
         ax.set_ylabel(panel.get("ylabel", ""))
