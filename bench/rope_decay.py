@@ -76,7 +76,7 @@ def write_png(path: Path, distances: np.ndarray, curves: dict[int, np.ndarray], 
         print("rope_decay: matplotlib is not installed (pip install 'roformer-dist[plot]'): no PNG written",
               file=sys.stderr)
         return False
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=90)
     for d, b in curves.items():
         line, = ax.plot(distances, b, linewidth=0.6, alpha=0.6, label=f"d = {d}")
         ax.plot(distances, smooth(b, window), color=line.get_color(), linewidth=1.8,
