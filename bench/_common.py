@@ -274,6 +274,29 @@ def tiny_shards(out: Path, vocab_size: int = TINY_VOCAB) -> tuple[Path, Path]:
     return train, evals
 
 
+def train_run(config: str, overrides: list[str], label: str, log_path: Path,
+              show: Callable[[str], bool] = lambda line: " eval" in line and "at length" in line) -> float:
+    """One ``roformer-train --config config overrides...`` run (it resumes when its run_dir has checkpoints),
+    its output appended to ``log_path``, the lines ``show`` picks (and any error) echoed under ``[label]``;
+    returns its wall time in seconds, start-up and evals included. A failed run ends the bench, naming the log."""
+    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", config, *overrides]
+    print(f"== training {label}: {' '.join(cmd[1:])}", flush=True)
+    print(f"   log: {log_path}; load average {load_average()}", flush=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "a", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=child_env())
+        for line in proc.stdout:
+            log.write(line)
+            if show(line) or "error" in line.lower():
+                print(f"   [{label}] {line.rstrip()}", flush=True)
+        code = proc.wait()
+    if code != 0:
+        raise SystemExit(f"{Path(sys.argv[0]).stem}: the {label} run failed with status {code}; see {log_path}")
+    return time.monotonic() - t0
+
+
 def require(module: str, why: str) -> None:
     """Exit with a clear message when the package ``module`` is missing (rather than a traceback in a child)."""
     import importlib.util

@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,22 +43,8 @@ ENCODINGS = ("rotary", "absolute")
 
 def train(config: str, run_dir: Path, encoding: str, overrides: list[str], log_path: Path) -> float:
     """One roformer-train run (resumes when run_dir has checkpoints); returns the wall time in seconds."""
-    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", config, *overrides,
-           f"run_dir={run_dir}", f"model.position_embedding={encoding}"]
-    print(f"== training {encoding}: {' '.join(cmd[1:])}", flush=True)
-    print(f"   log: {log_path}", flush=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log_path, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:
-            log.write(line)
-            if " eval" in line and "at length" in line or "ERROR" in line or "error" in line:
-                print(f"   [{encoding}] {line.rstrip()}", flush=True)
-        code = proc.wait()
-    if code != 0:
-        raise SystemExit(f"ablation: the {encoding} run failed with status {code}; see {log_path}")
-    return time.monotonic() - t0
+    return C.train_run(config, [*overrides, f"run_dir={run_dir}", f"model.position_embedding={encoding}"], encoding,
+                       log_path)
 
 
 def eval_curves(run_dir: Path) -> dict[int, tuple[float, int]]:

@@ -82,9 +82,7 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -309,23 +307,8 @@ def complete(run_dir: Path, total: int, target: int) -> bool:
 def train(config: str, label: str, overrides: list[str], log_path: Path) -> float:
     """One roformer-train run (it resumes when its run_dir has checkpoints); returns its seconds, start-up
     and evals included."""
-    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", config, *overrides]
-    print(f"== training {label}: {' '.join(cmd[1:])}", flush=True)
-    print(f"   log: {log_path}; load average {C.load_average()}", flush=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log_path, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=C.child_env())
-        for line in proc.stdout:
-            log.write(line)
-            if ("at length" in line and " eval" in line) or "stage " in line and "seq_len" in line \
-                    or "ERROR" in line or "Error" in line:
-                print(f"   [{label}] {line.rstrip()}", flush=True)
-        code = proc.wait()
-    if code != 0:
-        raise SystemExit(f"curriculum: the {label} run failed with status {code}; see {log_path}")
-    return time.monotonic() - t0
+    return C.train_run(config, overrides, label, log_path, show=lambda line: (
+        "at length" in line and " eval" in line) or ("stage " in line and "seq_len" in line))
 
 
 def write_tb(out: Path, name: str, points: list[dict], target: int) -> None:

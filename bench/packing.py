@@ -43,9 +43,6 @@ import itertools
 import json
 import math
 import shutil
-import subprocess
-import sys
-import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -251,22 +248,7 @@ def final_checkpoint(run_dir: Path, total: int) -> bool:
 
 def train(config: str, run_dir: Path, packing: str, overrides: list[str], log_path: Path) -> float:
     """One roformer-train run (resumes when run_dir has checkpoints); returns the wall time in seconds."""
-    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", config, *overrides,
-           f"run_dir={run_dir}", f"data.packing={packing}"]
-    print(f"== training {packing}: {' '.join(cmd[1:])}\n   log: {log_path}", flush=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log_path, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=C.child_env())
-        for line in proc.stdout:
-            log.write(line)
-            if " eval" in line and "at length" in line or "error" in line.lower():
-                print(f"   [{packing}] {line.rstrip()}", flush=True)
-        code = proc.wait()
-    if code != 0:
-        raise SystemExit(f"packing: the {packing} run failed with status {code}; see {log_path}")
-    return time.monotonic() - t0
+    return C.train_run(config, [*overrides, f"run_dir={run_dir}", f"data.packing={packing}"], packing, log_path)
 
 
 def evaluate(run_dirs: list[Path], lengths: list[int], packing: str, json_path: Path, threads: int) -> list[dict]:

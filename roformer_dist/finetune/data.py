@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 from data_pipeline.corpus import MAX_LINE_BYTES, read_line
 from data_pipeline.errors import DataError
 
-__all__ = ["Example", "Dataset", "read_examples", "label_list", "encode_labels", "numbered_lines", "json_line"]
+__all__ = ["Example", "Dataset", "read_examples", "label_list", "encode_labels", "numbered_lines", "json_line", "jsonl_objects"]
 
 Label = Union[str, int]
 _SINGLE, _PAIR = ("sentence",), ("sentence1", "sentence2")
@@ -105,26 +105,31 @@ def json_line(raw: bytes, where: str) -> Optional[dict]:
     return obj
 
 
-def _read_jsonl(path: Path) -> tuple[str, list[Example]]:
-    task, out = None, []
+def jsonl_objects(path: Path) -> Iterator[tuple[int, str, dict]]:
+    """(line number, "path:line", object) of each non-blank line of a jsonl file."""
     with open(path, "rb") as f:
         for lineno, raw in numbered_lines(f, path):
             where = f"{path}:{lineno}"
             obj = json_line(raw, where)
-            if obj is None:
-                continue
-            t = _task_of(obj, where)
-            if task is None:
-                task = t
-            elif t != task:
-                raise DataError(f"{where}: a {t} example in a file of {task} examples (line "
-                                f"{out[0].line} was {task})")
-            if "label" not in obj:
-                raise DataError(f"{where}: missing field 'label'")
-            a = _text(obj[_PAIR[0] if task == "pair" else "sentence"],
-                      _PAIR[0] if task == "pair" else "sentence", where)
-            b = _text(obj[_PAIR[1]], _PAIR[1], where) if task == "pair" else None
-            out.append(Example(a, b, _label(obj["label"], where), lineno))
+            if obj is not None:
+                yield lineno, where, obj
+
+
+def _read_jsonl(path: Path) -> tuple[str, list[Example]]:
+    task, out = None, []
+    for lineno, where, obj in jsonl_objects(path):
+        t = _task_of(obj, where)
+        if task is None:
+            task = t
+        elif t != task:
+            raise DataError(f"{where}: a {t} example in a file of {task} examples (line "
+                            f"{out[0].line} was {task})")
+        if "label" not in obj:
+            raise DataError(f"{where}: missing field 'label'")
+        a = _text(obj[_PAIR[0] if task == "pair" else "sentence"],
+                  _PAIR[0] if task == "pair" else "sentence", where)
+        b = _text(obj[_PAIR[1]], _PAIR[1], where) if task == "pair" else None
+        out.append(Example(a, b, _label(obj["label"], where), lineno))
     return task or "single", out
 
 

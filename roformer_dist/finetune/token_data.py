@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from data_pipeline.errors import DataError
-from roformer_dist.finetune.data import json_line, numbered_lines
+from roformer_dist.finetune.data import jsonl_objects, numbered_lines
 from roformer_dist.finetune.entities import Span, split_tag, spans_from_tags
 
 __all__ = ["TokenExample", "TokenDataset", "read_token_examples", "entity_types", "join_tokens"]
@@ -127,23 +127,18 @@ def _from_entities(text, entities, where: str) -> tuple[str, list[Span]]:
 
 def _read_jsonl(path: Path) -> list[TokenExample]:
     out = []
-    with open(path, "rb") as f:
-        for lineno, raw in numbered_lines(f, path):
-            where = f"{path}:{lineno}"
-            obj = json_line(raw, where)
-            if obj is None:
-                continue
-            if "tokens" in obj or "tags" in obj:
-                if not {"tokens", "tags"} <= set(obj):
-                    raise DataError(f"{where}: 'tokens' and 'tags' go together; found only "
-                                    f"{'tokens' if 'tokens' in obj else 'tags'}")
-                text, spans = _from_tokens(obj["tokens"], obj["tags"], where)
-            elif "text" in obj:
-                text, spans = _from_entities(obj["text"], obj.get("entities", []), where)
-            else:
-                raise DataError(f"{where}: expected fields 'tokens' and 'tags', or 'text' and 'entities', "
-                                f"found {sorted(obj)}")
-            out.append(TokenExample(text, spans, lineno))
+    for lineno, where, obj in jsonl_objects(path):
+        if "tokens" in obj or "tags" in obj:
+            if not {"tokens", "tags"} <= set(obj):
+                raise DataError(f"{where}: 'tokens' and 'tags' go together; found only "
+                                f"{'tokens' if 'tokens' in obj else 'tags'}")
+            text, spans = _from_tokens(obj["tokens"], obj["tags"], where)
+        elif "text" in obj:
+            text, spans = _from_entities(obj["text"], obj.get("entities", []), where)
+        else:
+            raise DataError(f"{where}: expected fields 'tokens' and 'tags', or 'text' and 'entities', "
+                            f"found {sorted(obj)}")
+        out.append(TokenExample(text, spans, lineno))
     return out
 
 
