@@ -128,3 +128,44 @@ def test_ner_split_draws_from_the_right_lines_and_grows_by_extension(peoples_dai
     assert sum(len(sp) for _, sp in train) > 50  # it has entities
     with pytest.raises(ValueError, match="sentences, 100000 needed"):
         ner_split(train_lines, eval_lines, 100000, 50)
+
+
+def test_ner_downstream_and_the_curves_png(small_shards, peoples_daily, tmp_path):
+    """The demo's NER step (a tiny export, random init, the dictionary; entity F1 of the last epoch, kept with
+    its command line) and runs/demo/curves.png drawn from real TensorBoard events."""
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from roformer_dist.cli.demo import build_parser, ner_downstream, ner_split, write_curves, write_ner_jsonl
+    from roformer_dist.config import ModelConfig
+    from roformer_dist.hf.export import ExportSource, export_hf_repository
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=small_shards.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=64)
+    hf_dir = tmp_path / "hf"
+    export_hf_repository(RoFormerForMaskedLM(cfg), hf_dir, source=ExportSource("test"),
+                         tokenizer=Path(small_shards.tokenizer), check_docs=0, say=lambda *_: None)
+    train, dev = ner_split(small_shards.source, small_shards.eval_source, 60, 30)
+    ner = tmp_path / "ner"
+    ner.mkdir()
+    write_ner_jsonl(ner / "train.jsonl", train)
+    write_ner_jsonl(ner / "dev.jsonl", dev)
+    flags = ["--ner-epochs", "1", "--ner-batch-size", "16", "--ner-max-length", "48"]
+    res = ner_downstream(ner, hf_dir, tmp_path / "ft", build_parser().parse_args(flags))
+    assert (res["train_examples"], res["dev_examples"]) == (60, 30)
+    for name in ("pretrained", "random_init", "dictionary"):
+        full = json.loads((tmp_path / "ft" / name / "results.json").read_text())
+        assert res[name]["f1"] == round(full["last_dev_f1"], 4) and full["task"] == "token"
+    assert res["dictionary"]["precision"] > 0  # training entities recur in the held-out lines
+
+    run_dir = tmp_path / "run"
+    with SummaryWriter(str(run_dir / "tb")) as tb:
+        for step, loss in ((100, 7.0), (200, 6.5)):
+            tb.add_scalar("eval/loss_128", loss, step)
+            tb.add_scalar("eval/unigram_loss_128", 7.2, step)
+    png = tmp_path / "curves.png"
+    assert write_curves(run_dir, png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not write_curves(tmp_path / "empty", tmp_path / "none.png")

@@ -355,7 +355,10 @@ def ner_downstream(ner_dir: Path, hf_dir: Path, out_root: Path, args) -> dict:
 
 
 def write_curves(run_dir: Path, out: Path) -> bool:
-    """``out`` (PNG): the eval loss at each length over the steps, beside the unigram baseline at that length."""
+    """``out`` (PNG): the eval loss at each length over the steps, beside the unigram baseline at that length;
+    False (nothing written) without eval scalars or without matplotlib."""
+    if not (run_dir / "tb").is_dir():
+        return False
     scalars = read_scalars(run_dir / "tb")
     lengths = sorted(int(t.rpartition("_")[2]) for t in scalars if t.startswith("eval/loss_"))
     if not lengths:
