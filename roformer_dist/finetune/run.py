@@ -239,7 +239,7 @@ def _encode(args, clf, train, dev, labels, say) -> tuple:
     if args.task == "token":
         enc_train, al_train = encode_token_examples(clf.tokenizer, train.examples, labels, args.max_length)
         enc_dev, al_dev = encode_token_examples(clf.tokenizer, dev.examples, labels, args.max_length)
-        task = TokenTask(enc_dev, al_dev, [e.spans for e in dev.examples], labels)
+        task = TokenTask(al_dev, [e.spans for e in dev.examples], labels)
         extra = {}
         for name, ds, al in (("train", train, al_train), ("dev", dev, al_dev)):
             extra[name] = {k: sum(getattr(a, k) for a in al) for k in

@@ -119,8 +119,9 @@ class TokenTask:
 
     selects = ("dev_f1", "dev_precision")
 
-    def __init__(self, dev: Encoded, alignments: list[TokenAlignment], gold: list, tags: Sequence[str]):
-        self.dev, self.alignments, self.gold, self.tags = dev, alignments, gold, list(tags)
+    def __init__(self, alignments: list[TokenAlignment], gold: list, tags: Sequence[str]):
+        """``alignments``: the dev examples' (encode_token_examples); ``gold``: their entity spans."""
+        self.alignments, self.gold, self.tags = alignments, gold, list(tags)
 
     @staticmethod
     def targets(data: Encoded, idx: np.ndarray, width: int) -> torch.Tensor:
