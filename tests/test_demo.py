@@ -42,13 +42,11 @@ def test_sentiment_split_is_deduplicated_disjoint_balanced_and_seeded(reviews):
         sentiment_split(pos[:100], neg, num_dev=400, num_train=600)
 
 
-def test_downstream_reuses_a_result_only_for_the_same_command_line(small_shards, reviews, tmp_path):
-    """Three real fine-tunings (a tiny export, random init, naive Bayes) scored after their last epoch; a
-    rerun with the same settings reads the kept records, a changed setting redoes the models."""
+def tiny_export(small_shards, out: Path) -> Path:
+    """An HF export of a tiny RoFormer at random initialisation with the small shards' tokenizer."""
     import torch
 
     from roformer_dist.config import ModelConfig
-    from roformer_dist.cli.demo import build_parser, downstream, read_reviews, sentiment_split, write_jsonl
     from roformer_dist.hf.export import ExportSource, export_hf_repository
     from roformer_dist.nn.model import RoFormerForMaskedLM
 
@@ -56,9 +54,17 @@ def test_downstream_reuses_a_result_only_for_the_same_command_line(small_shards,
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=small_shards.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                       intermediate_size=64, max_position_embeddings=64)
-    hf_dir = tmp_path / "hf"
-    export_hf_repository(RoFormerForMaskedLM(cfg), hf_dir, source=ExportSource("test"),
+    export_hf_repository(RoFormerForMaskedLM(cfg), out, source=ExportSource("test"),
                          tokenizer=Path(small_shards.tokenizer), check_docs=0, say=lambda *_: None)
+    return out
+
+
+def test_downstream_reuses_a_result_only_for_the_same_command_line(small_shards, reviews, tmp_path):
+    """Three real fine-tunings (a tiny export, random init, naive Bayes) scored after their last epoch; a
+    rerun with the same settings reads the kept records, a changed setting redoes the models."""
+    from roformer_dist.cli.demo import build_parser, downstream, read_reviews, sentiment_split, write_jsonl
+
+    hf_dir = tiny_export(small_shards, tmp_path / "hf")
     train, dev, _ = sentiment_split(read_reviews(reviews[0])[:200], read_reviews(reviews[1])[:200], 24, 40)
     paths = {"sentiment": tmp_path / "sentiment"}
     paths["sentiment"].mkdir()
@@ -133,21 +139,11 @@ def test_ner_split_draws_from_the_right_lines_and_grows_by_extension(peoples_dai
 def test_ner_downstream_and_the_curves_png(small_shards, peoples_daily, tmp_path):
     """The demo's NER step (a tiny export, random init, the dictionary; entity F1 of the last epoch, kept with
     its command line) and runs/demo/curves.png drawn from real TensorBoard events."""
-    import torch
     from torch.utils.tensorboard import SummaryWriter
 
     from roformer_dist.cli.demo import build_parser, ner_downstream, ner_split, write_curves, write_ner_jsonl
-    from roformer_dist.config import ModelConfig
-    from roformer_dist.hf.export import ExportSource, export_hf_repository
-    from roformer_dist.nn.model import RoFormerForMaskedLM
 
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=small_shards.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=64)
-    hf_dir = tmp_path / "hf"
-    export_hf_repository(RoFormerForMaskedLM(cfg), hf_dir, source=ExportSource("test"),
-                         tokenizer=Path(small_shards.tokenizer), check_docs=0, say=lambda *_: None)
+    hf_dir = tiny_export(small_shards, tmp_path / "hf")
     train, dev = ner_split(small_shards.source, small_shards.eval_source, 60, 30)
     ner = tmp_path / "ner"
     ner.mkdir()
