@@ -324,7 +324,8 @@ def _finetune_variants(variants: dict, common: list[str], out_root: Path, scores
     return results
 
 
-def _threads() -> list[str]:
+def _run_flags() -> list[str]:
+    """The flags every fine-tuning of the demo shares: seed 0, no progress bar, one thread per core."""
     return ["--seed", "0", "--no-progress", "--threads", str(os.cpu_count() or 1)]
 
 
@@ -334,7 +335,7 @@ def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
     common = ["--train", str(paths["sentiment"] / "train.jsonl"), "--dev", str(paths["sentiment"] / "dev.jsonl"),
               "--epochs", str(args.finetune_epochs), "--lr", str(args.finetune_lr),
               "--batch-size", str(args.finetune_batch_size), "--max-length", str(args.finetune_max_length),
-              "--pooling", args.finetune_pooling, *_threads()]
+              "--pooling", args.finetune_pooling, *_run_flags()]
     variants = {"pretrained": ["--model", str(hf_dir)],
                 "random_init": ["--model", str(hf_dir), "--from-scratch"],
                 "ngram_baseline": ["--baseline", "ngram"]}
@@ -346,7 +347,7 @@ def ner_downstream(ner_dir: Path, hf_dir: Path, out_root: Path, args) -> dict:
     """NER: the export, random initialisation and the dictionary baseline; entity F1 of the last epoch."""
     common = ["--task", "token", "--train", str(ner_dir / "train.jsonl"), "--dev", str(ner_dir / "dev.jsonl"),
               "--epochs", str(args.ner_epochs), "--lr", str(args.ner_lr), "--batch-size", str(args.ner_batch_size),
-              "--max-length", str(args.ner_max_length), *_threads()]
+              "--max-length", str(args.ner_max_length), *_run_flags()]
     variants = {"pretrained": ["--model", str(hf_dir)],
                 "random_init": ["--model", str(hf_dir), "--from-scratch"],
                 "dictionary": ["--baseline", "dict"]}
