@@ -25,14 +25,13 @@ bench/finetune_reviews.py's random-initialisation export: its scores mean nothin
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
-from finetune_reviews import label_curve, report, tiny_export  # noqa: E402
+from finetune_reviews import common_flags, label_curve, report, settings, tiny_export  # noqa: E402
 
 from roformer_dist.cli.demo import ner_split, write_ner_jsonl  # noqa: E402
 
@@ -83,16 +82,12 @@ def main(argv=None) -> int:
     for name in ("train.jsonl", "dev.jsonl"):
         if not (data / name).is_file():
             raise SystemExit(f"{data / name}: not found")
-    common = ["--task", "token", "--dev", str(data / "dev.jsonl"), "--epochs", str(args.epochs), "--lr", str(args.lr),
-              "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-              "--threads", str(args.threads), "--no-progress"]
+    common = ["--task", "token", *common_flags(args, data)]
     methods = {name: (extra if name == "dictionary" else ["--model", args.model, *extra])
                for name, extra in METHODS.items()}
     curve, seconds = label_curve(methods, sizes, seeds, data / "train.jsonl", out, common, "last_dev_f1",
                                  deterministic={"dictionary"})
-    print(f"{args.model}; dev {data / 'dev.jsonl'}; {args.epochs} epochs, lr {args.lr:g}, batch {args.batch_size}, "
-          f"max length {args.max_length}, {args.threads} threads, seeds {args.seeds} (median, min-max); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(settings(args, data))
     report("finetune_ner", curve, seconds, "F1", "held-out entity F1", out / "finetune_ner.png",
            "People's Daily NER: held-out entity F1 against labelled sentences")
     return 0

@@ -105,19 +105,30 @@ def main(argv=None) -> int:
         if not (data / name).is_file():
             raise SystemExit(f"{data / name}: not found (run `make demo` first, or pass --data)")
     sizes, seeds = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.seeds.split(",")]
-    common = ["--dev", str(data / "dev.jsonl"), "--epochs", str(args.epochs), "--lr", str(args.lr),
-              "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-              "--threads", str(args.threads), "--no-progress"]
+    common = common_flags(args, data)
     methods = {name: (extra if name == "naive Bayes" else ["--model", args.model, "--pooling", args.pooling, *extra])
                for name, extra in METHODS.items()}
     curve, seconds = label_curve(methods, sizes, seeds, data / "train.jsonl", out, common, "last_dev_accuracy",
                                  deterministic={"naive Bayes"})
-    print(f"{args.model}; dev {data / 'dev.jsonl'}; {args.epochs} epochs, lr {args.lr:g}, batch {args.batch_size}, "
-          f"max length {args.max_length}, {args.pooling} pooling, {args.threads} threads, seeds {args.seeds} "
-          f"(median, min-max); load average {os.getloadavg()[0]:.1f}")
+    print(settings(args, data, f"{args.pooling} pooling"))
     report("finetune_reviews", curve, seconds, "accuracy", "held-out accuracy", out / "finetune_reviews.png",
            "review sentiment: held-out accuracy against labelled examples")
     return 0
+
+
+def common_flags(args, data: Path) -> list[str]:
+    """The roformer-finetune flags every run of a label curve shares (dev set, budget, threads)."""
+    return ["--dev", str(data / "dev.jsonl"), "--epochs", str(args.epochs), "--lr", str(args.lr),
+            "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+            "--threads", str(args.threads), "--no-progress"]
+
+
+def settings(args, data: Path, *extra: str) -> str:
+    """The line printed above a label curve's table: model, dev set, budget, seeds, load."""
+    return "; ".join([f"{args.model}", f"dev {data / 'dev.jsonl'}", ", ".join([
+        f"{args.epochs} epochs", f"lr {args.lr:g}", f"batch {args.batch_size}", f"max length {args.max_length}",
+        *extra, f"{args.threads} threads", f"seeds {args.seeds} (median, min-max)"]),
+        f"load average {os.getloadavg()[0]:.1f}"])
 
 
 def label_curve(methods: dict[str, list[str]], sizes: list[int], seeds: list[int], train_src: Path, out: Path,
