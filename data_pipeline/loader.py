@@ -52,6 +52,8 @@ import copy
 import hashlib
 import logging
 import math
+import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Optional
@@ -434,11 +436,26 @@ def _worker_ignores_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - Data
     """DataLoader workers ignore stop signals: the training process decides when to stop.
 
     SIGTERM / SIGINT sent to the whole process group (``timeout``, Ctrl-C, SLURM, Kubernetes) would
-    otherwise kill the workers and crash the main process before it can save."""
+    otherwise kill the workers and crash the main process before it can save. A worker whose training
+    process died (killed) while it handed a batch over says nothing of the broken connection: it is
+    about to end too, and the launcher reports the death (:func:`_quiet_when_orphaned`)."""
     import signal
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(s, signal.SIG_IGN)
+    sys.excepthook = _quiet_when_orphaned(os.getppid(), sys.excepthook)
+
+
+def _quiet_when_orphaned(parent: int, hook):
+    """``sys.excepthook`` of a worker: a connection error once ``parent`` is gone is not reported
+    (multiprocessing's resource sharer thread reports through ``sys.excepthook``), anything else is."""
+
+    def excepthook(kind, value, tb):
+        if issubclass(kind, (ConnectionError, EOFError)) and os.getppid() != parent:
+            return
+        hook(kind, value, tb)
+
+    return excepthook
 
 
 _LIVE: "weakref.WeakSet[ShardLoader]" = weakref.WeakSet()

@@ -153,12 +153,13 @@ def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_
     return status, [e for e in events if e[0] in ("step", "save", "eval", "stage")], t
 
 
-def test_loop_order_is_step_record_save_eval():
+def test_loop_order_is_step_record_eval_save():
     status, events, t = loop("trainer.save_every=4", "trainer.eval_every=0")
     assert status == EXIT_DONE and t.state.step == 18
     assert events[:9] == [("stage", 128), ("step", 1), ("step", 2), ("step", 3), ("step", 4), ("save", 4),
-                          ("step", 5), ("step", 6), ("save", 6)]
-    assert events[9] == ("eval", 6) and events[10] == ("stage", 256)  # the save comes before the eval
+                          ("step", 5), ("step", 6), ("eval", 6)]
+    # the eval comes before the save: a checkpoint of step 6 exists only once step 6's eval is recorded
+    assert events[9] == ("save", 6) and events[10] == ("stage", 256)
     assert [e for e in events if e[0] == "save"] == [("save", s) for s in (4, 6, 8, 12, 16, 18)]
     assert [e for e in events if e[0] == "eval"] == [("eval", s) for s in (6, 12, 18)]
     assert t.state.tokens_seen == 1800 and t.state.samples_seen == 144
@@ -182,11 +183,13 @@ def test_loop_nonfinite_losses_stop_with_a_save():
     assert t.state.nonfinite_total == 2 and t.last_good == 2
 
 
-def test_loop_failing_eval_comes_after_its_save():
+def test_loop_failing_eval_saves_its_step_first():
     status, events, _ = loop("trainer.save_every=0", eval_fails_at=6)
     assert isinstance(status, DataError)
-    assert "eval at step 6" in str(status) and "shard-000001.tar" in str(status)
-    assert events[-2:] == [("save", 6), ("eval", 6)]
+    assert "eval at step 6 (the checkpoint of this step is saved)" in str(status) and "shard-000001.tar" in str(status)
+    assert events[-2:] == [("eval", 6), ("save", 6)]
+    status, events, _ = loop("trainer.save_every=0", "trainer.eval_every=4", eval_fails_at=4)  # no save due at 4
+    assert isinstance(status, DataError) and "is saved" not in str(status) and events[-1] == ("eval", 4)
 
 
 def test_loop_injected_nan_comes_through_the_fault_hook():

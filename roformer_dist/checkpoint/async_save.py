@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from roformer_dist.checkpoint import store
@@ -61,18 +61,22 @@ class AsyncSaver:
         self._step: Optional[int] = None
 
     # ------------------------------------------------------------------ the step loop's side
-    def save(self, runner: SnapshotsCheckpoint, step: int, payload: TrainerState) -> None:
-        """Wait for the previous save, snapshot ``step`` and hand it to the background writer."""
+    def save(self, runner: SnapshotsCheckpoint, step: int, payload: TrainerState,
+             before_commit: Callable[[], None] = lambda: None) -> None:
+        """Wait for the previous save, snapshot ``step`` and hand it to the background writer.
+        ``before_commit`` runs here, after the snapshot and before the writer starts (so before any commit)."""
         self.wait()
         tag = store.tag_for(step)
         ckpt_dir = self.ckpt_root / tag
         try:
             store.begin_save(self.ckpt_root, tag, self.rank, self.comm)
+            self.faults.point("save.begin")
             files = runner.snapshot_checkpoint(str(self.ckpt_root), tag)
             self.faults.in_save(step, self.rank, self.world_size)
             files.append((store.state_file(ckpt_dir, self.rank), store.torch_bytes(payload.to_dict())))
         except (OSError, RuntimeError) as e:
             raise store.save_failure(e, self.ckpt_root, tag, self.rank) from None
+        before_commit()
         self._step, self._error = step, None
         self._thread = threading.Thread(target=self._write, args=(step, files), name=f"checkpoint-writer-{tag}",
                                         daemon=True)
@@ -107,13 +111,15 @@ class AsyncSaver:
         try:
             self.faults.in_background_write(step)
             for path, data in files:
+                self.faults.point("save.before_file")
                 atomic_write_bytes(path, data)
+                self.faults.point("save.after_file")
             for d in sorted({p.parent for p, _ in files}):
                 fsync_dir(d)
             atomic_write_text(ckpt_dir / f"{WRITTEN}{self.rank}", f"{time.time()}\n")
             if self.rank == 0:
                 self._wait_for_ranks(ckpt_dir)
-                store.commit(self.ckpt_root, step, self.world_size, self.keep_last)
+                store.commit(self.ckpt_root, step, self.world_size, self.keep_last, self.faults)
                 for r in range(self.world_size):
                     (ckpt_dir / f"{WRITTEN}{r}").unlink(missing_ok=True)
                 log.info("saved checkpoint %s in the background in %.1f s", ckpt_dir, time.monotonic() - t0)

@@ -34,7 +34,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -367,7 +367,7 @@ def begin_save(ckpt_root: Path, tag: str, rank: int, comm: Comm) -> None:
     comm.barrier()
 
 
-def commit(ckpt_root: Path, step: int, world_size: int, keep_last: int) -> Path:
+def commit(ckpt_root: Path, step: int, world_size: int, keep_last: int, faults: Faults = NO_FAULTS) -> Path:
     """Rank 0, once every rank's files of ``step`` are durable: COMPLETE (listing each file and its size),
     then ``latest``, then :func:`prune`."""
     ckpt_dir = ckpt_root / tag_for(step)
@@ -377,8 +377,11 @@ def commit(ckpt_root: Path, step: int, world_size: int, keep_last: int) -> Path:
     files = {p.name: p.stat().st_size for p in sorted(ckpt_dir.iterdir())
              if p.is_file() and p.name not in _MARKERS and not p.name.startswith(".")}
     meta = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
+    faults.point("save.before_complete")
     atomic_write_text(ckpt_dir / COMPLETE, json.dumps(meta, indent=1) + "\n")
+    faults.point("save.before_latest")
     atomic_write_text(ckpt_root / LATEST, ckpt_dir.name + "\n")
+    faults.point("save.after_latest")
     prune(ckpt_root, keep_last)
     return ckpt_dir
 
@@ -396,8 +399,11 @@ def save_failure(e: BaseException, ckpt_root: Path, tag: str, rank: int) -> Stor
 
 
 def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerState, rank: int, world_size: int, keep_last: int,
-         comm: Comm = LocalComm(), faults: Faults = NO_FAULTS) -> Path:
+         comm: Comm = LocalComm(), faults: Faults = NO_FAULTS, before_commit: Callable[[], None] = lambda: None) -> Path:
     """Every rank calls this. Returns the checkpoint directory once it is COMPLETE and ``latest``.
+
+    ``before_commit`` runs on every rank once every rank's files are written, before rank 0 commits
+    (the trainer makes its records of this step durable there).
 
     ``runner.save_checkpoint(root, tag)`` writes the DeepSpeed files. An OS error on this rank is
     raised as StorageError after the half-written directory is removed (rank 0), so ``latest`` keeps
@@ -409,12 +415,18 @@ def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerSt
     t0 = time.monotonic()
     try:
         begin_save(ckpt_root, tag, rank, comm)
+        faults.point("save.begin")
+        faults.point("save.before_file")
         runner.save_checkpoint(str(ckpt_root), tag)
+        faults.point("save.after_file")
         faults.in_save(step, rank, world_size)
+        faults.point("save.before_file")
         atomic_torch_save(payload.to_dict(), state_file(ckpt_dir, rank))
+        faults.point("save.after_file")
         comm.barrier()
+        before_commit()
         if rank == 0:
-            commit(ckpt_root, step, world_size, keep_last)
+            commit(ckpt_root, step, world_size, keep_last, faults)
             log.info("saved checkpoint %s in %.1f s", ckpt_dir, time.monotonic() - t0)
         comm.barrier()
     except (OSError, RuntimeError) as e:

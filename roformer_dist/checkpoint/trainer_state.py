@@ -85,13 +85,17 @@ class TrainerState:
     """sha256 of the shard set's tokenizer model."""
     stage_index: int
     """Curriculum stage of the step saved."""
+    source_tokens_logged: dict = field(default_factory=dict)
+    """Each mixture source's tokens at the last log step (the start of the next ``data/<name>/share``
+    window); optional: after a resume from a payload without it, the first window starts at step 0."""
     format: int = field(default=FORMAT_VERSION)
     """Payload format version."""
 
     def to_dict(self) -> dict:
         return {"format": FORMAT_VERSION, "trainer": self.trainer.state_dict(), "loader": self.loader,
                 "rng": self.rng, "world_size": self.world_size, "rank": self.rank, "config": self.config,
-                "tokenizer_sha256": self.tokenizer_sha256, "stage_index": self.stage_index}
+                "tokenizer_sha256": self.tokenizer_sha256, "stage_index": self.stage_index,
+                "source_tokens_logged": dict(self.source_tokens_logged)}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "trainer state") -> "TrainerState":
@@ -110,6 +114,11 @@ class TrainerState:
             if not isinstance(data[key], tp):
                 raise CheckpointError(f"{where}: field {key!r}: expected {tp.__name__}, got "
                                       f"{type(data[key]).__name__}")
+        logged = data.get("source_tokens_logged", {})
+        if not isinstance(logged, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                                   for k, v in logged.items()):
+            raise CheckpointError(f"{where}: field 'source_tokens_logged': expected a mapping of source names to "
+                                  "token counts")
         counters = TrainCounters()
         try:
             counters.load_state_dict(data["trainer"])
@@ -117,7 +126,8 @@ class TrainerState:
             raise CheckpointError(f"{where}: field 'trainer': {e!r} (expected {counters.state_dict()} keys)") from None
         return cls(trainer=counters, loader=data["loader"], rng=data["rng"], world_size=data["world_size"],
                    rank=data["rank"], config=data["config"], tokenizer_sha256=str(data.get("tokenizer_sha256") or ""),
-                   stage_index=data["stage_index"], format=version)
+                   stage_index=data["stage_index"], source_tokens_logged={k: float(v) for k, v in logged.items()},
+                   format=version)
 
     @property
     def step(self) -> int:

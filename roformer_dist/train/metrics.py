@@ -119,8 +119,9 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops events of steps >= resume_step + 1 left by the interrupted run.
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+            # purge_step drops the events of steps >= resume_step + 1 an interrupted launch left (all of them when
+            # this one starts from scratch: a launch killed before its first checkpoint left events of no use)
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else 0)
 
     def _truncate_jsonl(self, resume_step: int) -> None:
         if not self.jsonl_path.exists():
@@ -161,6 +162,11 @@ class MetricsWriter:
         for tag, value in values.items():
             if value is not None and self.tb is not None:
                 self._tb_call(self.tb.add_scalar, tag, value, step)
+
+    def flush(self) -> None:
+        """Every event so far on disk (the trainer calls it before a checkpoint can commit)."""
+        if self.tb is not None:
+            self._tb_call(self.tb.flush)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.tb is not None:

