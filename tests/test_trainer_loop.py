@@ -263,6 +263,8 @@ def test_trainer_state_without_its_format_is_refused_naming_it():
     ({"trainer": {"step": 1}}, "field 'trainer'"),
     ({"world_size": "two"}, "field 'world_size': expected int"),
     ({"loader": None}, "field 'loader'"),
+    ({"source_tokens_logged": [1]}, "field 'source_tokens_logged'"),
+    ({"source_tokens_logged": {"news": "many"}}, "field 'source_tokens_logged'"),
 ])
 def test_trainer_state_damage_is_a_checkpoint_error(change, message):
     with pytest.raises(CheckpointError, match=message):

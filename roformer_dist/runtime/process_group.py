@@ -36,6 +36,15 @@ class DistEnv:
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""How gloo's collectives fail when another rank of the group has died."""
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because another rank died (that death is the news, not this)."""
+    return isinstance(e, RuntimeError) and any(text in str(e) for text in _PEER_GONE)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for a local MASTER_PORT)."""
     with socket.socket() as s:

@@ -22,11 +22,14 @@ from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.compat import check_compatible
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_BUG, EXIT_REQUEUE, exit_status
-from roformer_dist.runtime.process_group import free_port
+from roformer_dist.runtime.process_group import free_port, peer_lost
 from roformer_dist.runtime.stop import StopFlag, blocked_stop_signals, die_with_parent, exit_now, kill_tree
 from roformer_dist.train.entry import run_rank
 
 __all__ = ["spawn_local", "check_resume"]
+
+PEER_LOSS_GRACE_S = 10.0
+"""How long a rank whose collective failed because another rank died waits for the launcher to end it."""
 
 
 def _rank_main(rank: int, world_size: int, port: int, cfg: Config, status, launcher_pid: int, errors_dir: str) -> None:
@@ -39,6 +42,9 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: Config, status, launc
         code = status[rank] = run_rank(cfg, stop=stop, hold_lock=False)
     except Exception as e:
         code = exit_status(e)
+        if code is None and peer_lost(e):
+            # another rank died: the launcher reports that and ends this rank; the traceback only if it does not
+            time.sleep(PEER_LOSS_GRACE_S)
         if code is None:
             raise  # a bug: multiprocessing prints the traceback, the rank exits 1
         # the launcher prints each distinct message once (every rank may raise the same one)

@@ -1,0 +1,118 @@
+"""Fault points (``ROFORMER_FAULT_AT``) and the findings of the fault campaign (``bench/chaos.py``), each
+at a fixed point:
+
+- a launch killed right after ``latest`` was renamed, one killed before its first checkpoint and one
+  stopped at a step that is not a log step, then relaunched: TensorBoard shows every step once with the
+  values of the uninterrupted run (events are flushed before a checkpoint commits, the eval of a step
+  comes before its save, a fresh start purges the events a killed launch left, the mixture's share
+  window is saved with the checkpoint);
+- a DataLoader worker whose training process was killed says nothing of the broken connection.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from roformer_dist.runtime.events import read_scalars
+from roformer_dist.runtime.faults import Faults, PointFault
+from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
+from trainer_runs import cli_overrides, records, run_cli, wait_for_group_gone
+
+
+def test_fault_specs_parse_and_bad_ones_name_what_is_expected():
+    f = Faults.from_environ({"ROFORMER_FAULT_AT": "save.before_latest@2:kill-group@0, eval@1:term-group",
+                             "RANK": "1"})
+    assert f.at_points == (PointFault("save.before_latest", 2, "kill-group", 0), PointFault("eval", 1, "term-group"))
+    assert f.rank == 1 and str(f.at_points[0]) == "save.before_latest@2:kill-group@0"
+    for bad in ("save.nowhere@1:kill", "eval@0:kill", "eval@1:explode", "eval:kill"):
+        with pytest.raises(ValueError, match="ROFORMER_FAULT_AT: .* is not POINT@N:ACTION"):
+            Faults.from_environ({"ROFORMER_FAULT_AT": bad})
+
+
+def test_a_point_fault_fires_on_its_nth_pass_on_its_rank_only():
+    code = ("from roformer_dist.runtime.faults import Faults\n"
+            "f = Faults.from_environ()\n"
+            "for i in range(5):\n"
+            "    f.point('eval'); print('passed', i + 1, flush=True)\n")
+    env = {**os.environ, "ROFORMER_FAULT_AT": "eval@3:exit@1"}
+    other = subprocess.run([sys.executable, "-c", code], env={**env, "RANK": "0"}, capture_output=True, text=True)
+    assert other.returncode == 0 and "passed 5" in other.stdout and "fault injected" not in other.stderr
+    hit = subprocess.run([sys.executable, "-c", code], env={**env, "RANK": "1"}, capture_output=True, text=True)
+    assert hit.returncode == 1 and hit.stdout.split() == ["passed", "1", "passed", "2"]
+    assert "fault injected: eval@3:exit@1 (rank 1" in hit.stderr
+
+
+def test_an_orphaned_loader_worker_does_not_report_the_broken_connection():
+    from data_pipeline.loader import _quiet_when_orphaned
+
+    seen = []
+    hook = _quiet_when_orphaned(os.getppid(), lambda *a: seen.append(a[0]))
+    hook(ConnectionResetError, ConnectionResetError(104, "reset"), None)  # the parent lives: reported
+    assert seen == [ConnectionResetError]
+    orphaned = _quiet_when_orphaned(-1, lambda *a: seen.append(a[0]))  # -1: never our parent, as after its death
+    orphaned(ConnectionResetError, ConnectionResetError(104, "reset"), None)
+    orphaned(BrokenPipeError, BrokenPipeError(32, "pipe"), None)
+    orphaned(ValueError, ValueError("a bug"), None)  # anything else still is
+    assert seen == [ConnectionResetError, ValueError]
+
+
+def _mixture(shards, run):
+    """The debug run on a two-source mixture (the training and held-out sets share their tokenizer)."""
+    sources = (f"data.sources=[{{name: news, shards: '{shards.dir}', weight: 0.7}}, "
+               f"{{name: held, shards: '{shards.eval_dir}', weight: 0.3}}]")
+    return [o for o in cli_overrides(shards, run, "trainer.save_every=4", "trainer.eval_every=4",
+                                     "trainer.log_every=2", "checkpoint.async=true") if not o.startswith("data.shards")] \
+        + ["data.shards=", sources]
+
+
+def _launch(over, env=None):
+    proc = run_cli(over, env)
+    out, _ = proc.communicate(timeout=300)
+    assert wait_for_group_gone(proc.pid) == []
+    assert "Traceback" not in out, out[-3000:]
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_killed_and_stopped_launches_leave_the_events_of_an_uninterrupted_run(small_shards, tmp_path):
+    ref, run = tmp_path / "reference", tmp_path / "run"
+    assert _launch(_mixture(small_shards, ref))[0] == EXIT_DONE
+    over = _mixture(small_shards, run)
+    # 1. killed before its first checkpoint counts (steps 1-4 recorded): the next launch starts from scratch
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "save.before_complete@1:kill-group@0"})
+    assert rc == -9 and "fault injected" in out and not (run / "checkpoints" / "latest").exists()
+    # 2. killed right after `latest` names step 8 (saves: 4, 6 (a stage end), 8): the events of steps 5-8 and the eval of step 8 must be on disk
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "save.after_latest@3:kill-group@0"})
+    assert rc == -9 and (run / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    # 3. SIGTERM after step 10 (seen at the next step), the stop at 11, not a log step: the stop's save at 11 must carry the share window begun at 10
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "step.end@2:term-group@0"})
+    assert rc == EXIT_REQUEUE and "saved step 11" in out
+    assert _launch(over)[0] == EXIT_DONE
+
+    assert [r["loss"] for r in records(run)] == [r["loss"] for r in records(ref)]
+    got, want = read_scalars(run / "tb"), read_scalars(ref / "tb")
+    assert "data/news/share" in want and "eval/loss" in want
+    for tag, events in want.items():
+        steps = [s for s, _ in got.get(tag, [])]
+        if tag.startswith("perf/"):  # measurements: the stop's save at step 11 is one of this run's own
+            assert steps == sorted(set(steps)) and {s for s, _ in events} <= set(steps), tag
+        else:
+            assert got.get(tag) == events, f"{tag}: {got.get(tag)} vs {events}"
+
+
+def test_a_rank_that_loses_its_peer_leaves_the_report_to_the_launcher(small_shards, tmp_path):
+    """Rank 1 dies mid-run: rank 0's next collective fails ("Connection closed by peer"); the user reads
+    which rank died and how, not rank 0's traceback of the failed collective."""
+    from roformer_dist.runtime.process_group import peer_lost
+
+    assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45988"))
+    assert not peer_lost(RuntimeError("shape mismatch")) and not peer_lost(ValueError("Connection closed by peer"))
+    over = cli_overrides(small_shards, tmp_path / "run", "trainer.save_every=2")
+    # rank 1 dies as its first save begins, while rank 0 enters the save's first barrier
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "loader.state@1:kill@1"})
+    assert rc == 1 and "fault injected: loader.state@1:kill@1" in out
+    assert "rank 1 was killed by SIGKILL; the other ranks were stopped" in out
