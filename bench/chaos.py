@@ -196,6 +196,8 @@ class Launch:
     wall_s: float
     resumed_from: int
     problems: list[str]
+    started: float
+    """time.time() at the launch."""
 
 
 class LatestWatch(threading.Thread):
@@ -222,7 +224,7 @@ def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Option
     env = child_env(ROFORMER_STEP_DELAY_S=STEP_DELAY_S, **(fault.env if fault else {}))
     watch = LatestWatch(run_dir)
     watch.start()
-    t0 = time.monotonic()
+    started, t0 = time.time(), time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(4096), b"")), daemon=True)
@@ -258,7 +260,7 @@ def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Option
     if "Traceback" in out:
         problems.append("a traceback in the output:\n" + out[out.index("Traceback"):][:1500])
     m = re.search(r"resuming from \S+ \(step (\d+)", out)
-    return Launch(rc, out, wall, int(m.group(1)) if m else 0, problems)
+    return Launch(rc, out, wall, int(m.group(1)) if m else 0, problems, started)
 
 
 def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -> None:
@@ -320,6 +322,14 @@ class Schedule:
             return Fault(f"point:{point}", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
         return Fault(kind, f"#{index} {kind}")
 
+    def observe(self, result: "Launch", run_dir: Path) -> None:
+        """Follow the machine's pace: start-up and step times of the launch that just ended (the wall-time
+        faults are drawn over the time a launch is expected to take)."""
+        times = [r["time"] for r in metrics(run_dir) if r["step"] > result.resumed_from and r["time"] >= result.started]
+        if len(times) >= 3:
+            self.startup_s = 0.5 * self.startup_s + 0.5 * (times[0] - result.started)
+            self.step_s = 0.5 * self.step_s + 0.5 * (times[-1] - times[0]) / (len(times) - 1)
+
     def recovery(self, run_dir: Path, index: int) -> Fault:
         """A second fault while the next launch recovers: early in its start-up, or right after its load."""
         rng = self.rng
@@ -353,8 +363,8 @@ def stale_lock(run_dir: Path) -> str:
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    record = {"host": socket.gethostname(), "pid": dead.pid, "start_time": 1, "uid": os.getuid(),
-              "command": "roformer-train (killed)", "slurm_job_id": None, "slurm_restart_count": None}
+    record = {"host": socket.gethostname(), "pid": dead.pid, "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": "roformer-train (killed)", "slurm_job_id": "", "slurm_attempt": 0, "uid": os.getuid()}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "run.lock.json").write_text(json.dumps(record))
     return f"stale lock record of dead pid {dead.pid}"
@@ -504,6 +514,7 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             disk.restore()
         launches += 1
         tally.launches += 1
+        schedule.observe(result, run)
         tally.exits[result.rc] += 1
         if reached_before is not None:
             tally.redone[max(0, reached_before - result.resumed_from)] += 1
@@ -557,7 +568,7 @@ def expectations(fault: Fault, result: Launch) -> list[str]:
     return bad
 
 
-def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path) -> None:
+def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path, slurm_rows: list[dict]) -> None:
     total = sum(tally.faults.values())
     print(f"\nFault campaign: seed {args.seed}, layouts {', '.join(args.layouts)}, {total} faults, "
           f"{tally.launches} launches, {wall_s / 60:.1f} min (load average {load_average()})")
@@ -569,6 +580,10 @@ def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path) -> None:
     print("steps re-done after a launch (steps it recorded that the next one did again), launches: "
           + ", ".join(f"{k}: {v}" for k, v in redone))
     print("exit statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.exits.items(), key=str)))
+    if slurm_rows:
+        print("\nUnder SLURM (the local cluster):")
+        print_table(["variant", "fault", "submissions", "SLURM attempts", "violations"],
+                    [[r["variant"], r["fault"], r["submissions"], r["attempts"], r["violations"]] for r in slurm_rows])
     print(f"violations: {len(tally.violations)}")
     if tally.violations:
         (out / "violations.txt").write_text("\n\n".join(tally.violations) + "\n")
@@ -581,7 +596,137 @@ def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path) -> None:
                       "steps_redone": {str(k): v for k, v in redone},
                       "steps_redone_median": sorted(values)[len(values) // 2] if values else 0,
                       "steps_redone_max": max(values, default=0), "violations": len(tally.violations),
-                      "disk_faults": disk.mounted, "wall_s": round(wall_s, 1), "layouts": args.layouts}))
+                      "disk_faults": disk.mounted, "wall_s": round(wall_s, 1), "layouts": args.layouts,
+                      "slurm": slurm_rows}))
+
+
+# ----------------------------------------------------------------------------------------- under SLURM
+
+SLURM_VARIANTS = {
+    "requeue": "scontrol requeue while the job trains (1 node, 2 tasks)",
+    "usr2": "scancel --signal=USR2 --full while the job trains (1 node, 2 tasks)",
+    "node-loss": "node n2 of a 2-node job killed: its slurmd and every process of the job on it (2 nodes x 1 task)",
+}
+SLURM_LAYOUT = "zero2-async"
+START = REPO / "slurm" / "local_cluster" / "start.sh"
+
+
+def slurm_ready(nodes: int) -> str:
+    """Why the SLURM variants cannot run, or '' (the local cluster of ``nodes`` nodes is up, started here if root)."""
+    if shutil.which("sinfo") is None and os.geteuid() != 0:
+        return "SLURM is not installed; slurm/local_cluster/start.sh installs and starts it (as root)"
+    up = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True) \
+        if shutil.which("sinfo") else None
+    names = {line.split()[0] for line in up.stdout.splitlines()} if up is not None and up.returncode == 0 else set()
+    if {f"n{i + 1}" for i in range(nodes)} <= names or (nodes == 1 and names):
+        return ""
+    if os.geteuid() != 0:
+        return f"the local SLURM cluster with {nodes} node(s) is not up: slurm/local_cluster/start.sh --nodes {nodes}"
+    r = subprocess.run(["bash", str(START), "--nodes", str(nodes)], capture_output=True, text=True)
+    return "" if r.returncode == 0 else f"slurm/local_cluster/start.sh --nodes {nodes} failed: {r.stdout[-500:]}"
+
+
+def _job_env() -> dict:
+    env = child_env(ROFORMER_STEP_DELAY_S="0.5", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _kill_node(job: str, node: str) -> str:
+    """SIGKILL the slurmd of ``node`` and every process of ``job`` started on it (its tasks and their steps)."""
+    victims = []
+    for env_file in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = env_file.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in env and f"SLURM_JOB_ID={job}".encode() in env:
+            victims.append(int(env_file.parent.name))
+    daemons = subprocess.run(["pgrep", "-f", f"slurmd -N {node}"], capture_output=True, text=True).stdout.split()
+    for pid in [*map(int, daemons), *victims]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return f"killed slurmd -N {node} ({len(daemons)}) and {len(victims)} process(es) of job {job} on it"
+
+
+def _revive_node(node: str) -> None:
+    subprocess.run(["slurmd", "-N", node], capture_output=True)
+    for _ in range(150):
+        state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout
+        if re.search(r"idle|mixed|allocated", state):
+            return
+        if re.search(r"down|drain|fail", state):
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+        time.sleep(0.5)
+
+
+def slurm_variant(variant: str, data: Path, out: Path, rng: random.Random, log) -> tuple[list[str], dict]:
+    """One job under SLURM with one fault; resubmitted (the same command) until it completes. Returns the
+    violations and a row of the table."""
+    ref, _, _ = reference(data, out, SLURM_LAYOUT)
+    run = out / f"slurm-{variant}"
+    shutil.rmtree(run, ignore_errors=True)
+    nodes, tasks = (2, 1) if variant == "node-loss" else (1, 2)
+    train = command(data, run, SLURM_LAYOUT)
+    cmd = [str(Path(sys.executable).parent / "roformer-submit"), *train[3:], "--profile", "local", "--nodes",
+           str(nodes), "--tasks-per-node", str(tasks), "--wait"]
+    bad, submits, attempts, detail = [], 0, 0, ""
+    at_step = rng.randint(3, 10)
+    while submits < 4:
+        submits += 1
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        job = None
+        while proc.poll() is None and time.monotonic() - t0 < 900:
+            job = job or next((m.group(1) for m in map(lambda x: re.match(r"job_id: (\d+)$", x.strip()), list(lines))
+                               if m), None)
+            if job and not detail and len(metrics(run)) >= at_step:
+                if variant == "requeue":
+                    subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+                    detail = f"scontrol requeue {job} at step {len(metrics(run))}"
+                elif variant == "usr2":
+                    subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True, capture_output=True)
+                    detail = f"scancel --signal=USR2 --full {job} at step {len(metrics(run))}"
+                else:
+                    detail = _kill_node(job, "n2") + f" at step {len(metrics(run))}"
+                    time.sleep(3)
+                    _revive_node("n2")
+                print(f"  [slurm {variant}] {detail}", flush=True)
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+            bad.append(f"slurm {variant}: roformer-submit --wait did not return within 900 s")
+            if job:
+                subprocess.run(["scancel", job], capture_output=True)
+            break
+        reader.join(timeout=10)
+        text = "".join(lines)
+        log.write(f"\n===== slurm {variant}, submit {submits}: rc={proc.returncode}\n{text}")
+        if job:
+            acct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State"],
+                                  capture_output=True, text=True).stdout
+            attempts += sum(1 for x in acct.splitlines() if x.split("|")[0] == job)
+        for err in sorted((run / "logs").glob("*_log.err")):
+            # node-loss: the surviving rank's failed collective ends its task with submitit's traceback
+            if variant != "node-loss" and "Traceback" in err.read_text(errors="replace"):
+                bad.append(f"slurm {variant}: a traceback in {err}")
+        if proc.returncode == 0:
+            break
+        print(f"  [slurm {variant}] roformer-submit exited {proc.returncode}: submitting the same command again",
+              flush=True)
+    found = oracle(run, ref) if not bad else []
+    bad += [f"slurm {variant}, at the end: {p}" for p in found]
+    print(f"  [slurm {variant}] {submits} submission(s), {attempts} SLURM attempt(s); oracle: "
+          f"{'ok' if not found else '; '.join(found)[:600]}", flush=True)
+    return bad, {"variant": variant, "fault": detail, "submissions": submits, "attempts": attempts,
+                 "violations": len(bad)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -596,8 +741,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--launch-timeout", type=float, default=240, help="seconds before a launch counts as hung")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "chaos")
     p.add_argument("--keep", action="store_true", help="keep every episode's run directory (under OUT/kept)")
+    p.add_argument("--slurm", default="", type=lambda s: [x for x in s.split(",") if x],
+                   help=f"also run these SLURM variants on the local cluster (comma-separated, 'all' for "
+                        f"{','.join(SLURM_VARIANTS)}): one job each, its fault, resubmitted until it completes")
     tiny_defaults(p, argv, faults=10, faults_per_run=5, layouts=["zero2-async"], out=tiny_dir)
     args = p.parse_args(argv)
+    if args.slurm == ["all"]:
+        args.slurm = list(SLURM_VARIANTS)
+    wrong = [x for x in args.slurm if x not in SLURM_VARIANTS]
+    if wrong:
+        p.error(f"--slurm: unknown {wrong}; expected 'all' or some of {', '.join(SLURM_VARIANTS)}")
     unknown = [x for x in args.layouts if x not in LAYOUTS]
     if unknown:
         p.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
@@ -613,14 +766,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         schedule = Schedule(args.seed, disk.mounted, startup, step)
         with open(args.out / "launches.log", "w", encoding="utf-8") as log:
             idx = 0
-            while sum(tally.faults.values()) < args.faults:
+            while sum(tally.faults.values()) < args.faults:  # (--faults 0: the SLURM variants alone)
                 layout = args.layouts[idx % len(args.layouts)]
                 budget = min(args.faults_per_run, args.faults - sum(tally.faults.values()))
                 episode(idx, layout, budget, data, args.out, disk, schedule, tally, args, log)
                 idx += 1
+        rows = []
+        if args.slurm:
+            why = slurm_ready(2 if "node-loss" in args.slurm else 1)
+            if why:
+                print(f"SLURM variants skipped: {why}", flush=True)
+            with open(args.out / "slurm.log", "w", encoding="utf-8") as log:
+                for variant in ([] if why else args.slurm):
+                    bad, row = slurm_variant(variant, data, args.out, schedule.rng, log)
+                    tally.violations += bad
+                    rows.append(row)
     finally:
         disk.close()
-    report(tally, args, time.monotonic() - t0, disk, args.out)
+    report(tally, args, time.monotonic() - t0, disk, args.out, rows)
     return 1 if tally.violations else 0
 
 

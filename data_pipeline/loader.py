@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Optional
@@ -447,12 +448,16 @@ def _worker_ignores_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - Data
 
 
 def _quiet_when_orphaned(parent: int, hook):
-    """``sys.excepthook`` of a worker: a connection error once ``parent`` is gone is not reported
-    (multiprocessing's resource sharer thread reports through ``sys.excepthook``), anything else is."""
+    """``sys.excepthook`` of a worker: a connection error is not reported when ``parent`` is gone within a
+    second (multiprocessing's resource sharer thread reports through ``sys.excepthook``); anything else is."""
 
     def excepthook(kind, value, tb):
-        if issubclass(kind, (ConnectionError, EOFError)) and os.getppid() != parent:
-            return
+        if issubclass(kind, (ConnectionError, EOFError)):
+            # a killed process closes its sockets before its children are handed to a new parent: wait for that
+            for _ in range(50):
+                if os.getppid() != parent:
+                    return
+                time.sleep(0.02)
         hook(kind, value, tb)
 
     return excepthook

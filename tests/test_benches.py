@@ -26,6 +26,7 @@ BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.name != "_co
 
 RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hold)
     "ablation": ("ablation", "eval loss by length:"),
+    "chaos": ("chaos", "violations: 0"),
     "checkpoint_stall": ("checkpoint_stall", "less with checkpoint.async"),
     "curriculum": ("curriculum", "the 0.7x goal"),
     "context_extension": ("context_extension", "(d) fork, yarn x3"),
@@ -48,7 +49,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "checkpoint_stall", "context_extension", "curriculum", "parity", "e2e", "linear_attention", "packing", "profile_e2e"}
+SLOW = {"ablation", "chaos", "checkpoint_stall", "context_extension", "curriculum", "parity", "e2e", "linear_attention", "packing", "profile_e2e"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate", "parity": "accelerate"}
@@ -334,3 +335,17 @@ def test_profile_summary_of_a_real_trace_finds_every_part_of_an_hf_step(tmp_path
         assert s.get(cat, 0) > 0, (cat, s)
     assert s[P.OTHER] < 0.25 * s["step_ms"], s
     assert sum(v for k, v in s.items() if k != "step_ms") == pytest.approx(s["step_ms"])
+
+
+def check_chaos(lines: list[dict], tail: str, stdout: str) -> None:
+    """bench/chaos.py --tiny: about 10 faults of several kinds were delivered, every launch relaunched to the
+    end, and the oracle found nothing; the work a fault cost is bounded by the save interval (2 steps, one more
+    while an asynchronous save is in flight, 2 more when a damaged newest checkpoint makes the run fall back
+    to the one before)."""
+    (line,) = [x for x in lines if x.get("bench") == "chaos"]
+    assert line["faults"] >= 10 and len(line["by_kind"]) >= 3, line
+    assert line["violations"] == 0 and line["relaunches"] >= line["faults"] // 2, line
+    assert line["steps_redone_max"] <= 5, line
+
+
+CHECKS["chaos"] = check_chaos

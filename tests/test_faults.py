@@ -1,11 +1,12 @@
 """Fault points (``ROFORMER_FAULT_AT``) and the findings of the fault campaign (``bench/chaos.py``), each
 at a fixed point:
 
-- a launch killed right after ``latest`` was renamed, one killed before its first checkpoint and one
-  stopped at a step that is not a log step, then relaunched: TensorBoard shows every step once with the
-  values of the uninterrupted run (events are flushed before a checkpoint commits, the eval of a step
-  comes before its save, a fresh start purges the events a killed launch left, the mixture's share
-  window is saved with the checkpoint);
+- a launch killed right after ``latest`` was renamed, one killed before its first checkpoint, one
+  stopped at a step that is not a log step and one stopped at an eval step, then relaunched: TensorBoard
+  shows every step once with the values of the uninterrupted run (events are flushed before a checkpoint
+  commits, the eval of a step comes before its save, a fresh start purges the events a killed launch
+  left, the mixture's share window is saved with the checkpoint, an eval a stop skipped is run by the
+  next launch);
 - a DataLoader worker whose training process was killed says nothing of the broken connection.
 """
 
@@ -91,7 +92,11 @@ def test_killed_and_stopped_launches_leave_the_events_of_an_uninterrupted_run(sm
     # 3. SIGTERM after step 10 (seen at the next step), the stop at 11, not a log step: the stop's save at 11 must carry the share window begun at 10
     rc, out = _launch(over, {"ROFORMER_FAULT_AT": "step.end@2:term-group@0"})
     assert rc == EXIT_REQUEUE and "saved step 11" in out
-    assert _launch(over)[0] == EXIT_DONE
+    # 4. USR2 before step 12 (a stage end, an eval step) starts: the stop skips that eval, the next launch runs it
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "resume.loaded@1:usr2-group@0"})
+    assert rc == EXIT_REQUEUE and "saved step 12" in out and "step 12: eval skipped" in out
+    rc, out = _launch(over)
+    assert rc == EXIT_DONE and "step 12: running the eval the stop skipped" in out
 
     assert [r["loss"] for r in records(run)] == [r["loss"] for r in records(ref)]
     got, want = read_scalars(run / "tb"), read_scalars(ref / "tb")

@@ -166,10 +166,10 @@ def test_loop_order_is_step_record_eval_save():
 
 
 def test_loop_signal_saves_skips_the_eval_and_requeues():
-    status, events, _ = loop("trainer.save_every=0", stop_at={6})
+    status, events, t = loop("trainer.save_every=0", stop_at={6})
     assert status == EXIT_REQUEUE
     assert events[-2:] == [("step", 6), ("save", 6)]  # no eval at this stage end: stopping
-    assert ("eval", 6) not in events
+    assert ("eval", 6) not in events and t._eval_due  # the checkpoint says so: the next launch runs it first
 
 
 def test_loop_signal_mid_stage_saves_that_step():
@@ -265,6 +265,7 @@ def test_trainer_state_without_its_format_is_refused_naming_it():
     ({"loader": None}, "field 'loader'"),
     ({"source_tokens_logged": [1]}, "field 'source_tokens_logged'"),
     ({"source_tokens_logged": {"news": "many"}}, "field 'source_tokens_logged'"),
+    ({"eval_due": 1}, "field 'eval_due': expected bool"),
 ])
 def test_trainer_state_damage_is_a_checkpoint_error(change, message):
     with pytest.raises(CheckpointError, match=message):

@@ -74,6 +74,8 @@ class Trainer:
         self.source_evaluators: dict[str, Evaluator] = {}
         """One per data.eval_sources set (sharing the unigram counts)."""
         self._source_tokens_logged: Optional[dict] = None
+        self._eval_due = False
+        """The eval of the current step is scheduled but was not run (a stop skipped it)."""
         self.plan: Optional[MixturePlan] = None
         """The corpus mixture's plan (read in setup): each stage's shares of the sources."""
         self._rope: Optional[dict] = None
@@ -229,6 +231,7 @@ class Trainer:
                                   f"{e}") from None
         self.state.load_state_dict(own.trainer.state_dict())
         self._source_tokens_logged = own.source_tokens_logged or None
+        self._eval_due = own.eval_due
 
     # ------------------------------------------------------------------ steps
     def switch_stage(self, index: int) -> None:
@@ -316,7 +319,7 @@ class Trainer:
         payload = TrainerState(trainer=self.state, loader=loader, rng=rng_state(),
                                world_size=self.env.world_size, rank=self.env.rank, config=to_dict(self.cfg),
                                tokenizer_sha256=self.manifest["tokenizer"]["sha256"], stage_index=self.stage_index,
-                               source_tokens_logged=self._source_tokens_logged or {})
+                               source_tokens_logged=self._source_tokens_logged or {}, eval_due=self._eval_due)
         t0 = time.monotonic()
 
         def before_commit() -> None:
@@ -349,6 +352,10 @@ class Trainer:
             log.info("nothing to do: step %d already reached (stop at %d of %d)", s.step, policy.last_step,
                      self.total)
             return EXIT_DONE
+        if self._eval_due:  # skipped by the stop this launch resumes from: the eval of that step's stage
+            self.switch_stage(stage_at(self.stages, s.step - 1).index)
+            log.info("step %d: running the eval the stop skipped", s.step)
+            self.run_eval()
         self.switch_stage(stage_at(self.stages, s.step).index)
         if self.parent is not None and s.step == 0:
             log.info("evaluating the parent before the first step")
@@ -386,10 +393,13 @@ class Trainer:
             # (a failing eval loses no training), then raise it.
             if policy.eval_now(s.step, stop):
                 self.run_eval(then_save=policy.save_now(s.step, stop))
+            # a stop skips a scheduled eval (under a deadline the checkpoint matters); its checkpoint says so,
+            # and the launch that resumes from it runs that eval first
+            self._eval_due = stop is not None and not policy.eval_now(s.step, stop) and policy.eval(s.step)
+            if self._eval_due:
+                log.info("step %d: eval skipped (stopping; the next launch runs it first)", s.step)
             if policy.save_now(s.step, stop):
                 self.save()
-            if stop is not None and not policy.eval_now(s.step, stop) and policy.eval(s.step):
-                log.info("step %d: eval skipped (stopping)", s.step)
             if stop is not None:
                 self.profiler.close()
                 self.finish_saves()
