@@ -23,8 +23,8 @@ After each fault the same command is launched again, as a user or SLURM would, u
 Watched while it runs: ``latest`` never names a checkpoint without COMPLETE (read every 20 ms), no
 process of a launch outlives it, no traceback, no hang. Checked at the end of each episode against the
 uninterrupted run: every step's loss in ``metrics.jsonl`` once and bit-equal, the final weights equal,
-TensorBoard's scalars with the same steps (and, outside ``perf/``, the same values), no temporary file
-or marker left in the run directory, no incomplete checkpoint.
+TensorBoard's scalars with the same steps (and, outside ``perf/``, the same values), no temporary file,
+marker or lock record left in the run directory, no incomplete checkpoint.
 
     python bench/chaos.py --faults 200          # the campaign (about an hour on 2 cores)
     python bench/chaos.py --tiny                # ~10 faults on one layout, a few minutes (make test runs it)
@@ -58,6 +58,7 @@ from _common import REPO, child_env, load_average, peoples_daily_lines, print_ta
     tiny_dir
 
 from roformer_dist.runtime.faults import ACTIONS
+from roformer_dist.testing import live_group_members
 
 DEBUG = REPO / "configs" / "experiments" / "debug.yaml"
 TOTAL_STEPS = 18  # configs/curriculum/debug.yaml: 6 + 6 + 6
@@ -141,21 +142,6 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                   and not (d / "BAD").exists())
 
 
-def group_members(pgid: int) -> list[str]:
-    """Live (not zombie) processes of process group ``pgid``, as 'pid cmdline'."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            fields = text[text.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                out.append(f"{stat.parent.name} {cmd[:100]}")
-        except (OSError, ValueError):
-            continue
-    return out
-
-
 def rank_pids(launcher: int) -> list[int]:
     """The launcher's rank processes (spawned children; multiprocessing's resource tracker left out)."""
     out = []
@@ -213,8 +199,10 @@ class LatestWatch(threading.Thread):
 
     def check(self) -> None:
         tag = read_latest(self.run_dir)
-        if tag and not (self.run_dir / "checkpoints" / tag / "COMPLETE").exists() and len(self.seen) < 5:
-            self.seen.append(f"latest named {tag}, which had no COMPLETE")
+        if tag and not (self.run_dir / "checkpoints" / tag / "COMPLETE").exists():
+            seen = f"latest named {tag}, which had no COMPLETE"
+            if seen not in self.seen:
+                self.seen.append(seen)
 
 
 def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Optional[Fault], timeout_s: float,
@@ -239,11 +227,11 @@ def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Option
         os.killpg(proc.pid, signal.SIGKILL)
         rc = proc.wait()
     wall = time.monotonic() - t0
-    left = group_members(proc.pid)
+    left = live_group_members(proc.pid)
     deadline = time.monotonic() + 20
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = group_members(proc.pid)
+        left = live_group_members(proc.pid)
     if left:
         problems.append(f"orphans 20 s after the launcher exited: {left}")
         os.killpg(proc.pid, signal.SIGKILL)
@@ -449,6 +437,8 @@ def oracle(run_dir: Path, ref_dir: Path) -> list[str]:
     for d in sorted(root.iterdir()) if root.is_dir() else []:
         if re.fullmatch(r"step_\d{8}", d.name) and not (d / "COMPLETE").exists():
             bad.append(f"incomplete checkpoint left: {d.name}")
+    if (run_dir / "run.lock.json").exists():
+        bad.append("the lock record run.lock.json is left after the run completed")
     if read_latest(run_dir) != f"step_{TOTAL_STEPS:08d}":
         bad.append(f"latest names {read_latest(run_dir)}, not the last step")
     return bad

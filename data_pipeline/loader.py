@@ -48,11 +48,13 @@ reading that shard set.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import hashlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import weakref
@@ -440,11 +442,26 @@ def _worker_ignores_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - Data
     otherwise kill the workers and crash the main process before it can save. A worker whose training
     process died (killed) while it handed a batch over says nothing of the broken connection: it is
     about to end too, and the launcher reports the death (:func:`_quiet_when_orphaned`)."""
-    import signal
-
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+    for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the fork: pending ones are dropped
     sys.excepthook = _quiet_when_orphaned(os.getppid(), sys.excepthook)
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR2}
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Stop signals held (not lost) in this thread while DataLoader workers are forked from it: a worker
+    inherits the mask, so a signal to the process group between the fork and the worker's own
+    :func:`_worker_ignores_stop_signals` cannot kill it (torch's worker loop puts SIGTERM's default action
+    back first)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _quiet_when_orphaned(parent: int, hook):
@@ -609,7 +626,8 @@ class ShardLoader:
                         pin_memory=self.pin_memory and torch.cuda.is_available(),
                         prefetch_factor=self.prefetch_factor if self.num_workers else None,
                         multiprocessing_context=self.multiprocessing_context if self.num_workers else None)
-        it = iter(dl)
+        with _stop_signals_blocked():  # the workers start with them blocked, until they ignore them
+            it = iter(dl)
         self._active = it
         return self._consume(it, generation)
 

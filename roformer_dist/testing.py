@@ -1,4 +1,5 @@
-"""Helpers for tests and benches: run a function in N processes joined by a gloo process group.
+"""Helpers for tests and benches: run a function in N processes joined by a gloo process group; list
+the live processes of a process group (``live_group_members``: what a launch left behind).
 
     run_distributed(fn, world_size=2, args=(tmp_path,))
 
@@ -25,11 +26,26 @@ import torch.multiprocessing as mp
 
 from roformer_dist.runtime.process_group import free_port
 
-__all__ = ["run_distributed", "free_port", "DistributedTestError"]
+__all__ = ["run_distributed", "free_port", "DistributedTestError", "live_group_members"]
 
 # DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: keep one cache per machine.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def live_group_members(pgid: int) -> list[str]:
+    """Processes of process group ``pgid`` that are not zombies, as 'pid cmdline' (Linux ``/proc``)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            fields = text[text.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                out.append(f"{stat.parent.name} {cmd[:120]}")
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 class DistributedTestError(AssertionError):

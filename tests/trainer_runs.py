@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from roformer_dist.testing import run_distributed
+from roformer_dist.testing import live_group_members, run_distributed
 from roformer_dist.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,21 +135,6 @@ def rank_pids(proc, world_size=2):
             return sorted(pids)
         time.sleep(0.2)
     raise AssertionError("rank processes not found")
-
-
-def live_group_members(pgid) -> list[str]:
-    """Processes of a process group that are not zombies, as 'pid cmdline'."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            fields = text[text.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                pid = stat.parent.name
-                out.append(f"{pid} {(stat.parent / 'cmdline').read_bytes().decode(errors='replace')[:120]}")
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def wait_for_group_gone(pgid, timeout=20.0) -> list[str]:

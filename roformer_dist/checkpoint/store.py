@@ -309,6 +309,8 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
         if not problems:
             if rejected:
                 log.warning("resuming from %s instead (the newest usable checkpoint)", f.tag)
+                if rank == 0:
+                    _point_latest_at(ckpt_root, f.tag, {r.split(":")[0] for r in rejected})
             return f
         rejected.append(f"{f.tag}: " + "; ".join(problems))
         if rank == 0:
@@ -318,6 +320,16 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
         raise CheckpointError(f"{ckpt_root}: no usable checkpoint ({' | '.join(rejected)}); repair or remove "
                               "them, or start a new run in another run_dir")
     return None
+
+
+def _point_latest_at(ckpt_root: Path, tag: str, bad: set[str]) -> None:
+    """``latest`` names ``tag`` when it named a checkpoint just marked BAD: the slot of a BAD checkpoint
+    is cleared when its step is saved again, and ``latest`` must never name a missing checkpoint."""
+    if read_latest(ckpt_root) in bad:
+        try:
+            atomic_write_text(ckpt_root / LATEST, tag + "\n")
+        except OSError as e:
+            log.warning("could not point %s at %s (%s)", ckpt_root / LATEST, tag, e)
 
 
 # --------------------------------------------------------------------------- saving

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, ConfigError, RunLockedError, StorageError
+from roformer_dist.runtime.build_locks import clear_stale_build_locks
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
 from roformer_dist.runtime.runlock import RunLock
@@ -33,6 +34,7 @@ __all__ = ["run_rank", "init_distributed"]
 def init_distributed(cfg: Config, env: DistEnv) -> None:
     """The process group (the project's one bootstrap), then DeepSpeed's communication on top of it."""
     backend = init_process_group(env, cfg.dist.backend, cfg.dist.timeout_s)
+    clear_stale_build_locks()  # DeepSpeed may JIT-build an op here: a killed build's lock would hang it
     import deepspeed  # heavy: only a training rank needs it
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
