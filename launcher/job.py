@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -41,6 +42,7 @@ import submitit
 from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
+from launcher import slurm
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
 
@@ -67,6 +69,9 @@ def export_dist_env() -> submitit.JobEnvironment:
     os.environ["NODE_RANK"] = str(env.node)
     return env
 
+
+REQUEUEING = {"REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING", "COMPLETING"}
+"""Job states in which SLURM is requeueing the job already (and refuses another ``scontrol requeue``)."""
 
 class TrainJob(submitit.helpers.Checkpointable):
     """``executor.submit(TrainJob(cfg))``: every task of the job runs one rank of ``run_rank(cfg)``.
@@ -105,4 +110,15 @@ class TrainJob(submitit.helpers.Checkpointable):
         paths = env.paths
         handler = SignalHandler(env, paths, DelayedSubmission.load(paths.submitted_pickle))
         handler._start_time = started  # its time-out-or-preemption rule measures this attempt's run time
-        handler.checkpoint_and_try_requeue(signal.SIGUSR2)  # requeues and exits; raises past the budget
+        try:
+            handler.checkpoint_and_try_requeue(signal.SIGUSR2)  # requeues and exits; raises past the budget
+        except subprocess.CalledProcessError as e:
+            # SLURM refuses `scontrol requeue` of a job it is requeueing already: the stop came from an
+            # `scontrol requeue` of the job (or a preemption with PreemptMode=REQUEUE), which brings it back
+            now = slurm.state(env.job_id)
+            if now not in REQUEUEING:
+                raise RuntimeError(f"the checkpoint is saved, but requeueing job {env.job_id} failed ({e}; the job "
+                                   f"is {now}): submit the same command again to resume") from None
+            print(f"saved after a stop signal; job {env.job_id} is being requeued by SLURM already ({now}): its "
+                  "next attempt resumes from this checkpoint", file=sys.stderr, flush=True)
+            sys.exit(0)

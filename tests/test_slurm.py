@@ -195,6 +195,30 @@ def test_usr2_preemption_and_three_requeues_end_with_the_uninterrupted_trace(sma
     assert_trace_equal(run_dir, reference)
 
 
+def test_an_outside_scontrol_requeue_saves_and_resumes_without_a_traceback(small_shards, reference, tmp_path):
+    """``scontrol requeue`` of a running job (an operator, or a preemption with PreemptMode=REQUEUE): SLURM
+    signals the tasks, the ranks save, and rank 0's own requeue is refused (the job is being requeued
+    already). That refusal is expected, not a crash (found by bench/chaos.py --slurm requeue): the next
+    attempt resumes and ends with the uninterrupted trace."""
+    run_dir = tmp_path / "run"
+    proc, job = start_waiting_submit(submit_cmd(small_shards, run_dir, "--profile", "local", "--wait"),
+                                     job_env(ROFORMER_STEP_DELAY_S="0.5"), tmp_path / "submit.out")
+    try:
+        wait_stepping(job, run_dir, past=2)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", job], timeout=30)
+    out = (tmp_path / "submit.out").read_text()
+    assert rc == 0 and "final state: COMPLETED (requeues: 1)" in out, out
+    errs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err")}
+    assert not [name for name, text in errs.items() if "Traceback" in text], errs
+    assert any("is being requeued by SLURM already" in text for text in errs.values()), errs
+    assert_trace_equal(run_dir, reference)
+
+
 def test_time_limit_signal_requeues_and_the_job_completes(small_shards, reference, tmp_path):
     """A 2-minute limit, a run longer than that (18 steps of >= 7 s, so even a quiet machine cannot finish
     before the signal), USR2 30 s before the limit (SLURM may send it up to ~30 s earlier still): the job saves, is requeued before the limit (no TIMEOUT), and completes exactly."""
