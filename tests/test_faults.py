@@ -100,8 +100,12 @@ def test_killed_and_stopped_launches_leave_the_events_of_an_uninterrupted_run(sm
     # 4. USR2 before step 12 (a stage end, an eval step) starts: the stop skips that eval, the next launch runs it
     rc, out = _launch(over, {"ROFORMER_FAULT_AT": "resume.loaded@1:usr2-group@0"})
     assert rc == EXIT_REQUEUE and "saved step 12" in out and "step 12: eval skipped" in out
+    #    ... and a launch killed right after running it does not make the one after run it again
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "stage.switch@2:kill-group@0"})
+    assert rc == -9 and "step 12: running the eval the stop skipped" in out
+    assert (run / "checkpoints" / "step_00000012" / "EVALUATED").exists()
     rc, out = _launch(over)
-    assert rc == EXIT_DONE and "step 12: running the eval the stop skipped" in out
+    assert rc == EXIT_DONE and "running the eval the stop skipped" not in out
 
     assert [r["loss"] for r in records(run)] == [r["loss"] for r in records(ref)]
     got, want = read_scalars(run / "tb"), read_scalars(ref / "tb")

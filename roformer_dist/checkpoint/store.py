@@ -8,6 +8,8 @@ Layout (``<run_dir>/checkpoints/``)::
                                    world size, time, and every file of the save with its size
         BAD                        written on resume when a file of it is missing or damaged: the reason.
                                    Such a checkpoint is skipped and kept (nothing is deleted)
+        EVALUATED                  written once the eval a stop skipped at this step was run and recorded
+                                   by a later launch (Trainer.run_skipped_eval)
         universal/                 made on demand for a resume at another world size (universal.py)
     latest                         tag of the newest COMPLETE checkpoint (atomic rename)
 
@@ -50,10 +52,12 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 BAD = "BAD"
+EVALUATED = "EVALUATED"
+"""Written into a checkpoint whose step's eval a stop skipped, once a later launch has run and recorded it."""
 _TAG_RE = re.compile(r"^step_(\d+)$")
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
 """A file name COMPLETE may list: a plain name inside the checkpoint directory (no path, no ``..``)."""
-_MARKERS = {COMPLETE, BAD}
+_MARKERS = {COMPLETE, BAD, EVALUATED}
 
 
 def tag_for(step: int) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
+from data_pipeline.atomic import atomic_write_text
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.async_save import AsyncSaver
 from roformer_dist.checkpoint.compat import changed_settings, check_compatible
@@ -76,6 +77,8 @@ class Trainer:
         self._source_tokens_logged: Optional[dict] = None
         self._eval_due = False
         """The eval of the current step is scheduled but was not run (a stop skipped it)."""
+        self._resumed_dir: Optional[Path] = None
+        """The checkpoint this launch resumed from."""
         self.plan: Optional[MixturePlan] = None
         """The corpus mixture's plan (read in setup): each stage's shares of the sources."""
         self._rope: Optional[dict] = None
@@ -232,6 +235,7 @@ class Trainer:
         self.state.load_state_dict(own.trainer.state_dict())
         self._source_tokens_logged = own.source_tokens_logged or None
         self._eval_due = own.eval_due
+        self._resumed_dir = found.dir
 
     # ------------------------------------------------------------------ steps
     def switch_stage(self, index: int) -> None:
@@ -352,10 +356,8 @@ class Trainer:
             log.info("nothing to do: step %d already reached (stop at %d of %d)", s.step, policy.last_step,
                      self.total)
             return EXIT_DONE
-        if self._eval_due:  # skipped by the stop this launch resumes from: the eval of that step's stage
-            self.switch_stage(stage_at(self.stages, s.step - 1).index)
-            log.info("step %d: running the eval the stop skipped", s.step)
-            self.run_eval()
+        if self._eval_due:
+            self.run_skipped_eval()
         self.switch_stage(stage_at(self.stages, s.step).index)
         if self.parent is not None and s.step == 0:
             log.info("evaluating the parent before the first step")
@@ -369,6 +371,26 @@ class Trainer:
                 except Exception as e:
                     log.error("the checkpoint in flight was not saved: %s", e)
             raise
+
+    def run_skipped_eval(self) -> None:
+        """The eval of the resumed step, which the stop that saved it skipped, in that step's stage; once.
+
+        Its events are flushed, then ``EVALUATED`` is written into the checkpoint (rank 0), so a later
+        launch resuming from the same checkpoint does not log them again (a resume purges only the
+        events after the checkpoint's step)."""
+        marker = self._resumed_dir / ckpt.EVALUATED
+        if self.comm.broadcast(marker.exists() if self.env.rank == 0 else None):
+            return
+        step = self.state.step
+        self.switch_stage(stage_at(self.stages, step - 1).index)
+        log.info("step %d: running the eval the stop skipped", step)
+        self.run_eval()
+        self.metrics.flush()
+        if self.env.rank == 0:
+            try:
+                atomic_write_text(marker, f"{step}\n")
+            except OSError as e:
+                raise StorageError.from_os_error(e, f"recording the eval of step {step}") from None
 
     def _loop(self) -> int:
         policy, s = self.policy, self.state
