@@ -287,13 +287,13 @@ class Schedule:
     def __init__(self, seed: int, disk: bool, startup_s: float, step_s: float):
         self.rng = random.Random(seed)
         self.disk, self.startup_s, self.step_s = disk, startup_s, step_s
-        self.kinds = (["signal"] * 6 + ["point"] * 6 + ["damage"] * 1 + ["stale-lock"] * 1
-                      + (["disk-full"] * 1 if disk else []))
+        self.runtime_kinds = ["signal"] * 6 + ["point"] * 6  # the weights of the draw
+        self.kinds = self.runtime_kinds + ["damage", "stale-lock"] + (["disk-full"] if disk else [])
 
     def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
         """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
         rng = self.rng
-        kind = rng.choice(self.kinds[:12] if runtime_only else self.kinds)
+        kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
         if kind == "damage" and len(complete_checkpoints(run_dir)) < 2:
             kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
         if kind == "signal":

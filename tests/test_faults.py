@@ -125,6 +125,10 @@ def test_a_rank_that_loses_its_peer_leaves_the_report_to_the_launcher(small_shar
 
     assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45988"))
     assert not peer_lost(RuntimeError("shape mismatch")) and not peer_lost(ValueError("Connection closed by peer"))
+    # rank 0 killed while the process group forms (bench/chaos.py: kill-rank during start-up)
+    import torch.distributed as dist
+
+    assert peer_lost(dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed."))
     over = cli_overrides(small_shards, tmp_path / "run", "trainer.save_every=2")
     # rank 1 dies as its first save begins, while rank 0 enters the save's first barrier
     rc, out = _launch(over, {"ROFORMER_FAULT_AT": "loader.state@1:kill@1"})

@@ -36,13 +36,15 @@ class DistEnv:
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-"""How gloo's collectives fail when another rank of the group has died."""
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection was likely closed")
+"""How gloo's collectives (and the rendezvous of the process group) fail when another rank has died."""
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether ``e`` is a collective that failed because another rank died (that death is the news, not this)."""
-    return isinstance(e, RuntimeError) and any(text in str(e) for text in _PEER_GONE)
+    """Whether ``e`` is a collective or the group's rendezvous failing because another rank died (that death
+    is the news, not this)."""
+    return isinstance(e, dist.DistNetworkError) or \
+        isinstance(e, RuntimeError) and any(text in str(e) for text in _PEER_GONE)
 
 
 def free_port() -> int:
