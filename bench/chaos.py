@@ -180,7 +180,8 @@ class Launch:
     rc: Optional[int]
     out: str
     wall_s: float
-    resumed_from: int
+    resumed_from: Optional[int]
+    """The step it resumed from (0: it started from scratch); None: it ended before it got that far."""
     problems: list[str]
     started: float
     """time.time() at the launch."""
@@ -248,7 +249,8 @@ def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Option
     if "Traceback" in out:
         problems.append("a traceback in the output:\n" + out[out.index("Traceback"):][:1500])
     m = re.search(r"resuming from \S+ \(step (\d+)", out)
-    return Launch(rc, out, wall, int(m.group(1)) if m else 0, problems, started)
+    trained = any(r["time"] >= started for r in metrics(run_dir))
+    return Launch(rc, out, wall, int(m.group(1)) if m else 0 if trained else None, problems, started)
 
 
 def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -> None:
@@ -313,7 +315,7 @@ class Schedule:
     def observe(self, result: "Launch", run_dir: Path) -> None:
         """Follow the machine's pace: start-up and step times of the launch that just ended (the wall-time
         faults are drawn over the time a launch is expected to take)."""
-        times = [r["time"] for r in metrics(run_dir) if r["step"] > result.resumed_from and r["time"] >= result.started]
+        times = [r["time"] for r in metrics(run_dir) if r["time"] >= result.started]
         if len(times) >= 3:
             self.startup_s = 0.5 * self.startup_s + 0.5 * (times[0] - result.started)
             self.step_s = 0.5 * self.step_s + 0.5 * (times[-1] - times[0]) / (len(times) - 1)
@@ -506,9 +508,10 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
         tally.launches += 1
         schedule.observe(result, run)
         tally.exits[result.rc] += 1
-        if reached_before is not None:
+        if reached_before is not None and result.resumed_from is not None:
             tally.redone[max(0, reached_before - result.resumed_from)] += 1
-        reached_before = len(metrics(run))
+        if result.resumed_from is not None:  # a launch that ended before resuming left the record as it was
+            reached_before = len(metrics(run))
         problems = list(result.problems)
         for f in (before, fault):
             if f is not None and f.delivered:
