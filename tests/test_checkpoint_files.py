@@ -104,6 +104,15 @@ def test_damaged_newest_checkpoints_are_marked_bad_and_skipped(tmp_path, caplog)
     assert ckpt.read_latest(tmp_path) == "step_00000004"
 
 
+def test_latest_follows_a_save_killed_between_complete_and_its_rename(tmp_path):
+    """COMPLETE written, then the process died before `latest` moved (bench/chaos.py, save.before_latest): the
+    resume takes the complete checkpoint and points `latest` at it, even when no step is left to train."""
+    save(tmp_path, 4)
+    save(tmp_path, 8)
+    (tmp_path / ckpt.LATEST).write_text("step_00000004\n")
+    assert choose(tmp_path).tag == "step_00000008" and ckpt.read_latest(tmp_path) == "step_00000008"
+
+
 def test_a_file_that_does_not_load_is_named_even_at_its_saved_size(tmp_path):
     d = save(tmp_path, 4)
     f = d / "mp_rank_00_model_states.pt"

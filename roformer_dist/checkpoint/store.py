@@ -313,8 +313,8 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
         if not problems:
             if rejected:
                 log.warning("resuming from %s instead (the newest usable checkpoint)", f.tag)
-                if rank == 0:
-                    _point_latest_at(ckpt_root, f.tag, {r.split(":")[0] for r in rejected})
+            if rank == 0:
+                _point_latest_at(ckpt_root, f.tag)
             return f
         rejected.append(f"{f.tag}: " + "; ".join(problems))
         if rank == 0:
@@ -326,10 +326,11 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
     return None
 
 
-def _point_latest_at(ckpt_root: Path, tag: str, bad: set[str]) -> None:
-    """``latest`` names ``tag`` when it named a checkpoint just marked BAD: the slot of a BAD checkpoint
-    is cleared when its step is saved again, and ``latest`` must never name a missing checkpoint."""
-    if read_latest(ckpt_root) in bad:
+def _point_latest_at(ckpt_root: Path, tag: str) -> None:
+    """``latest`` names ``tag``, the checkpoint a run resumes from, when it named another: one just marked BAD
+    (whose slot is cleared when its step is saved again: ``latest`` must never name a missing checkpoint), or
+    an older one (a save killed between its COMPLETE and the rename of ``latest``)."""
+    if read_latest(ckpt_root) != tag:
         try:
             atomic_write_text(ckpt_root / LATEST, tag + "\n")
         except OSError as e:
