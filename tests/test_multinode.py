@@ -17,8 +17,8 @@ import pytest
 
 from test_launcher import (DEBUG, ROOT, TOL, assert_trace_equal, data_overrides, job_env, job_id_of, reference_run,
                            submit_cmd, trace)
-from test_slurm import (PROBLEM, sacct_attempts, saved_step, start_waiting_submit, wait_attempts, wait_stepping,
-                        wait_until)
+from test_slurm import (PROBLEM, sacct_attempts, saved_step, start_waiting_submit, stop_submit, wait_attempts,
+                        wait_stepping, wait_until)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))]
 
@@ -66,9 +66,7 @@ def two_node_run(two_nodes, small_shards, tmp_path_factory):
         first_save = saved_step(run_dir)
         rc = proc.wait(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            subprocess.run(["scancel", job], timeout=30)
+        stop_submit(proc, job)
     return SimpleNamespace(run_dir=run_dir, job=job, rc=rc, out=(root / "submit.out").read_text(),
                            first_save=first_save)
 

@@ -99,6 +99,13 @@ def wait_attempts(job_id: str, n: int, timeout: float = 180) -> None:
     wait_until(lambda: len(sacct_attempts(job_id)) >= n, timeout, f"job {job_id} to be requeued ({n} attempts)")
 
 
+def stop_submit(proc: subprocess.Popen, job: str) -> None:
+    """A failed test's clean-up: ``roformer-submit --wait`` killed and its job cancelled, if still running."""
+    if proc.poll() is None:
+        proc.kill()
+        subprocess.run(["scancel", job], timeout=30)
+
+
 def start_waiting_submit(cmd: list[str], env: dict, out: Path) -> tuple[subprocess.Popen, str]:
     """Run ``roformer-submit ... --wait`` in the background; returns the process and the job id it printed."""
     f = open(out, "w")
@@ -176,9 +183,7 @@ def test_usr2_preemption_and_three_requeues_end_with_the_uninterrupted_trace(sma
             saved = saved_step(run_dir)
         rc = proc.wait(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            subprocess.run(["scancel", job], timeout=30)
+        stop_submit(proc, job)
     out = (tmp_path / "submit.out").read_text()
     assert rc == 0, out
     assert "final state: COMPLETED (requeues: 3)" in out, out
@@ -208,9 +213,7 @@ def test_an_outside_scontrol_requeue_saves_and_resumes_without_a_traceback(small
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
         rc = proc.wait(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            subprocess.run(["scancel", job], timeout=30)
+        stop_submit(proc, job)
     out = (tmp_path / "submit.out").read_text()
     assert rc == 0 and "final state: COMPLETED (requeues: 1)" in out, out
     errs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err")}
@@ -254,9 +257,7 @@ def test_cancel_ends_the_job_and_wait_returns_its_final_state(small_shards, tmp_
         assert p.returncode == 0 and f"cancelled job {job}" in p.stdout, p.stderr
         rc = proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            subprocess.run(["scancel", job], timeout=30)
+        stop_submit(proc, job)
     out = (tmp_path / "submit.out").read_text()
     assert rc == 1 and "final state: CANCELLED" in out, out
     wait_until(lambda: squeue_state(job) in ("", "CANCELLED"), 60, "the job to leave the queue")
