@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from data_pipeline.atomic import atomic_write_text
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
-from data_pipeline.atomic import atomic_write_text
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.async_save import AsyncSaver
 from roformer_dist.checkpoint.compat import changed_settings, check_compatible
