@@ -24,11 +24,12 @@ REPO = Path(__file__).resolve().parent.parent
 # `python bench/x.py` from a checkout works without installing the package
 sys.path.insert(0, str(REPO))
 
+from roformer_dist.runtime.jit_builds import use_environment_extensions_dir  # noqa: E402
 from roformer_dist.train.plots import line_plot  # noqa: E402,F401  (re-exported: benches plot with it)
 
-# DeepSpeed on CPU, with one cache of its JIT-built ops per machine (set before DeepSpeed is imported;
-# every child process inherits it)
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
+# DeepSpeed on CPU, its JIT-built ops in the ranks' directory (set before DeepSpeed is imported; every
+# child process inherits it)
+use_environment_extensions_dir()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

@@ -24,12 +24,14 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from roformer_dist.runtime.jit_builds import use_environment_extensions_dir
 from roformer_dist.runtime.process_group import free_port
 
 __all__ = ["run_distributed", "free_port", "DistributedTestError", "live_group_members"]
 
-# DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: keep one cache per machine.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
+# DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: the ranks' directory, set here
+# for the ranks of in-process tests and inherited by every child
+use_environment_extensions_dir()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

@@ -9,7 +9,9 @@ at a fixed point:
   next launch);
 - a DataLoader worker whose training process was killed says nothing of the broken connection, nor does a
   rank whose collective failed because its peer died;
-- the lock file of a DeepSpeed op build killed mid-way no longer makes every later launch wait forever.
+- the lock file of a DeepSpeed op build killed mid-way no longer makes the next launch wait (forever, or
+  15 minutes where no process could be seen holding it); a live build is waited for, and a stop signal ends
+  that wait.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -142,39 +145,130 @@ def _age(directory, seconds):
         os.utime(p, (t, t))
 
 
-def test_a_stale_jit_build_lock_is_removed_and_a_live_one_kept(tmp_path):
-    from roformer_dist.runtime.build_locks import clear_stale_build_locks
+HOLD = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)  # as torch's FileBaton takes a build lock
+print("held", flush=True)
+sys.stdin.read()
+os.close(fd)
+os.remove(sys.argv[1])
+"""
 
-    stale, live = tmp_path / "deepspeed_shm_comm", tmp_path / "cpu_adam"
-    for d in (stale, live):
+
+def _hold(lock):
+    """A live builder: a process holding ``lock`` open until its stdin is closed."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_jit_build_lock_no_process_holds_is_removed_and_a_held_one_waited_for(tmp_path, caplog):
+    from roformer_dist.runtime import jit_builds
+
+    found = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)], capture_output=True, text=True)
+    assert jit_builds.filesystem_type(tmp_path) == found.stdout.strip() in jit_builds.LOCAL_FILESYSTEMS
+    left, held = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
+    left.parent.mkdir()
+    left.touch()  # a killed build's lock, just now: nothing holds it
+    builder = _hold(held)
+    try:
+        assert jit_builds.lock_holders(held) == [builder.pid] and jit_builds.lock_holders(left) == []
+        assert jit_builds.clear_stale_build_locks(tmp_path) == [left]
+        assert "no process of this machine holds it" in caplog.text and held.exists()
+        assert jit_builds.wait_for_build_locks(tmp_path, should_stop=lambda: True, poll_s=0.05) is False
+        waited = []
+        t = threading.Thread(target=lambda: waited.append(jit_builds.wait_for_build_locks(tmp_path, poll_s=0.05)))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), "returned while the build still held its lock"
+        assert f"waiting for {held}: a JIT build of that op is in progress (process {builder.pid})" in caplog.text
+    finally:
+        builder.communicate("")  # the build ends and releases its lock
+    t.join(10)
+    assert waited == [True]
+
+
+def test_on_a_shared_filesystem_a_jit_build_lock_is_stale_only_after_a_quiet_while(tmp_path, monkeypatch):
+    """A builder on another machine cannot be seen: only a build directory unchanged for 15 minutes counts.
+    (The network filesystem is the one stand-in here: its type is what the rule reads.)"""
+    from roformer_dist.runtime import jit_builds
+
+    monkeypatch.setattr(jit_builds, "filesystem_type", lambda path: "nfs4")
+    quiet, busy = tmp_path / "deepspeed_shm_comm", tmp_path / "cpu_adam"
+    for d in (quiet, busy):
         d.mkdir()
         (d / "build.ninja").write_text("rule cxx\n")
         (d / "lock").touch()
-    _age(stale, 3600)
-    (live / "lock").touch()
-    _age(live, 3600)
-    (live / "shm.o").write_bytes(b"\0")  # a build in progress writes its objects: not stale
-    assert clear_stale_build_locks(tmp_path) == [stale / "lock"]
-    assert not (stale / "lock").exists() and (live / "lock").exists()
+        _age(d, 3600)
+    (busy / "shm.o").write_bytes(b"\0")  # a build in progress writes its objects
+    assert jit_builds.stale_reason(busy / "lock") is None
+    assert jit_builds.stale_reason(quiet / "lock") == "nothing changed in its build directory for 60 min"
+    assert jit_builds.clear_stale_build_locks(tmp_path) == [quiet / "lock"] and (busy / "lock").exists()
+
+
+def test_each_python_environment_builds_into_its_own_directory(tmp_path):
+    code = "from roformer_dist.runtime.jit_builds import use_environment_extensions_dir as u; print(u())"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+
+    def where(**extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    mine = where()
+    assert mine == where() and "roformer-dist-" in mine
+    other_ninja = tmp_path / "bin"
+    other_ninja.mkdir()
+    (other_ninja / "ninja").symlink_to(shutil.which("ninja") or "/bin/true")
+    assert where(PATH=f"{other_ninja}{os.pathsep}{env['PATH']}") != mine  # a job whose PATH finds another ninja
+    assert where(TORCH_EXTENSIONS_DIR=str(tmp_path)) == str(tmp_path)  # a set one is kept
 
 
 @pytest.mark.slow
-def test_a_run_after_a_killed_build_of_deepspeeds_op_does_not_hang(small_shards, tmp_path):
-    """A process killed while DeepSpeed JIT-built its shared-memory op left torch's `lock` file: without the
-    clean-up every later launch on the machine waits for that file forever."""
-    from roformer_dist.runtime.build_locks import extensions_root
-
+def test_a_launch_killed_while_building_deepspeeds_op_does_not_stop_the_next(small_shards, tmp_path):
+    """Killed during the JIT build of DeepSpeed's op (a fresh TORCH_EXTENSIONS_DIR), the launch leaves torch's
+    `lock` file: the next launch must remove it at once and build the op again, not wait for it."""
     ext = tmp_path / "torch_extensions"
-    built = extensions_root() / "deepspeed_shm_comm"
-    if built.is_dir():
-        shutil.copytree(built, ext / built.name)  # this machine's build of the op, if there is one yet
-    (ext / built.name).mkdir(parents=True, exist_ok=True)
-    (ext / built.name / "lock").touch()
-    _age(ext / built.name, 3600)
-    rc, out = _launch(cli_overrides(small_shards, tmp_path / "run", "trainer.stop_at_step=2"),
-                      {"TORCH_EXTENSIONS_DIR": str(ext)})
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    over = cli_overrides(small_shards, tmp_path / "run", "trainer.stop_at_step=2")
+    proc = run_cli(over, {"TORCH_EXTENSIONS_DIR": str(ext)})
+    deadline = time.monotonic() + 120
+    while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2)  # the compiler is at work
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert wait_for_group_gone(proc.pid) == [] and lock.exists(), "the kill did not come during the build"
+    started = time.monotonic()
+    rc, out = _launch(over, {"TORCH_EXTENSIONS_DIR": str(ext)})
     assert rc == EXIT_DONE, out[-3000:]
-    assert "JIT build lock left by a build that ended without releasing it" in out
+    assert "a JIT build lock left behind (no process of this machine holds it" in out
+    assert time.monotonic() - started < 200  # the build again and two steps, not a wait
+
+
+@pytest.mark.slow
+def test_a_launch_waiting_for_a_live_jit_build_says_so_and_stops_on_a_signal(small_shards, tmp_path):
+    ext = tmp_path / "torch_extensions"
+    builder = _hold(ext / "deepspeed_shm_comm" / "lock")
+    try:
+        proc = run_cli(cli_overrides(small_shards, tmp_path / "run", "trainer.stop_at_step=2"),
+                       {"TORCH_EXTENSIONS_DIR": str(ext)})
+        out = ""
+        while "waiting for" not in out:
+            line = proc.stdout.readline()
+            assert line, f"ended without waiting for the build ({proc.wait()}): {out[-3000:]}"
+            out += line
+        assert f"a JIT build of that op is in progress (process {builder.pid})" in out
+        os.killpg(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        builder.communicate("")
+    out += rest
+    assert proc.returncode == EXIT_REQUEUE, out[-3000:]
+    assert "stopped (SIGTERM) while waiting for a JIT build of DeepSpeed's ops" in out and "Traceback" not in out
+    assert wait_for_group_gone(proc.pid) == []
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
 STORM = """

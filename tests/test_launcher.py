@@ -28,7 +28,6 @@ def job_env(**extra: str) -> dict:
     """Environment for roformer-submit / roformer-train / sbatch (SLURM jobs inherit it)."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # the venv's bin first: its ninja builds DeepSpeed's JIT ops
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "roformer-dist" / "torch_extensions"))
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

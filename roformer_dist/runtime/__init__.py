@@ -5,8 +5,9 @@ their launcher), ``runlock.py`` (one writer per run directory; stale locks detec
 (run directories created with a safe mode; foreign, group-writable or symlinked ones refused),
 ``process_group.py`` (the one torch.distributed bootstrap of training and fine-tuning, ``DistEnv``,
 ``free_port``, the checkpoint layer's collectives), ``faults.py`` (the fault hooks tests and the fault campaign set
-through the environment), ``events.py`` (a run's TensorBoard scalars read back), ``build_locks.py`` (stale
-locks of torch's JIT extension builds removed before DeepSpeed loads its ops).
+through the environment), ``events.py`` (a run's TensorBoard scalars read back), ``jit_builds.py``
+(torch's JIT extension builds before DeepSpeed loads its ops: a directory per Python environment, locks
+left by killed builds removed, live builds waited for).
 
 May import: ``roformer_dist.errors``, ``roformer_dist.config`` (the run directory mode), ``data_pipeline.atomic``
 (the lock record's atomic write), the standard library, torch.distributed and tensorboard (lazily).

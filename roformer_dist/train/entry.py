@@ -3,13 +3,15 @@
 The torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) must be set
 by whoever started it (``roformer-train``'s spawner, torchrun, or the SLURM launcher). It returns
 ``EXIT_DONE`` when the curriculum is finished or ``trainer.stop_at_step`` is reached, ``EXIT_REQUEUE``
-after a stop signal (a complete checkpoint was saved; run again to continue), ``EXIT_NONFINITE`` after
+after a stop signal (a complete checkpoint was saved, or the signal came while a JIT build of
+DeepSpeed's ops was awaited; run again to continue), ``EXIT_NONFINITE`` after
 too many consecutive non-finite losses, and raises the errors of :mod:`roformer_dist.errors` (config,
 data, checkpoint, lock, storage) for its caller to report.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -19,8 +21,8 @@ import torch.distributed as dist
 
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
-from roformer_dist.errors import EXIT_DONE, ConfigError, RunLockedError, StorageError
-from roformer_dist.runtime.build_locks import clear_stale_build_locks
+from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, ConfigError, RunLockedError, StorageError
+from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
 from roformer_dist.runtime.runlock import RunLock
@@ -30,14 +32,23 @@ from roformer_dist.train.trainer import Trainer
 
 __all__ = ["run_rank", "init_distributed"]
 
+log = logging.getLogger(__name__)
 
-def init_distributed(cfg: Config, env: DistEnv) -> None:
-    """The process group (the project's one bootstrap), then DeepSpeed's communication on top of it."""
+
+def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None) -> bool:
+    """The process group (the project's one bootstrap), then DeepSpeed's communication on top of it.
+
+    DeepSpeed may JIT-build an op here; a lock left by a killed build is removed first and a live build
+    waited for (``runtime.jit_builds``). False: ``stop`` was requested during that wait, and DeepSpeed
+    is not initialised."""
     backend = init_process_group(env, cfg.dist.backend, cfg.dist.timeout_s)
-    clear_stale_build_locks()  # DeepSpeed may JIT-build an op here: a killed build's lock would hang it
+    use_environment_extensions_dir()
+    if not wait_for_build_locks(should_stop=lambda: stop is not None and stop.requested):
+        return False
     import deepspeed  # heavy: only a training rank needs it
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return True
 
 
 def _take_run_lock(cfg: Config, env: DistEnv, stop: StopFlag):
@@ -79,7 +90,12 @@ def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[F
         local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     own_group = not dist.is_initialized()
-    init_distributed(cfg, env)
+    if not init_distributed(cfg, env, stop):
+        log.warning("stopped (%s) while waiting for a JIT build of DeepSpeed's ops: nothing was trained in this "
+                    "launch; the newest complete checkpoint stays latest", stop.name)
+        if own_group:
+            dist.destroy_process_group()
+        return EXIT_REQUEUE
     lock = _take_run_lock(cfg, env, stop) if hold_lock else None
     try:
         setup_logging(cfg, env.rank)
