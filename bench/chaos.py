@@ -17,14 +17,16 @@ scratch to its last step; before or during its launches a seeded schedule inject
   dead process; a full disk (the run directories live on a tmpfs that is shrunk for one launch;
   skipped, with the reason, when no tmpfs can be mounted);
 - a second fault while the next launch recovers from the first (early in its start-up or right after
-  its checkpoint is loaded).
+  its checkpoint is loaded);
+- now and then, SIGKILL to the group while DeepSpeed JIT-builds its op (the episode's own
+  ``TORCH_EXTENSIONS_DIR`` from then on, its built op deleted first): torch's build lock is left behind.
 
 After each fault the same command is launched again, as a user or SLURM would, until the run exits 0.
 Watched while it runs: ``latest`` never names a checkpoint without COMPLETE (read every 20 ms), no
 process of a launch outlives it, no traceback, no hang. Checked at the end of each episode against the
 uninterrupted run: every step's loss in ``metrics.jsonl`` once and bit-equal, the final weights equal,
 TensorBoard's scalars with the same steps (and, outside ``perf/``, the same values), no temporary file,
-marker or lock record left in the run directory, no incomplete checkpoint.
+marker or lock record left in the run directory, no incomplete checkpoint, no JIT build lock left.
 
     python bench/chaos.py --faults 200          # the campaign (about an hour on 2 cores)
     python bench/chaos.py --tiny                # ~10 faults on one layout, a few minutes (make test runs it)
@@ -58,6 +60,7 @@ from _common import REPO, child_env, load_average, peoples_daily_lines, print_ta
     tiny_dir
 
 from roformer_dist.runtime.faults import ACTIONS
+from roformer_dist.runtime.jit_builds import lock_holders
 from roformer_dist.testing import live_group_members
 
 DEBUG = REPO / "configs" / "experiments" / "debug.yaml"
@@ -80,6 +83,8 @@ LEFTOVER = re.compile(r"^\..+\.tmp\d+-[0-9a-f]{8}$|^\.written\.\d+$|^\.failed\.\
 """Temporary files and markers of the writers (data_pipeline/atomic.py, checkpoint/async_save.py, store.check_writable)."""
 STEP_DELAY_S = "0.2"
 """ROFORMER_STEP_DELAY_S of the campaign's launches: steps long enough for wall-time faults to land in them."""
+JIT_BUILD_SHARE = 0.03
+"""The chance that a fault drawn before a launch is a kill during a JIT build (each costs a build of the op)."""
 EXIT_DONE, EXIT_REQUEUE, EXIT_STORAGE = 0, 75, 74
 
 
@@ -173,6 +178,8 @@ class Fault:
     delivered: bool = False
     steps_at_signal: int = 0
     """Wall-time faults: the steps recorded when the signal was sent."""
+    build_lock: Optional[Path] = None
+    """JIT-build faults: SIGKILL to the group once torch's build lock is there."""
 
 
 @dataclass
@@ -207,10 +214,10 @@ class LatestWatch(threading.Thread):
 
 
 def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Optional[Fault], timeout_s: float,
-           log) -> Launch:
-    """One launch of ``cmd``, with ``fault`` (a wall-time or point fault) while it runs; ``before``: the fault
-    made before it, for the log."""
-    env = child_env(ROFORMER_STEP_DELAY_S=STEP_DELAY_S, **(fault.env if fault else {}))
+           log, extra_env: dict) -> Launch:
+    """One launch of ``cmd``, with ``fault`` (a wall-time, point or JIT-build fault) while it runs; ``before``:
+    the fault made before it, for the log."""
+    env = child_env(ROFORMER_STEP_DELAY_S=STEP_DELAY_S, **extra_env, **(fault.env if fault else {}))
     watch = LatestWatch(run_dir)
     watch.start()
     started, t0 = time.time(), time.monotonic()
@@ -221,6 +228,8 @@ def launch(cmd: list[str], run_dir: Path, before: Optional[Fault], fault: Option
     problems = []
     if fault is not None and fault.at_s is not None:
         _signal_at(proc, fault, t0, run_dir)
+    elif fault is not None and fault.build_lock is not None:
+        _kill_during_build(proc, fault, run_dir)
     try:
         rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
@@ -281,6 +290,20 @@ def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -
         fault.steps_at_signal = len(metrics(run_dir))
 
 
+def _kill_during_build(proc: subprocess.Popen, fault: Fault, run_dir: Path) -> None:
+    """SIGKILL the group 2 s after a rank took torch's build lock of DeepSpeed's op (the compiler at work)."""
+    deadline = time.monotonic() + 120
+    while not lock_holders(fault.build_lock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+    time.sleep(2)
+    if proc.poll() is None and fault.build_lock.exists():
+        os.killpg(proc.pid, signal.SIGKILL)
+        fault.delivered = True
+        fault.steps_at_signal = len(metrics(run_dir))
+
+
 # ----------------------------------------------------------------------------------------- the schedule
 
 class Schedule:
@@ -295,6 +318,8 @@ class Schedule:
     def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
         """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
         rng = self.rng
+        if not runtime_only and rng.random() < JIT_BUILD_SHARE:
+            return Fault("jit-build", f"#{index} kill-group during the JIT build of DeepSpeed's op")
         kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
         if kind == "damage" and len(complete_checkpoints(run_dir)) < 2:
             kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
@@ -484,6 +509,10 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
     run = disk.path / f"episode{idx:03d}-{layout}"
     shutil.rmtree(run, ignore_errors=True)
     cmd = command(data, run, layout)
+    extensions = out / "extensions"
+    shutil.rmtree(extensions / run.name, ignore_errors=True)
+    extra_env: dict = {}
+    """TORCH_EXTENSIONS_DIR from the episode's first JIT-build fault on: its own (where build locks are left)."""
     delivered, launches, recovering = 0, 0, None
     reached_before: Optional[int] = None
     while True:
@@ -494,14 +523,21 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             fault, recovering = recovering, None
         elif delivered < budget:
             fault = schedule.draw(run, tally.launches)
-        if fault is not None and fault.at_s is None and not fault.env:
+        if fault is not None and fault.kind == "jit-build":
+            op = extensions / run.name / "deepspeed_shm_comm"
+            for built in op.glob("*"):
+                if built.name != "lock":  # (one a kill before left stays: the launch must clear it first)
+                    built.unlink()
+            extra_env["TORCH_EXTENSIONS_DIR"] = str(op.parent)
+            fault.build_lock = op / "lock"
+        elif fault is not None and fault.at_s is None and not fault.env:
             before, fault = fault, None
             before.detail += ": " + (damage(run, schedule.rng) if before.kind == "damage" else
                                      stale_lock(run) if before.kind == "stale-lock" else disk.fill())
             before.delivered = True
             if before.kind != "disk-full" and delivered + 1 < budget:  # and one while it runs
                 fault = schedule.draw(run, tally.launches, runtime_only=True)
-        result = launch(cmd, run, before, fault, args.launch_timeout, log)
+        result = launch(cmd, run, before, fault, args.launch_timeout, log, extra_env)
         if before is not None and before.kind == "disk-full":
             disk.restore()
         launches += 1
@@ -536,6 +572,8 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             break
     tally.relaunches += launches - 1
     found = oracle(run, ref)
+    found += [f"a JIT build lock left: {lock}" for lock in (extensions / run.name).glob("*/lock")]
+    shutil.rmtree(extensions / run.name, ignore_errors=True)
     tally.violations += [f"episode {idx} ({layout}), at the end: {p}" for p in found]
     if found or args.keep:
         kept = out / "kept" / run.name
