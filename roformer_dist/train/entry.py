@@ -22,8 +22,8 @@ import torch.distributed as dist
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, ConfigError, RunLockedError, StorageError
-from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.faults import Faults
+from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
