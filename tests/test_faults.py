@@ -6,7 +6,7 @@ at a fixed point:
   shows every step once with the values of the uninterrupted run (events are flushed before a checkpoint
   commits, the eval of a step comes before its save, a fresh start purges the events a killed launch
   left, the mixture's share window is saved with the checkpoint, an eval a stop skipped is run by the
-  next launch);
+  next launch); an asynchronous save killed right after COMPLETE leaves no marker in its checkpoint;
 - a DataLoader worker whose training process was killed says nothing of the broken connection, nor does a
   rank whose collective failed because its peer died;
 - the lock file of a DeepSpeed op build killed mid-way no longer makes the next launch wait (forever, or
@@ -137,6 +137,22 @@ def test_a_rank_that_loses_its_peer_leaves_the_report_to_the_launcher(small_shar
     rc, out = _launch(over, {"ROFORMER_FAULT_AT": "loader.state@1:kill@1"})
     assert rc == 1 and "fault injected: loader.state@1:kill@1" in out
     assert "rank 1 was killed by SIGKILL; the other ranks were stopped" in out
+
+
+@pytest.mark.slow
+def test_an_async_save_killed_before_latest_leaves_no_marker_in_its_checkpoint(small_shards, tmp_path):
+    """Killed between COMPLETE and the rename of `latest`, an asynchronous save left the ranks' `.written.<r>`
+    markers in a checkpoint that the next launch resumes from and keeps (bench/chaos.py, seed 0, episode 30)."""
+    run = tmp_path / "run"
+    over = cli_overrides(small_shards, run, "trainer.save_every=2", "trainer.stop_at_step=2", "checkpoint.async=true")
+    rc, out = _launch(over, {"ROFORMER_FAULT_AT": "save.before_latest@1:kill-group@0"})
+    assert rc == -9 and "fault injected" in out
+    step2 = run / "checkpoints" / "step_00000002"
+    assert (step2 / "COMPLETE").exists() and not (run / "checkpoints" / "latest").exists()
+    rc, out = _launch(over)  # nothing left to train: it resumes from step 2 and points `latest` at it
+    assert rc == EXIT_DONE, out[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == step2.name
+    assert sorted(p.name for p in step2.iterdir() if p.name.startswith(".")) == []
 
 
 def _age(directory, seconds):

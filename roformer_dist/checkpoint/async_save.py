@@ -6,7 +6,8 @@ DeepSpeed's files and the trainer state are serialised into host memory (``paral
 the collectives DeepSpeed runs in a save still run here), and a background thread takes the bytes. The
 thread writes each file atomically (temporary file, fsync, rename), then its rank's marker
 ``.written.<rank>`` (or ``.failed.<rank>`` with the reason). On rank 0 the thread then waits for every
-rank's marker and commits (:func:`store.commit`: COMPLETE, then ``latest``, then pruning). No collective
+rank's marker, removes the markers and commits (:func:`store.commit`: COMPLETE, then ``latest``, then
+pruning). No collective
 runs in a background thread: the ranks meet through the markers in the checkpoint directory, which
 every rank already shares.
 
@@ -119,9 +120,9 @@ class AsyncSaver:
             atomic_write_text(ckpt_dir / f"{WRITTEN}{self.rank}", f"{time.time()}\n")
             if self.rank == 0:
                 self._wait_for_ranks(ckpt_dir)
-                store.commit(self.ckpt_root, step, self.world_size, self.keep_last, self.faults)
-                for r in range(self.world_size):
+                for r in range(self.world_size):  # before COMPLETE: a kill after it leaves no marker in a checkpoint
                     (ckpt_dir / f"{WRITTEN}{r}").unlink(missing_ok=True)
+                store.commit(self.ckpt_root, step, self.world_size, self.keep_last, self.faults)
                 log.info("saved checkpoint %s in the background in %.1f s", ckpt_dir, time.monotonic() - t0)
         except (OSError, RuntimeError, CheckpointError) as e:
             self._error = self._failure(e, ckpt_dir, tag)
