@@ -3,8 +3,8 @@
 The torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) must be set
 by whoever started it (``roformer-train``'s spawner, torchrun, or the SLURM launcher). It returns
 ``EXIT_DONE`` when the curriculum is finished or ``trainer.stop_at_step`` is reached, ``EXIT_REQUEUE``
-after a stop signal (a complete checkpoint was saved, or the signal came while a JIT build of
-DeepSpeed's ops was awaited; run again to continue), ``EXIT_NONFINITE`` after
+after a stop signal (a complete checkpoint was saved, or the signal came while DeepSpeed's ops were
+loaded or built; run again to continue), ``EXIT_NONFINITE`` after
 too many consecutive non-finite losses, and raises the errors of :mod:`roformer_dist.errors` (config,
 data, checkpoint, lock, storage) for its caller to report.
 """
@@ -38,16 +38,22 @@ log = logging.getLogger(__name__)
 def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None) -> bool:
     """The process group (the project's one bootstrap), then DeepSpeed's communication on top of it.
 
-    DeepSpeed may JIT-build an op here; a lock left by a killed build is removed first and a live build
-    waited for (``runtime.jit_builds``). False: ``stop`` was requested during that wait, and DeepSpeed
-    is not initialised."""
+    DeepSpeed loads (on first use JIT-builds) an op here; a lock left by a killed build is removed first
+    and a live build waited for (``runtime.jit_builds``). False: ``stop`` was requested during that wait,
+    or during the load, which the same signal failed (torch runs ninja in this process group); DeepSpeed
+    is then not initialised."""
     backend = init_process_group(env, cfg.dist.backend, cfg.dist.timeout_s)
     use_environment_extensions_dir()
     if not wait_for_build_locks(should_stop=lambda: stop is not None and stop.requested):
         return False
     import deepspeed  # heavy: only a training rank needs it
 
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    except Exception:
+        if stop is not None and stop.requested:
+            return False  # torch runs ninja in this process group to load the op: the stop signal ended it too
+        raise
     return True
 
 
@@ -91,7 +97,7 @@ def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[F
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     own_group = not dist.is_initialized()
     if not init_distributed(cfg, env, stop):
-        log.warning("stopped (%s) while waiting for a JIT build of DeepSpeed's ops: nothing was trained in this "
+        log.warning("stopped (%s) while DeepSpeed's ops were being loaded or built: nothing was trained in this "
                     "launch; the newest complete checkpoint stays latest", stop.name)
         if own_group:
             dist.destroy_process_group()
