@@ -28,6 +28,7 @@ import pytest
 
 from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.faults import Faults, PointFault
+from roformer_dist.runtime.jit_builds import lock_holders
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
 from trainer_runs import cli_overrides, records, run_cli, wait_for_group_gone
 
@@ -243,8 +244,6 @@ def test_each_python_environment_builds_into_its_own_directory(tmp_path):
 
 def _when_building(proc, lock, timeout=120):
     """Wait until a rank of ``proc`` holds torch's build ``lock``, then 2 s more (the compiler at work)."""
-    from roformer_dist.runtime.jit_builds import lock_holders
-
     deadline = time.monotonic() + timeout
     while not lock_holders(lock):
         assert proc.poll() is None and time.monotonic() < deadline, "the launch never built the op"
@@ -254,8 +253,9 @@ def _when_building(proc, lock, timeout=120):
 
 @pytest.mark.slow
 def test_a_launch_killed_or_stopped_while_building_deepspeeds_op(small_shards, tmp_path):
-    """Killed during the JIT build of DeepSpeed's op (a fresh TORCH_EXTENSIONS_DIR), a launch leaves torch's
-    `lock` file: the next launch must remove it at once and build the op again, not wait for it. SIGINT to
+    """A rank killed during the JIT build of DeepSpeed's op (a fresh TORCH_EXTENSIONS_DIR) leaves torch's
+    `lock` file, and its ninja, which the launcher ends with the launch (bench/chaos.py found it running
+    on). The next launch must remove the lock at once and build the op again, not wait for it. SIGINT to
     that launch's group while it builds (bench/chaos.py found it: ninja, in the group, was interrupted and
     the load failed with a traceback on every rank) stops it with 75, and the launch after it builds the
     op and trains."""
@@ -264,9 +264,12 @@ def test_a_launch_killed_or_stopped_while_building_deepspeeds_op(small_shards, t
     over = cli_overrides(small_shards, tmp_path / "run", "trainer.stop_at_step=2")
     proc = run_cli(over, {"TORCH_EXTENSIONS_DIR": str(ext)})
     _when_building(proc, lock)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert wait_for_group_gone(proc.pid) == [] and lock.exists()
+    builder = lock_holders(lock)[0]
+    os.kill(builder, signal.SIGKILL)  # the building rank: its ninja and compilers are orphans now
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "was killed by SIGKILL; the other ranks were stopped" in out, out[-3000:]
+    assert wait_for_group_gone(proc.pid, timeout=2) == [], "the killed rank's ninja outlived the launch"
+    assert lock.exists()
     proc = run_cli(over, {"TORCH_EXTENSIONS_DIR": str(ext)})
     _when_building(proc, lock)
     os.killpg(proc.pid, signal.SIGINT)

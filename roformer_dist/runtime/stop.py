@@ -35,7 +35,7 @@ from typing import Callable, NoReturn, Optional
 
 from roformer_dist.errors import EXIT_ABORTED, EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE
 
-__all__ = ["StopFlag", "blocked_stop_signals", "die_with_parent", "exit_now", "kill_tree", "EXIT_DONE", "EXIT_REQUEUE", "EXIT_NONFINITE",
+__all__ = ["StopFlag", "adopt_orphans", "blocked_stop_signals", "children", "die_with_parent", "exit_now", "kill_tree", "EXIT_DONE", "EXIT_REQUEUE", "EXIT_NONFINITE",
            "EXIT_ABORTED", "STOP_SIGNALS"]
 
 log = logging.getLogger(__name__)
@@ -130,16 +130,22 @@ def ignore_late_stop_signals() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in task.read_text().split()]
+    return out
+
+
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc; empty elsewhere)."""
+    """Every process below ``pid``."""
     out, todo = [], [pid]
     while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError, ValueError):
-                kids = [int(c) for c in task.read_text().split()]
-                out += kids
-                todo += kids
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
     return out
 
 
@@ -191,6 +197,25 @@ def blocked_stop_signals():
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, arg: int) -> bool:
+    """Linux ``prctl(option, arg)``; False where it is not available or refused."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def adopt_orphans() -> bool:
+    """Make this process the parent of its descendants' orphans (Linux ``PR_SET_CHILD_SUBREAPER``), so a
+    launcher can end what a killed rank's own children (torch's ninja and compilers during a JIT build)
+    would otherwise go on running after the launch. False where it is not available."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
@@ -198,13 +223,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
     Linux: ``prctl(PR_SET_PDEATHSIG)``; elsewhere a daemon thread polls the parent pid once a second.
     Either way, a parent that died before this call is noticed at once."""
-    armed = False
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-        except OSError:
-            armed = False
+    armed = _prctl(_PR_SET_PDEATHSIG, int(sig))
     if os.getppid() != parent_pid:
         os._exit(1)  # the launcher is already gone
     if armed:

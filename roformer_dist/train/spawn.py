@@ -9,6 +9,7 @@ ranks will resume from before any of them starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -18,12 +19,11 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from roformer_dist.checkpoint import store as ckpt
-from roformer_dist.checkpoint.compat import check_compatible
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_BUG, EXIT_REQUEUE, exit_status
 from roformer_dist.runtime.process_group import free_port, peer_lost
-from roformer_dist.runtime.stop import StopFlag, blocked_stop_signals, die_with_parent, exit_now, kill_tree
+from roformer_dist.runtime.stop import StopFlag, adopt_orphans, blocked_stop_signals, children, die_with_parent, exit_now, \
+    kill_tree
 from roformer_dist.train.entry import run_rank
 
 __all__ = ["spawn_local", "check_resume"]
@@ -86,6 +86,7 @@ def spawn_local(cfg: Config, stop: StopFlag) -> int:
         print(f"roformer-train: stopped by {stop.name} before training started", file=sys.stderr)
         return EXIT_REQUEUE
 
+    adopt_orphans()
     with tempfile.TemporaryDirectory(prefix="roformer-train-") as errors_dir:
         with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
             procs.extend(ctx.Process(target=_rank_main, args=(r, world, port, cfg, status, os.getpid(), errors_dir))
@@ -106,6 +107,7 @@ def spawn_local(cfg: Config, stop: StopFlag) -> int:
             procs[0].join(timeout=0.2)
         for p in procs:
             p.join()
+        _end_adopted(keep={p.pid for p in procs})
         if failed is None:  # all ended in the same instant
             failed = next(((r, p.exitcode) for r, p in enumerate(procs) if status[r] == -1), None)
         messages = _rank_messages(errors_dir)
@@ -126,6 +128,21 @@ def spawn_local(cfg: Config, stop: StopFlag) -> int:
     codes = [status[r] for r in range(world)]
     bad = [c for c in codes if c != 0]
     return bad[0] if bad else 0
+
+
+def _end_adopted(keep: set[int]) -> None:
+    """End what the ranks' children left running (adopted by this launcher, ``adopt_orphans``): a rank
+    killed while DeepSpeed JIT-built its op leaves torch's ninja and the compilers under it, which would
+    outlive the launch and write into the build directory the next launch builds in. multiprocessing's
+    resource tracker stays (it ends with this process)."""
+    from multiprocessing import resource_tracker
+
+    keep = keep | {getattr(resource_tracker._resource_tracker, "_pid", None)}
+    for pid in children(os.getpid()):
+        if pid not in keep:
+            kill_tree(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def check_warm_start(cfg: Config, manifest: dict) -> None:
