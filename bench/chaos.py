@@ -28,7 +28,7 @@ uninterrupted run: every step's loss in ``metrics.jsonl`` once and bit-equal, th
 TensorBoard's scalars with the same steps (and, outside ``perf/``, the same values), no temporary file,
 marker or lock record left in the run directory, no incomplete checkpoint, no JIT build lock left.
 
-    python bench/chaos.py --faults 200          # the campaign (about an hour on 2 cores)
+    python bench/chaos.py --faults 200          # the campaign (30-40 minutes on 2 cores)
     python bench/chaos.py --tiny                # ~10 faults on one layout, a few minutes (make test runs it)
 
 Prints a table (faults by kind, relaunches, steps re-done, violations) and one JSON line; exits 1 when
