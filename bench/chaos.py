@@ -61,6 +61,7 @@ from _common import REPO, child_env, load_average, peoples_daily_lines, print_ta
 
 from roformer_dist.runtime.faults import ACTIONS
 from roformer_dist.runtime.jit_builds import lock_holders
+from roformer_dist.runtime.stop import children
 from roformer_dist.testing import live_group_members
 
 DEBUG = REPO / "configs" / "experiments" / "debug.yaml"
@@ -150,17 +151,12 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def rank_pids(launcher: int) -> list[int]:
     """The launcher's rank processes (spawned children; multiprocessing's resource tracker left out)."""
     out = []
-    for task in Path(f"/proc/{launcher}/task").glob("*/children"):
+    for p in children(launcher):
         try:
-            pids = [int(p) for p in task.read_text().split()]
-        except (OSError, ValueError):
-            continue
-        for p in pids:
-            try:
-                if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
-                    out.append(p)
-            except OSError:
-                pass
+            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+                out.append(p)
+        except OSError:
+            pass
     return sorted(out)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from roformer_dist.testing import live_group_members, run_distributed
 from roformer_dist.config import load_config
+from roformer_dist.runtime.stop import children  # noqa: F401  (re-exported to the tests)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG = ROOT / "configs" / "experiments" / "debug.yaml"
@@ -112,11 +113,6 @@ def wait_for_step(run_dir, step, proc, timeout=240, newer_than: float = 0.0):
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
 
 
 def rank_pids(proc, world_size=2):

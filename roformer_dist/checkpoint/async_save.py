@@ -7,9 +7,8 @@ the collectives DeepSpeed runs in a save still run here), and a background threa
 thread writes each file atomically (temporary file, fsync, rename), then its rank's marker
 ``.written.<rank>`` (or ``.failed.<rank>`` with the reason). On rank 0 the thread then waits for every
 rank's marker, removes the markers and commits (:func:`store.commit`: COMPLETE, then ``latest``, then
-pruning). No collective
-runs in a background thread: the ranks meet through the markers in the checkpoint directory, which
-every rank already shares.
+pruning). No collective runs in a background thread: the ranks meet through the markers in the
+checkpoint directory, which every rank already shares.
 
 So COMPLETE still appears only when every rank's files are durable, and ``latest`` only after it. A
 failed background write is raised as the synchronous one is (StorageError, exit 74) at the next step,
