@@ -13,10 +13,10 @@ export PYTHONUNBUFFERED := 1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip wheel setuptools
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" -c constraints.txt
 	@touch $(STAMP)
 
 ## the demo: People's Daily 1998 + reviews -> tokenizer + shards -> 2-rank ZeRO-2 curriculum run -> eval beside
