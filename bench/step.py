@@ -38,7 +38,8 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 import torch
 
 from roformer_dist.config import ModelConfig
-from roformer_dist.nn.model import RoFormerForMaskedLM
+from roformer_dist.nn.model import RoFormerForMaskedLM, predicted_index, set_rotary_kernel
+from roformer_dist.nn.rotary import model_kernel
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,7 +91,7 @@ def make_batch(a, device):
     masked = torch.rand(a.batch, a.seq, generator=g) < a.mask_prob
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
     ids = torch.where(masked, torch.full_like(ids, 4), ids)  # [MASK] = 4
-    return ids.to(device), labels.to(device)
+    return ids.to(device), labels.to(device), predicted_index(labels).to(device)
 
 
 def build(a, which: str):
@@ -105,6 +106,8 @@ def build(a, which: str):
     else:
         model = ours
     model = model.to(device=a.device, dtype=dtype).train()
+    if which != "hf":  # the kernel is chosen before the forward, as the trainer does
+        set_rotary_kernel(model, model_kernel(a.rotary_backend, a.device))
     if which == "compiled":
         import tempfile
 
@@ -115,11 +118,11 @@ def build(a, which: str):
     return model
 
 
-def step_fn(model, which: str, ids, labels):
+def step_fn(model, which: str, ids, labels, predicted):
     def step():
         model.zero_grad(set_to_none=True)
-        if which in ("ours", "compiled"):
-            loss = model(ids, labels=labels).loss
+        if which in ("ours", "compiled"):  # the predicted positions come from the host, as in the trainer
+            loss = model(ids, labels=labels, predicted=predicted).loss
         else:
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -131,8 +134,8 @@ def memory_worker(a) -> None:
     """Runs in a subprocess: prints {"peak_delta": bytes, "rss_before": bytes}."""
     torch.set_num_threads(a.threads)
     model = build(a, a.memory_worker)
-    ids, labels = make_batch(a, a.device)
-    step = step_fn(model, a.memory_worker, ids, labels)
+    ids, labels, predicted = make_batch(a, a.device)
+    step = step_fn(model, a.memory_worker, ids, labels, predicted)
     step()
     model.zero_grad(set_to_none=True)
     before = C.reset_peak_rss()
@@ -171,12 +174,12 @@ def main(argv=None) -> None:
     model_config(a)  # a preset fills in the dimensions printed below
     if a.attention != "softmax" and not a.ours_only:
         raise SystemExit("--attention linear has no HF equivalent: add --ours-only")
-    ids, labels = make_batch(a, a.device)
+    ids, labels, predicted = make_batch(a, a.device)
     names = ["ours"] if a.ours_only else ["ours", "hf"]
     if a.compile:
         names.append("compiled")
     models = {n: build(a, n) for n in names}
-    steps = {n: step_fn(models[n], n, ids, labels) for n in names}
+    steps = {n: step_fn(models[n], n, ids, labels, predicted) for n in names}
     losses, compile_s = {}, None
     for n in names:
         t0 = time.perf_counter()

@@ -59,7 +59,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -417,6 +417,7 @@ class _RankDataset(IterableDataset):
         self.skip_bad, self.verify, self.max_epochs = loader.skip_bad_shards, loader.verify_hash, loader.max_epochs
         self.dp_rank, self.slots_per_rank = loader.dp_rank, loader.slots_per_rank
         self.slot_states, self.credits, self.rotate = slot_states, credits, rotate
+        self.prepare = loader.prepare
 
     def __iter__(self):
         info = get_worker_info()
@@ -428,7 +429,10 @@ class _RankDataset(IterableDataset):
                               self.slot_states[s.name][slot], s.epoch_limit(self.max_epochs)) for s in self.sets]
         for batch, info in slot_batches(sources, self.credits[slot], self.share, slot=int(slot), **self.kw):
             info.local = local
-            yield {k: torch.from_numpy(v) for k, v in batch.items()}, info
+            tensors = {k: torch.from_numpy(v) for k, v in batch.items()}
+            if self.prepare is not None:
+                tensors.update(self.prepare(tensors))
+            yield tensors, info
 
 
 def _identity(x):
@@ -526,6 +530,9 @@ class ShardLoader:
     ``num_workers=0`` loads in the calling process and gives exactly the batches of
     ``num_workers=1``. Any number of shards works on any number of slots, as long as every set has a
     document per slot (:mod:`.slots`).
+    ``prepare``: a picklable function of a batch's tensors whose entries are added to the batch, run in the
+    workers (the trainer's: what the model would otherwise compute from the batch on its device, e.g. the
+    layout of the packed documents); the tokens, masks and the loader's state do not depend on it.
     """
 
     def __init__(self, shards, *, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
@@ -533,7 +540,7 @@ class ShardLoader:
                  skip_bad_shards: bool = False, pin_memory: bool = False, max_epochs: Optional[int] = None,
                  verify_hash: bool = True, prefetch_factor: int = 2, multiprocessing_context: Optional[str] = "auto",
                  retry: Optional[RetryPolicy] = None, packing: str = "document",
-                 weights: Optional[dict] = None):
+                 weights: Optional[dict] = None, prepare: Optional[Callable[[dict], dict]] = None):
         if seq_len < 3:
             raise UsageError(f"seq_len: expected at least 3 ([CLS] token [SEP]), got {seq_len}")
         if micro_batch_size < 1:
@@ -548,7 +555,7 @@ class ShardLoader:
             raise UsageError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
         if max_epochs is not None and max_epochs < 1:
             raise UsageError(f"max_epochs: expected None or >= 1, got {max_epochs}")
-        self.packing = packing
+        self.packing, self.prepare = packing, prepare
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
         self.seed, self.mlm_probability, self.whole_word_mask = seed, mlm_probability, whole_word_mask

@@ -323,9 +323,12 @@ class TrainerConfig:
     eval_every: int = 1000
     """Evaluate every N steps (0 = only at stage ends)."""
     log_every: int = 10
-    """Console line and TensorBoard scalars every N steps."""
+    """Console line and TensorBoard scalars every N steps. The steps' losses are read from the device at
+    log steps (and saves and stops) only: a read waits for the device, so a GPU runs ahead in between."""
     max_nonfinite_steps: int = 5
-    """Stop (with a checkpoint of the last good state) after this many consecutive NaN/inf losses."""
+    """Stop (with a checkpoint of the last good state) when this many consecutive NaN/inf losses end the
+    steps read so far: checked where the losses are read (log steps, saves, stops), so a run of non-finite
+    steps that later steps recovered from before the read is counted, warned about, and not stopped for."""
     compile: bool = False
     """``torch.compile`` the model once per curriculum stage (static shapes); not with pipeline stages,
     tensor parallelism or ZeRO-3."""

@@ -79,7 +79,7 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
     it = batches(first_step, runner.dp_rank, runner.dp_size) if runner.reads_data else None
     losses, accs = [], []
     for _ in range(steps):
-        out = runner.train_step(it)
+        out = runner.read_stats([runner.train_step(it)])[0]
         losses.append(out.loss)
         accs.append(out.mlm_acc)
     ev = runner.eval_step(micro_batch(99, 0))

@@ -90,6 +90,10 @@ class FakeRunner:
                          num_tokens=100, num_samples=8, num_nonfinite=int(bad),
                          num_stop_requests=int(stop or self.step in self.stop_at))
 
+    def read_stats(self, steps):
+        self.events.append(("read", len(steps)))
+        return list(steps)
+
     def grad_norm(self):
         return 1.0
 
@@ -124,7 +128,7 @@ class FakeMetrics:
         pass
 
 
-def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_FAULTS):
+def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_FAULTS, full=False):
     """Trainer.fit over the debug curriculum with a fake runner, loader and metrics; returns (status, events)."""
     from roformer_dist.runtime.process_group import DistEnv
     from roformer_dist.train.trainer import Trainer
@@ -150,7 +154,7 @@ def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_
         status = t.fit()
     except DataError as e:
         status = e
-    return status, [e for e in events if e[0] in ("step", "save", "eval", "stage")], t
+    return status, events if full else [e for e in events if e[0] in ("step", "save", "eval", "stage")], t
 
 
 def test_loop_order_is_step_record_eval_save():
@@ -178,9 +182,27 @@ def test_loop_signal_mid_stage_saves_that_step():
 
 
 def test_loop_nonfinite_losses_stop_with_a_save():
-    status, events, t = loop("trainer.max_nonfinite_steps=2", nonfinite_at={3, 4})
+    status, events, t = loop("trainer.max_nonfinite_steps=2", "trainer.log_every=1", nonfinite_at={3, 4})
     assert status == EXIT_NONFINITE and events[-2:] == [("step", 4), ("save", 4)]
     assert t.state.nonfinite_total == 2 and t.last_good == 2
+
+
+def test_loop_nonfinite_losses_are_counted_where_the_steps_are_read():
+    """Losses are read at log, save and stop steps only (a read waits for the device): a run of non-finite
+    steps is judged at the read, by the run that ends the steps read."""
+    status, events, t = loop("trainer.max_nonfinite_steps=2", nonfinite_at={3, 4, 5, 6})
+    assert status == EXIT_NONFINITE and events[-2:] == [("step", 6), ("save", 6)]  # read at the stage end
+    assert t.state.nonfinite_total == 4 and t.last_good == 2
+    status, events, t = loop("trainer.max_nonfinite_steps=2", nonfinite_at={3, 4})  # step 5 recovered
+    assert status == EXIT_DONE and t.state.nonfinite_total == 2 and t.state.consecutive_nonfinite == 0
+
+
+def test_loop_reads_the_device_statistics_only_at_log_save_and_stop_steps():
+    _, events, _ = loop("trainer.log_every=3", "trainer.save_every=0", "trainer.eval_every=0",
+                        "trainer.stop_at_step=9", full=True)
+    reads = [(prev[1], e[1]) for prev, e in zip(events, events[1:]) if e[0] == "read"]
+    # log steps 3, 6 (also the stage end) and 9 (the last step): each reads the steps since the last read
+    assert reads == [(3, 3), (6, 3), (9, 3)]
 
 
 def test_loop_failing_eval_saves_its_step_first():

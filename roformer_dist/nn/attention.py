@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from roformer_dist.config import AttentionKind
 from roformer_dist.nn import documents
 from roformer_dist.nn.documents import DocumentPlan, RowMask
-from roformer_dist.nn.rotary import rotate_pair
+from roformer_dist.nn.rotary import run_kernel
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     if key_mask is not None:
         phi_k = phi_k * key_mask[:, :, None, None].to(phi_k.dtype)  # padding out of both sums
     if cos is not None:
-        rot_q, rot_k = rotate_pair(phi_q, phi_k, cos, sin, kernel)
+        rot_q, rot_k = run_kernel(kernel, phi_q, phi_k, cos, sin)
     else:
         rot_q, rot_k = phi_q, phi_k
     kv = torch.einsum("bshd,bshe->bhde", rot_k, v.float())       # sum_n R_n phi(k_n) v_n^T (B, H, D, D)
@@ -109,7 +109,8 @@ def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: RowMask,
     ``attn_mask``: bool (B, 1, 1, S), True = attend (softmax also takes an additive float mask), None,
     or a :class:`~roformer_dist.nn.documents.DocumentPlan` (attention inside each packed document; it
     carries its own rotary tables). ``cos``/``sin``: fp32 (S, D/2) rotary tables (or (B, S, D/2), one
-    per row), None for absolute positions. ``kernel``: the rotary kernel (``rotary.model_kernel``).
+    per row), None for absolute positions. ``kernel``: the rotary kernel (``rotary.model_kernel``, chosen
+    before the forward; called through ``rotary.run_kernel``, no resolution here).
     ``dropout_p``: on the softmax probabilities (0 in eval)."""
     if isinstance(attn_mask, DocumentPlan):
         if kind == "softmax" and documents.varlen_applies(attn_mask, qkv):
@@ -118,12 +119,12 @@ def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: RowMask,
     B, S = qkv.shape[:2]
     q, k, v = qkv.unbind(2)  # (B, S, H, D) views of one buffer
     if cos is not None and rotary_value:
-        v = rotate_pair(v, None, cos, sin, kernel)[0]
+        v = run_kernel(kernel, v, None, cos, sin)[0]
     if kind == "linear":
         ctx = linear_attention(q, k, v, key_padding_mask(attn_mask), cos, sin, kernel)  # (B, S, H, D)
         return ctx.reshape(B, S, -1)
     if cos is not None:
-        q, k = rotate_pair(q, k, cos, sin, kernel)
+        q, k = run_kernel(kernel, q, k, cos, sin)
     ctx = softmax_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p)
     return ctx.transpose(1, 2).reshape(B, S, -1)
 
@@ -155,8 +156,8 @@ def varlen_attention(qkv: torch.Tensor, plan: DocumentPlan, kernel: Optional[str
     q, k, v = tokens.unbind(2)
     if vl.cos is not None:
         if rotary_value:
-            v = rotate_pair(v, None, vl.cos, vl.sin, kernel)[0]
-        q, k = rotate_pair(q, k, vl.cos, vl.sin, kernel)
+            v = run_kernel(kernel, v, None, vl.cos, vl.sin)[0]
+        q, k = run_kernel(kernel, q, k, vl.cos, vl.sin)
     ctx = documents.varlen_kernel(q[0], k[0], v[0], vl.cu_seqlens, vl.max_len, dropout_p)   # (T, H, D)
     out = torch.cat([ctx.reshape(-1, H * D), qkv.new_zeros(1, H * D)])
     return out.index_select(0, plan.inverse).view(B, S, H * D)

@@ -46,7 +46,7 @@ kernel over the documents laid end to end (``cu_seqlens``) instead of the blocks
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Union
 
 import numpy as np
@@ -130,39 +130,89 @@ class Layout(NamedTuple):
     position_ids: Optional[torch.Tensor]  # (B, S) rows of learned absolute positions; None = 0..S-1
 
 
-def row_layout(attention_mask: Optional[torch.Tensor], restart: bool, cos: Optional[torch.Tensor] = None,
-               sin: Optional[torch.Tensor] = None, *, blocks_only: bool = False, varlen: bool = False) -> Layout:
-    """The layers' inputs for a (B, S) mask (see the module docstring). ``cos``/``sin``: the (S, D/2)
-    rotary tables of the row, None without rotary. ``blocks_only``: never the dense block-diagonal mask
-    (linear attention needs per-document sums). ``varlen``: also lay the documents out for a varlen
-    kernel. One copy of the mask to the host."""
-    if attention_mask is None:
-        return Layout(None, cos, sin, None)
-    B, S = attention_mask.shape
-    host = attention_mask.detach().cpu().numpy()
+# --------------------------------------------------------------------------- the host's part
+
+
+@dataclass
+class HostBlock:
+    """A block of :class:`RowPlan`: its shape and index tensors, no rotary tables yet."""
+    shape: tuple[int, int]              # (n, L)
+    key_mask: Optional[torch.Tensor]    # (n, 1, 1, L) bool; None: all documents of length L
+    keep: Optional[torch.Tensor]        # (k,) slots that hold tokens; None when all do
+    rows: Optional[torch.Tensor]        # (n * L,) each slot's row position (continue); None when restarting
+
+
+@dataclass
+class HostVarlen:
+    """:class:`Varlen` without its rotary tables."""
+    order: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+    rows: torch.Tensor                  # (T,) each packed token's position
+
+
+@dataclass
+class RowPlan:
+    """Everything :func:`row_layout` decides about a (B, S) mask, computed on the host from the mask alone:
+    plain CPU tensors and ints, so that the loader's workers compute it beside the batch
+    (``data_pipeline.loader.ShardLoader(prepare=...)``), the DataLoader pins it with the batch and one
+    :meth:`to` puts it on the device. The model then builds its :class:`Layout` (:func:`device_layout`)
+    without reading anything back from the device.
+
+    ``form``: ``whole`` (no mask), ``padding`` (a key-padding mask from the mask itself), ``blocks``
+    (a :class:`DocumentPlan`) or ``dense`` (a block-diagonal mask from ``doc``)."""
+    form: str
+    restart: bool
+    positions: Optional[torch.Tensor] = None   # (B, S) each token's position (blocks, dense)
+    blocks: list = field(default_factory=list)  # HostBlock per block
+    slots: Optional[torch.Tensor] = None
+    inverse: Optional[torch.Tensor] = None
+    lengths: Optional[np.ndarray] = None
+    varlen: Optional[HostVarlen] = None
+    doc: Optional[torch.Tensor] = None         # (B, S) each token's document over the batch, 0 = padding (dense)
+
+    def _map(self, fn) -> "RowPlan":
+        def t(x):
+            return None if x is None else fn(x)
+        return replace(self, positions=t(self.positions), slots=t(self.slots), inverse=t(self.inverse),
+                       doc=t(self.doc),
+                       blocks=[HostBlock(b.shape, t(b.key_mask), t(b.keep), t(b.rows)) for b in self.blocks],
+                       varlen=None if self.varlen is None else replace(
+                           self.varlen, order=fn(self.varlen.order), cu_seqlens=fn(self.varlen.cu_seqlens),
+                           rows=fn(self.varlen.rows)))
+
+    def to(self, device, non_blocking: bool = False) -> "RowPlan":
+        """The same plan with its tensors on ``device`` (host -> device copies only)."""
+        return self._map(lambda x: x.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "RowPlan":
+        """Called by the DataLoader's pinning thread (``pin_memory=True``), as for the batch's tensors."""
+        return self._map(lambda x: x.pin_memory())
+
+
+def plan_rows(attention_mask, restart: bool, *, blocks_only: bool = False, varlen: bool = False) -> RowPlan:
+    """The host's part of :func:`row_layout` for a (B, S) mask given on the host (a CPU tensor or an
+    array). ``restart``: positions restart at each document; ``blocks_only`` / ``varlen``: as in
+    :func:`row_layout`."""
+    host = attention_mask.numpy() if isinstance(attention_mask, torch.Tensor) else np.asarray(attention_mask)
+    B, S = host.shape
     starts, lengths = segments(host)
     if np.all(starts % S == 0) and np.bincount(starts // S, minlength=B).max(initial=0) <= 1:
         if len(starts) == B and np.all(lengths == S):
-            return Layout(None, cos, sin, None)                              # whole rows: nothing to mask
-        return Layout(attention_mask.bool()[:, None, None, :], cos, sin, None)  # one document per row
+            return RowPlan("whole", restart)                             # whole rows: nothing to mask
+        return RowPlan("padding", restart)                               # one document per row
     positions = _positions(starts, B, S, restart)
     groups = group_by_length(lengths)
     work = sum(len(g) * float(lengths[g[0]]) ** 2 for g in groups)
-    device = attention_mask.device
-    rows = torch.from_numpy(positions).to(device)
+    rows = torch.from_numpy(positions).view(B, S)
     if blocks_only or varlen or work <= BLOCKS_BELOW * B * S * S:
-        plan = _plan(B, S, starts, lengths, groups, positions, restart, cos, sin, varlen, device)
-        return Layout(plan, cos, sin, rows.view(B, S))
+        return _plan(B, S, starts, lengths, groups, positions, restart, varlen, rows)
     # few, long documents (short rows): one call with a block-diagonal mask costs about what the rows do
     doc = np.zeros(B * S, np.int64)
     doc[starts] = 1
     doc = np.cumsum(doc)                     # each token's document, numbered over the batch
     doc[host.reshape(-1) == 0] = 0           # padding: 0 (it attends only to padding, so no row is empty)
-    doc = torch.from_numpy(doc.reshape(B, S)).to(device)
-    mask = doc[:, None, :, None] == doc[:, None, None, :]                    # (B, 1, S, S)
-    if cos is not None and restart:
-        cos, sin = cos.index_select(0, rows).view(B, S, -1), sin.index_select(0, rows).view(B, S, -1)
-    return Layout(mask, cos, sin, rows.view(B, S))
+    return RowPlan("dense", restart, positions=rows, doc=torch.from_numpy(doc.reshape(B, S)))
 
 
 def _positions(starts: np.ndarray, B: int, S: int, restart: bool) -> np.ndarray:
@@ -177,7 +227,7 @@ def _positions(starts: np.ndarray, B: int, S: int, restart: bool) -> np.ndarray:
     return np.arange(total) - first
 
 
-def _plan(B, S, starts, lengths, groups, positions, restart, cos, sin, varlen, device) -> DocumentPlan:
+def _plan(B, S, starts, lengths, groups, positions, restart, varlen, rows) -> RowPlan:
     total = B * S
     blocks, slot_parts, order_parts, block_lengths = [], [], [], []
     for docs in groups:
@@ -190,31 +240,73 @@ def _plan(B, S, starts, lengths, groups, positions, restart, cos, sin, varlen, d
         slot_parts.append(slots.reshape(-1))
         order_parts.append(slots.reshape(-1)[flat_valid])
         block_lengths.append(lengths[docs])
-        bc = bs = None
-        if cos is not None:
-            if restart:
-                bc, bs = cos[:L], sin[:L]
-            else:
-                rows = torch.from_numpy(positions[slots.reshape(-1)]).to(device)
-                bc, bs = cos.index_select(0, rows).view(n, L, -1), sin.index_select(0, rows).view(n, L, -1)
-        blocks.append(Block((n, L),
-                            None if uniform else torch.from_numpy(valid[:, None, None, :]).to(device),
-                            None if uniform else torch.from_numpy(np.flatnonzero(flat_valid)).to(device), bc, bs))
+        blocks.append(HostBlock((n, L), None if uniform else torch.from_numpy(valid[:, None, None, :]),
+                                None if uniform else torch.from_numpy(np.flatnonzero(flat_valid)),
+                                None if restart else torch.from_numpy(positions[slots.reshape(-1)])))
     order = np.concatenate(order_parts)
     inverse = np.full(total, len(order), np.int64)
     inverse[order] = np.arange(len(order))
-    plan = DocumentPlan(blocks, torch.from_numpy(np.concatenate(slot_parts)).to(device),
-                        torch.from_numpy(inverse).to(device), np.concatenate(block_lengths))
+    plan = RowPlan("blocks", restart, positions=rows, blocks=blocks,
+                   slots=torch.from_numpy(np.concatenate(slot_parts)), inverse=torch.from_numpy(inverse),
+                   lengths=np.concatenate(block_lengths))
     if varlen:
         cu = np.zeros(len(plan.lengths) + 1, np.int32)
         np.cumsum(plan.lengths, out=cu[1:])
+        plan.varlen = HostVarlen(torch.from_numpy(order), torch.from_numpy(cu), int(plan.lengths.max()),
+                                 torch.from_numpy(positions[order]))
+    return plan
+
+
+# --------------------------------------------------------------------------- the device's part
+
+
+def device_layout(plan: RowPlan, attention_mask: torch.Tensor, cos: Optional[torch.Tensor] = None,
+                  sin: Optional[torch.Tensor] = None) -> Layout:
+    """The layers' inputs from a :class:`RowPlan` already on the mask's device: index operations on the
+    device only (no copy back to the host, no sync). ``cos``/``sin``: the (S, D/2) tables, or None."""
+    if plan.form == "whole":
+        return Layout(None, cos, sin, None)
+    if plan.form == "padding":
+        return Layout(attention_mask.bool()[:, None, None, :], cos, sin, None)
+    B, S = plan.positions.shape
+    if plan.form == "dense":
+        doc = plan.doc
+        mask = doc[:, None, :, None] == doc[:, None, None, :]                    # (B, 1, S, S)
+        if cos is not None and plan.restart:
+            rows = plan.positions.reshape(-1)
+            cos, sin = cos.index_select(0, rows).view(B, S, -1), sin.index_select(0, rows).view(B, S, -1)
+        return Layout(mask, cos, sin, plan.positions)
+    blocks = []
+    for b in plan.blocks:
+        n, L = b.shape
+        bc = bs = None
+        if cos is not None:
+            if plan.restart:
+                bc, bs = cos[:L], sin[:L]
+            else:
+                bc, bs = cos.index_select(0, b.rows).view(n, L, -1), sin.index_select(0, b.rows).view(n, L, -1)
+        blocks.append(Block((n, L), b.key_mask, b.keep, bc, bs))
+    out = DocumentPlan(blocks, plan.slots, plan.inverse, plan.lengths)
+    if plan.varlen is not None:
+        v = plan.varlen
         tc = ts = None
         if cos is not None:
-            rows = torch.from_numpy(positions[order]).to(device)
-            tc, ts = cos.index_select(0, rows), sin.index_select(0, rows)
-        plan.varlen = Varlen(torch.from_numpy(order).to(device), torch.from_numpy(cu).to(device),
-                             int(plan.lengths.max()), tc, ts)
-    return plan
+            tc, ts = cos.index_select(0, v.rows), sin.index_select(0, v.rows)
+        out.varlen = Varlen(v.order, v.cu_seqlens, v.max_len, tc, ts)
+    return Layout(out, cos, sin, plan.positions)
+
+
+def row_layout(attention_mask: Optional[torch.Tensor], restart: bool, cos: Optional[torch.Tensor] = None,
+               sin: Optional[torch.Tensor] = None, *, blocks_only: bool = False, varlen: bool = False) -> Layout:
+    """The layers' inputs for a (B, S) mask (see the module docstring). ``cos``/``sin``: the (S, D/2)
+    rotary tables of the row, None without rotary. ``blocks_only``: never the dense block-diagonal mask
+    (linear attention needs per-document sums). ``varlen``: also lay the documents out for a varlen
+    kernel. Reads the mask on the host (one copy; a sync on a GPU): the training loop ships the
+    :class:`RowPlan` from the loader instead (:func:`plan_rows`, :func:`device_layout`)."""
+    if attention_mask is None:
+        return Layout(None, cos, sin, None)
+    plan = plan_rows(attention_mask.detach().cpu(), restart, blocks_only=blocks_only, varlen=varlen)
+    return device_layout(plan.to(attention_mask.device), attention_mask, cos, sin)
 
 
 # --------------------------------------------------------------------------- varlen kernels
@@ -257,6 +349,7 @@ def varlen_applies(plan: DocumentPlan, qkv: torch.Tensor) -> bool:
                                         or qkv.dtype in (torch.float16, torch.bfloat16))
 
 
-__all__ = ["row_layout", "Layout", "DocumentPlan", "Block", "Varlen", "RowMask", "segments", "group_by_length",
+__all__ = ["row_layout", "plan_rows", "device_layout", "RowPlan", "HostBlock", "HostVarlen", "Layout",
+           "DocumentPlan", "Block", "Varlen", "RowMask", "segments", "group_by_length",
            "BLOCK_RATIO", "BLOCKS_BELOW", "uses_varlen", "varlen_reference", "varlen_applies",
            "flash_varlen_available"]

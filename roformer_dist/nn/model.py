@@ -23,6 +23,7 @@ tensor parallelism overrides are methods: ``RoFormerSelfAttention.project / atte
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from data_pipeline.masking import IGNORE_INDEX
 from roformer_dist.config import ModelConfig, rope_settings, validate_model
 from roformer_dist.nn.attention import attention_core
-from roformer_dist.nn.documents import Layout, RowMask, row_layout, uses_varlen
+from roformer_dist.nn.documents import Layout, RowMask, RowPlan, device_layout, plan_rows, uses_varlen
 from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
 
@@ -61,7 +62,7 @@ class MaskedLMOutput:
     accuracy: Optional[torch.Tensor] = None
     """Detached fp32 scalar: fraction of predicted positions whose argmax equals the label."""
     num_predicted: Optional[torch.Tensor] = None
-    """int64 scalar tensor: number of positions with labels != -100."""
+    """int64 scalar tensor on the labels' device: number of positions with labels != -100."""
     masked_logits: Optional[torch.Tensor] = None
     """(N, V) scores at the predicted positions, in row-major (batch, position) order."""
 
@@ -107,7 +108,7 @@ class RoFormerSelfAttention(nn.Module):
     ``project`` (x -> q, k, v), ``attend`` (:func:`roformer_dist.nn.attention.attention_core`) and
     ``output`` (context -> hidden)."""
 
-    SETTINGS = ("num_heads", "head_dim", "rotary_value", "rotary_backend", "dropout_p", "kind")
+    SETTINGS = ("num_heads", "head_dim", "rotary_value", "rotary_backend", "dropout_p", "kind", "kernel")
     """Plain attributes (no weights) that a sharded copy takes over."""
 
     def __init__(self, cfg: ModelConfig):
@@ -118,6 +119,9 @@ class RoFormerSelfAttention(nn.Module):
         self.rotary_backend = cfg.rotary_backend
         self.dropout_p = cfg.attention_probs_dropout_prob
         self.kind = cfg.attention
+        self.kernel: Optional[str] = None
+        """The rotary kernel in use (``rotary.model_kernel``, or a measured choice), set from outside the
+        forward by :func:`set_rotary_kernel`; None: not chosen yet (the first eager forward resolves it)."""
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: q, k, v; heads in order
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
@@ -142,8 +146,15 @@ class RoFormerSelfAttention(nn.Module):
         return F.linear(ctx, out_weight, self.out.bias)
 
     def kernel_for(self, cos: Optional[torch.Tensor], device: torch.device) -> Optional[str]:
-        """The rotary kernel for this layer's inputs (``rotary.model_kernel``); None without rotary tables."""
-        return model_kernel(self.rotary_backend, device) if cos is not None else None
+        """The rotary kernel for this layer's inputs: the one held (:attr:`kernel`), None without rotary
+        tables. A model nobody chose a kernel for resolves ``rotary_backend`` here once, on the first
+        eager forward; a compiled forward must find it chosen (``torch.compile`` cannot trace the
+        resolution: it looks for installed packages)."""
+        if cos is None:
+            return None
+        if self.kernel is None:
+            self.kernel = model_kernel(self.rotary_backend, device)
+        return self.kernel
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -222,11 +233,19 @@ class RoFormerMLMHead(nn.Module):
         return cross_entropy_and_accuracy(logits, target)
 
 
-def select_predicted(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def predicted_index(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) flat (row-major) positions of a (B, S) label tensor where labels != -100. On the host (the
+    loader's workers, :func:`batch_plan`) it costs nothing; on a GPU it is a ``nonzero``, a sync."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def select_predicted(hidden: torch.Tensor, labels: torch.Tensor, index: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S, E) states and (B, S) labels -> the (N, E) rows where labels != -100 and their (N,) targets,
-    in row-major (batch, position) order. The head then runs on N ~ 0.15 B S rows only."""
+    in row-major (batch, position) order. The head then runs on N ~ 0.15 B S rows only. ``index``: those
+    positions (:func:`predicted_index`) when the caller has them already."""
     labels = labels.reshape(-1)
-    index = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (N,)
+    index = predicted_index(labels) if index is None else index  # (N,)
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), labels.index_select(0, index)
 
 
@@ -246,15 +265,40 @@ def masked_lm_loss(logits: torch.Tensor, target: torch.Tensor, criterion=cross_e
     return criterion(logits.float(), target)
 
 
+def plan_batch_rows(cfg: ModelConfig, attention_mask, varlen: bool) -> RowPlan:
+    """The host's part of :func:`layer_inputs` for a (B, S) mask on the host (``documents.plan_rows`` with
+    this model's settings); ``varlen``: ``documents.uses_varlen`` on the device that will run it."""
+    return plan_rows(attention_mask, cfg.document_positions == "restart", blocks_only=cfg.attention == "linear",
+                     varlen=varlen)
+
+
+def batch_plan(cfg: ModelConfig, device_type: str):
+    """What the loader's workers add to each training batch (``ShardLoader(prepare=...)``), so that the
+    training step reads nothing back from the device: the document layout (``layout``, a
+    ``documents.RowPlan``), the predicted positions (``predicted``) and the number of tokens (``num_tokens``,
+    an int). ``device_type``: where the model runs (it decides the varlen layout)."""
+    return functools.partial(_batch_plan, cfg, uses_varlen(cfg.attention, torch.device(device_type)))
+
+
+def _batch_plan(cfg: ModelConfig, varlen: bool, batch: dict) -> dict:
+    mask = batch["attention_mask"]
+    return {"layout": plan_batch_rows(cfg, mask, varlen), "predicted": predicted_index(batch["labels"]),
+            "num_tokens": int(mask.count_nonzero())}
+
+
 def layer_inputs(cfg: ModelConfig, rotary: Optional[RotaryCache], attention_mask: Optional[torch.Tensor],
-                 seq_len: int, device: torch.device) -> Layout:
+                 seq_len: int, device: torch.device, plan: Optional[RowPlan] = None) -> Layout:
     """What every layer takes besides the hidden states (attn_mask, cos, sin) and the embeddings'
     position rows, for a (B, S) mask (0 = padding, else document numbers, see
     :mod:`roformer_dist.nn.documents`); the mask is None when nothing is masked (SDPA's fastest kernels).
-    Also the pipeline stages' code."""
+    ``plan``: the mask's :class:`~roformer_dist.nn.documents.RowPlan` on ``device`` (from the loader); without
+    it the mask is read on the host here. Also the pipeline stages' code."""
     cos, sin = rotary.get(seq_len, device) if rotary is not None else (None, None)
-    return row_layout(attention_mask, cfg.document_positions == "restart", cos, sin,
-                      blocks_only=cfg.attention == "linear", varlen=uses_varlen(cfg.attention, device))
+    if attention_mask is None:
+        return Layout(None, cos, sin, None)
+    if plan is None:
+        plan = plan_batch_rows(cfg, attention_mask.detach().cpu(), uses_varlen(cfg.attention, device)).to(device)
+    return device_layout(plan, attention_mask, cos, sin)
 
 
 def rotary_cache(cfg: ModelConfig) -> Optional[RotaryCache]:
@@ -320,13 +364,14 @@ class RoFormerForMaskedLM(nn.Module):
         return self.rotary.get(seq_len, device)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-               token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final hidden states (B, S, hidden)."""
+               token_type_ids: Optional[torch.Tensor] = None, layout: Optional[RowPlan] = None) -> torch.Tensor:
+        """Final hidden states (B, S, hidden). ``layout``: the mask's plan on the device (see :meth:`forward`)."""
         S = input_ids.shape[1]
         if S > self.config.max_position_embeddings and self.rotary is None:
             raise ValueError(f"sequence length {S} exceeds model.max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        mask, cos, sin, positions = layer_inputs(self.config, self.rotary, attention_mask, S, input_ids.device)
+        mask, cos, sin, positions = layer_inputs(self.config, self.rotary, attention_mask, S, input_ids.device,
+                                                 layout)
         return self.stack(input_ids, token_type_ids, mask, cos, sin, positions)
 
     def stack(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor], mask: RowMask,
@@ -344,17 +389,21 @@ class RoFormerForMaskedLM(nn.Module):
         return hidden
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                token_type_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> MaskedLMOutput:
-        hidden = self.encode(input_ids, attention_mask, token_type_ids)  # (B, S, H)
+                token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None, *,
+                layout: Optional[RowPlan] = None, predicted: Optional[torch.Tensor] = None) -> MaskedLMOutput:
+        """``layout`` and ``predicted``: what :func:`batch_plan` computed on the host for this batch, on the
+        model's device. Given them, the forward reads nothing back from the device (no sync on a GPU);
+        without them it computes them from the mask and labels (one copy to the host each)."""
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, layout)  # (B, S, H)
         decoder_weight = self.embeddings.word_embeddings.weight
         if labels is None:
             return MaskedLMOutput(logits=self.head.full_logits(hidden, decoder_weight))
         # gather first: the head and the vocabulary GEMM only see the N predicted positions
-        h, target = select_predicted(hidden, labels)
+        h, target = select_predicted(hidden, labels, predicted)
         logits, loss, accuracy = self.predict(h, target)
-        return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=torch.tensor(target.numel(),
-                              device=labels.device), masked_logits=logits)
+        # torch.full, not torch.tensor: a fill on the device, where a copy from the host would wait for it
+        count = torch.full((), target.numel(), dtype=torch.int64, device=labels.device)
+        return MaskedLMOutput(loss=loss, accuracy=accuracy, num_predicted=count, masked_logits=logits)
 
     def predict(self, h: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head and the loss on the (N, E) predicted rows: (N, V) scores, loss, accuracy. Its own
@@ -383,6 +432,23 @@ class RoFormerForMaskedLM(nn.Module):
         return 3.0 * (n * per_layer + proj + head)
 
 
+def set_rotary_kernel(module: nn.Module, kernel: Optional[str]) -> int:
+    """Make every attention layer reachable from ``module`` (a model, its tensor-parallel form, a pipeline
+    stage, a DeepSpeed engine) use the rotary ``kernel`` (a name from ``rotary.model_kernel`` or a measured
+    choice; None: resolve again on the next eager forward). Returns how many layers took it. Called when a
+    model is built for a device and at each curriculum stage, never inside the forward."""
+    layers = [m for m in module.modules() if isinstance(m, RoFormerSelfAttention)]
+    for m in layers:
+        m.kernel = kernel
+    return len(layers)
+
+
+def rotary_kernel_of(module: nn.Module) -> Optional[str]:
+    """The rotary kernel the attention layers of ``module`` hold (None: none chosen, or no layers)."""
+    return next((m.kernel for m in module.modules() if isinstance(m, RoFormerSelfAttention)), None)
+
+
 __all__ = ["RoFormerForMaskedLM", "RoFormerEmbeddings", "RoFormerLayer", "RoFormerSelfAttention",
            "RoFormerMLMHead", "MaskedLMOutput", "IGNORE_INDEX", "ACTIVATIONS", "select_predicted",
-           "cross_entropy_and_accuracy", "masked_lm_loss", "rotary_cache", "layer_inputs"]
+           "predicted_index", "cross_entropy_and_accuracy", "masked_lm_loss", "rotary_cache", "layer_inputs",
+           "batch_plan", "plan_batch_rows", "set_rotary_kernel", "rotary_kernel_of"]

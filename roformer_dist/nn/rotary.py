@@ -302,15 +302,21 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-@functools.cache
-def _triton_kernel():
-    # Imported on first use: triton decides when a kernel is defined whether it is compiled or
-    # interpreted, and triton is an optional dependency.
-    import triton
+_TRITON: Optional[tuple] = None
+"""(kernel, next_power_of_2, cdiv) once :func:`load_triton` ran."""
 
-    from roformer_dist.nn import rotary_triton
 
-    return rotary_triton.rope_kernel, triton.next_power_of_2, triton.cdiv
+def load_triton() -> None:
+    """Import the Triton kernel (first use only): triton decides when a kernel is defined whether it is
+    compiled or interpreted, and triton is an optional dependency. Called when the kernel is chosen
+    (:func:`model_kernel`), so that a compiled forward reads a plain global."""
+    global _TRITON
+    if _TRITON is None:
+        import triton
+
+        from roformer_dist.nn import rotary_triton
+
+        _TRITON = (rotary_triton.rope_kernel, triton.next_power_of_2, triton.cdiv)
 
 
 TRITON_TILE = 2048
@@ -326,7 +332,9 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 
 def _triton_launch(x1, x2, cos, sin, backward: bool):
     """One kernel launch rotating x1 and (if given) x2, (B, S, H, D) each with any head/position strides."""
-    kernel, next_pow2, cdiv = _triton_kernel()
+    if _TRITON is None:
+        load_triton()
+    kernel, next_pow2, cdiv = _TRITON
     x1 = _as_4d(x1)
     x2 = _as_4d(x2) if x2 is not None else None
     B, S, H1, D = x1.shape
@@ -505,6 +513,8 @@ def model_kernel(backend: str, device: torch.device | str) -> str:
     """The kernel the model uses for ``backend`` on ``device``: the resolved backend, except that apex
     becomes :data:`HALF_LAYOUT` (the model permutes its projection weights instead of activations)."""
     resolved = resolve_backend(backend, device)
+    if resolved == "triton":
+        load_triton()
     return HALF_LAYOUT if resolved == "apex" else resolved
 
 
@@ -537,11 +547,18 @@ _KERNELS: dict[str, PairKernel] = {
 
 def rotate_pair(x1: torch.Tensor, x2: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 backend: str = "reference") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The one dispatch: rotate x1 and x2 (B, S, H, D; x2 may be None) at positions 0..S-1 with
-    ``backend`` (a config value, or a kernel name from :func:`model_kernel`); cos/sin (S, D/2) fp32, or
+    """Rotate x1 and x2 (B, S, H, D; x2 may be None) at positions 0..S-1 with ``backend`` (a config value,
+    resolved for x1's device, or a kernel name from :func:`model_kernel`); cos/sin (S, D/2) fp32, or
     (B, S, D/2) for a table per row (packed documents that keep their row positions).
-    Returns new tensors in the inputs' dtypes."""
+    Returns new tensors in the inputs' dtypes. The model resolves once and calls :func:`run_kernel`."""
     kernel = backend if backend == HALF_LAYOUT else resolve_backend(backend, x1.device)
+    return run_kernel(kernel, x1, x2, cos, sin)
+
+
+def run_kernel(kernel: str, x1: torch.Tensor, x2: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The one dispatch, for a kernel already chosen (:func:`model_kernel`, or a measured choice): no
+    resolution, nothing that a compiled forward would have to trace besides the kernel itself."""
     if cos.dim() == 3:  # one table per row: the rows as one long sequence, so every kernel applies
         B, S = x1.shape[:2]
         def seq(x):
@@ -569,7 +586,7 @@ def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
 
 __all__ = [
     "BACKENDS", "HALF_LAYOUT", "DEFAULT_ROPE", "RotaryCache", "set_rope", "rotary_tables", "pair_divisors",
-    "yarn_mscale", "rotate_pair", "apply_rotary", "rotate",
+    "yarn_mscale", "rotate_pair", "run_kernel", "apply_rotary", "rotate", "load_triton",
     "rotate_reference", "resolve_backend", "model_kernel", "triton_available", "triton_interpreted",
     "apex_available", "flash_attn_available", "interleaved_to_half_index", "qk_half_permutation",
     "half_layout_weights", "rotate_half_reference", "rotate_half", "rotary_bytes",

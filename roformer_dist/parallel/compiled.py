@@ -8,7 +8,7 @@
 What is compiled, and why there. A stage has a fixed (micro-batch, seq_len), so everything whose
 shapes follow from them is compiled with ``dynamic=False``: ``model.stack`` (embeddings and layers),
 fullgraph. Around it stays eager what has data-dependent shapes: the host-side planning of packed
-documents (``layer_inputs``), the gather of the predicted rows (``select_predicted``, a ``nonzero``).
+documents (``layer_inputs``), the gather of the predicted rows (``select_predicted``: N rows, N from the loader's ``predicted`` index).
 The head and the loss (``model.predict``) run on N predicted rows, N changing every batch: they are
 compiled once per stage with N as the only dynamic size (``maybe_mark_dynamic``), not once per N.
 A batch whose packed documents take the block plan (``documents.DocumentPlan``: blocks of data-dependent
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +42,7 @@ import torch
 
 from roformer_dist.config import Config
 from roformer_dist.nn.documents import DocumentPlan
+from roformer_dist.nn.model import rotary_kernel_of
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,11 @@ class StageCompiler:
         self._compiled: dict = {}
 
     def compile_stage(self, name: str, seq_len: int, micro_batch: int) -> None:
-        """New compiled functions for a stage's shapes; they compile at the stage's first step."""
+        """New compiled functions for a stage's shapes; they compile at the stage's first step. The rotary
+        kernel must be chosen first (``model.set_rotary_kernel``): the traced forward only reads it."""
+        if self.model.config.position_embedding == "rotary" and rotary_kernel_of(self.model) is None:
+            raise RuntimeError("trainer.compile: choose the rotary kernel (model.set_rotary_kernel) before "
+                               "compiling a stage")
         torch._dynamo.reset()  # the previous stage's graphs: not needed again, and not counted in the limit
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         static = dict(dynamic=False)
@@ -136,10 +140,7 @@ class StageCompiler:
         if not self._compiling():
             return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
         if not isinstance(mask, DocumentPlan):
-            with warnings.catch_warnings():
-                # dynamo traces through rotary's functools.cache'd backend resolution (pure: safe)
-                warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
-                return self._compiled["stack"](input_ids, token_type_ids, mask, cos, sin, positions)
+            return self._compiled["stack"](input_ids, token_type_ids, mask, cos, sin, positions)
         if self.model.gradient_checkpointing:
             return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
         c = self._compiled

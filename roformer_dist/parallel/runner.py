@@ -5,16 +5,21 @@
     torch.manual_seed(cfg.trainer.seed + 1 + runner.seed_offset)    # dropout streams
     stats = runner.train_step(iter(loader), stop=..., inject_nan=...)  # a StepStats
 
-``train_step`` returns a :class:`StepStats` already reduced over the whole job and identical on every
-rank: each statistic is contributed once per data replica (loss and accuracy by the last pipeline
-stage's tensor rank 0, tokens and samples by the first stage's), then summed over all ranks in one
-all-reduce (``StepStats.to_tensor`` / ``from_tensor``). A stop request of any rank travels in the same
-all-reduce, so every rank learns at the same step that the job stops.
+``train_step`` returns a :class:`StepStats` whose statistics are summed over the whole job and identical
+on every rank: each is contributed once per data replica (loss and accuracy by the last pipeline stage's
+tensor rank 0, tokens and samples by the first stage's). They come in two parts:
 
-Without pipeline parallelism the statistics stay on the engine's device while the micro-batches run
-(no ``.item()``: on a GPU every one would wait for the kernels queued so far) and are read once, after
-that all-reduce; the all-reduce runs on the engine's device too (NCCL has no CPU tensors), before the
-last ``engine.step()``, because ZeRO-0 must know there whether any rank saw a non-finite loss.
+- what the host knows (micro-batches, tokens and samples: the loader counted them in its workers, and
+  this rank's stop request) is summed at once, every step, by a small all-reduce of host memory (gloo:
+  the default group on CPU, a gloo group of its own beside NCCL). So every rank learns at the same step
+  that the job stops, and the trainer's counters are exact at every step;
+- what the device computed (loss, correct and predicted counts, non-finite micro-batches) stays on the
+  device, unread (``StepStats.pending``): a read is a sync, and on a GPU it would drain the launch queue
+  every step. :meth:`ParallelRunner.read_stats` sums the pending steps over the job in one all-reduce on
+  the device and reads them in one copy; the trainer calls it at log, save and stop steps only.
+
+The one exception is ZeRO-0 without pipeline stages, which has no overflow check of its own: it reads
+whether a micro-batch was non-finite before its last ``engine.step()`` (to drop the gradients), every step.
 
 Without pipeline parallelism the engine is a plain ``DeepSpeedEngine`` whose module keeps the
 model's ``forward`` / ``MaskedLMOutput`` (tensor-parallel or not); with it, a ``PipelineEngine``
@@ -31,16 +36,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
 from roformer_dist.errors import CheckpointError
-from roformer_dist.nn.rotary import set_rope
+from roformer_dist.nn.model import set_rotary_kernel
+from roformer_dist.nn.rotary import model_kernel, set_rope
 from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir
 from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
@@ -72,15 +78,20 @@ class StepStats:
     """Micro-batches with a NaN/inf loss."""
     num_stop_requests: int = 0
     """Ranks that asked to stop (a signal)."""
+    pending: Optional[torch.Tensor] = None
+    """The device's part (:data:`DEVICE_FIELDS`, float64, this rank's share) while it is unread: then those
+    fields are not filled in yet (:meth:`ParallelRunner.read_stats` fills them)."""
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor(astuple(self), dtype=torch.float64)
+        return torch.tensor([getattr(self, name) for name in _FIELDS], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "StepStats":
-        values = t.tolist()
-        return cls(**{f.name: (v if f.type in (float, "float") else int(round(v)))
-                      for f, v in zip(fields(cls), values)})
+        return cls(**_typed(_FIELDS, t.tolist()))
+
+    def filled(self, device_part: list[float]) -> "StepStats":
+        """These host fields with the device's part (:data:`DEVICE_FIELDS` order), read."""
+        return replace(self, pending=None, **_typed(DEVICE_FIELDS, device_part))
 
     def add_micro_batch(self, loss: float, correct: float, predicted: int) -> None:
         finite = loss == loss and abs(loss) != float("inf")
@@ -92,7 +103,7 @@ class StepStats:
 
     def keep_only(self, *, loss: bool, data: bool) -> "StepStats":
         """This rank's share: the loss/accuracy fields where it reports them, the data fields likewise."""
-        out = StepStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        out = replace(self)
         if not loss:
             out.loss_sum, out.num_micro_batches, out.num_correct, out.num_predicted = 0.0, 0, 0.0, 0
             out.num_nonfinite = 0
@@ -101,9 +112,14 @@ class StepStats:
         return out
 
     # ------------------------------------------------------------------ what the trainer reads
+    def _read(self) -> "StepStats":
+        if self.pending is not None:
+            raise RuntimeError("the step's device statistics are not read yet (ParallelRunner.read_stats)")
+        return self
+
     @property
     def nonfinite(self) -> bool:
-        return self.num_nonfinite > 0
+        return self._read().num_nonfinite > 0
 
     @property
     def loss(self) -> float:
@@ -112,7 +128,7 @@ class StepStats:
 
     @property
     def mlm_acc(self) -> float:
-        return self.num_correct / max(1, self.num_predicted)
+        return self._read().num_correct / max(1, self.num_predicted)
 
     @property
     def stop(self) -> bool:
@@ -152,6 +168,10 @@ class ParallelRunner:
     def __init__(self, engine, dims: ParallelDims, cfg: Config, loss_fn=None):
         self.engine, self.dims, self.cfg, self.loss_fn = engine, dims, cfg, loss_fn
         self.pipeline = dims.pp_size > 1
+        self.host_group = _host_group()
+        self.choose_kernel: Optional[Callable[[tuple[int, int, int, int], torch.device], str]] = None
+        """Set by the trainer: the rotary backend for a stage's (micro-batch, S, heads, head_dim) on the
+        engine's device (a measured choice for ``auto``); unset: ``model.rotary_backend`` as configured."""
         # trainer.compile: the model compiled per stage (set_stage); config refuses it with pipeline stages
         self.compiler = StageCompiler(engine.module, compile_cache_dir(cfg)) if cfg.trainer.compile else None
 
@@ -204,46 +224,70 @@ class ParallelRunner:
             return False
         return self.dims.is_last_stage if what == "loss" else self.dims.is_first_stage
 
-    def _reduce(self, t: torch.Tensor) -> StepStats:
-        """Keep what this rank reports of ``t`` (StepStats fields, float64, on the engine's device), sum
-        over the job (the step's one all-reduce), read it (the step's one device -> host copy)."""
-        mask = StepStats(*([1] * len(fields(StepStats)))).keep_only(loss=self._reporting("loss"),
-                                                                    data=self._reporting("data"))
-        t = t * mask.to_tensor().to(t.device)
+    def _host_sum(self, stats: StepStats) -> StepStats:
+        """This rank's share of the host fields (:data:`HOST_FIELDS`), summed over the job: every step, in
+        host memory, so no device work is waited for."""
+        mine = stats.keep_only(loss=self._reporting("loss"), data=self._reporting("data"))
+        t = torch.tensor([getattr(mine, name) for name in HOST_FIELDS], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t)
-        return StepStats.from_tensor(t.cpu())
+            dist.all_reduce(t, group=self.host_group)
+        return replace(stats, **_typed(HOST_FIELDS, t.tolist()))
+
+    def read_stats(self, steps: list[StepStats]) -> list[StepStats]:
+        """``steps`` with the device's part filled in: summed over the job in one all-reduce on the device,
+        then read in one copy (a sync: the trainer calls it at log, save and stop steps). Collective: every
+        rank passes its own unread steps of the same step numbers."""
+        pending = [s for s in steps if s.pending is not None]
+        if not pending:
+            return list(steps)
+        stacked = torch.stack([s.pending for s in pending])  # (steps, DEVICE_FIELDS) float64, on the device
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stacked)
+        values = iter(stacked.cpu().tolist())
+        return [s.filled(next(values)) if s.pending is not None else s for s in steps]
 
     def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False) -> StepStats:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
-        (dicts with input_ids, attention_mask, token_type_ids, labels; only read where
-        ``reads_data``). ``stop``: this rank's stop request (any rank's stops all)."""
+        (dicts with input_ids, attention_mask, token_type_ids, labels, and what ``model.batch_plan`` adds;
+        only read where ``reads_data``). ``stop``: this rank's stop request (any rank's stops all).
+        The device's statistics come back unread (see the module docstring)."""
         stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)
-            return self._reduce(stats.to_tensor().to(self.engine.device))
+            host = self._host_sum(stats)
+            device = stats.keep_only(loss=self._reporting("loss"), data=False)
+            summed = torch.tensor([getattr(device, name) for name in DEVICE_FIELDS], dtype=torch.float64)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(summed, group=self.host_group)  # the pipeline's loss records are on the host
+            return host.filled(summed.tolist())
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         engine.train()
         t0 = time.perf_counter()
-        micro = []  # one StepStats tensor per micro-batch (its loss and accuracy fields), on the device
+        micro = []  # one DEVICE_FIELDS tensor per micro-batch, on the device
         for i in range(gas):
             batch = next(batches)
             out = engine(**_on(batch, engine.device))
             loss = out.loss * float("nan") if inject_nan else out.loss
-            stats.num_tokens += int(batch["attention_mask"].count_nonzero())  # the loader's CPU tensors: no device sync
+            stats.num_tokens += _num_tokens(batch)
             stats.num_samples += batch["input_ids"].shape[0]
+            stats.num_micro_batches += 1
             micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted))
             engine.backward(loss)
             if i == 0 and self.compiler is not None:
                 self.compiler.first_step_done(time.perf_counter() - t0)  # no-op after a stage's first
             if i < gas - 1:
                 engine.step()
-        stats = self._reduce(stats.to_tensor().to(engine.device) + torch.stack(micro).sum(0))
-        if stats.nonfinite and self.cfg.deepspeed.zero_stage == 0:
-            # ZeRO 1-3 detect the non-finite gradients themselves and skip; stage 0 does not.
-            for p in engine.module.parameters():
-                p.grad = None
+        pending = torch.stack(micro).sum(0)
+        if not self._reporting("loss"):
+            pending = torch.zeros_like(pending)
+        stats = self._host_sum(replace(stats, pending=pending))
+        if self.cfg.deepspeed.zero_stage == 0:
+            # ZeRO 1-3 detect non-finite gradients themselves and skip the update; stage 0 must be told
+            stats = self.read_stats([stats])[0]
+            if stats.nonfinite:
+                for p in engine.module.parameters():
+                    p.grad = None
         engine.step()
         return stats
 
@@ -297,10 +341,12 @@ class ParallelRunner:
         return sums
 
     def set_stage(self, stage: StageConfig, world_size: int) -> None:
-        """New curriculum stage: micro-batch and accumulation (and the pipeline's activation shapes), and the
-        stage's rotary settings (``config.rope_settings``: they may differ from the model's)."""
+        """New curriculum stage: micro-batch and accumulation (and the pipeline's activation shapes), the
+        stage's rotary settings (``config.rope_settings``: they may differ from the model's) and its rotary
+        kernel (:attr:`choose_kernel`), all before the stage's first forward (and its compilation)."""
         set_rope(self.engine, rope_settings(self.cfg.model, stage), self.cfg.model.max_position_embeddings)
         mbs = micro_batch_size(self.cfg, stage, world_size)
+        self._set_rotary_kernel(mbs, stage.seq_len)
         self.engine.set_train_micro_batch_size(mbs)
         self.engine.set_train_batch_size(stage.global_batch_size)
         if self.pipeline:
@@ -308,6 +354,15 @@ class ParallelRunner:
             self.engine.reset_activation_shape()
         if self.compiler is not None:
             self.compiler.compile_stage(stage.name, stage.seq_len, mbs)
+
+    def _set_rotary_kernel(self, mbs: int, seq_len: int) -> None:
+        m = self.cfg.model
+        if m.position_embedding != "rotary":
+            return
+        heads = m.num_attention_heads // self.dims.tp_size
+        shape = (mbs, seq_len, heads, m.hidden_size // m.num_attention_heads)
+        backend = self.choose_kernel(shape, self.engine.device) if self.choose_kernel is not None else m.rotary_backend
+        set_rotary_kernel(self.engine.module, model_kernel(backend, self.engine.device))
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -331,24 +386,49 @@ class ParallelRunner:
             raise CheckpointError(f"{ckpt_root}/{tag}: DeepSpeed found no model state to load on this rank")
 
 
-_FIELDS = [f.name for f in fields(StepStats)]
+_FIELDS = tuple(f.name for f in fields(StepStats) if f.name != "pending")
+DEVICE_FIELDS = ("loss_sum", "num_correct", "num_predicted", "num_nonfinite")
+"""The statistics the device computes (read at log, save and stop steps)."""
+HOST_FIELDS = tuple(name for name in _FIELDS if name not in DEVICE_FIELDS)
+"""The statistics the host knows at once (summed every step)."""
+_INT_FIELDS = frozenset(f.name for f in fields(StepStats) if f.type in (int, "int"))
+
+
+def _typed(names, values) -> dict:
+    return {n: int(round(v)) if n in _INT_FIELDS else v for n, v in zip(names, values)}
+
+
+def _host_group():
+    """The group of the host-side sums: the default group when it is gloo, else a gloo group of its own
+    (NCCL reduces only device tensors). Every rank creates it, in the same order (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def _micro_batch_stats(loss: torch.Tensor, accuracy: torch.Tensor, num_predicted: torch.Tensor) -> torch.Tensor:
-    """What :meth:`StepStats.add_micro_batch` adds for one micro-batch, as a float64 StepStats tensor on
-    the loss's device, computed without reading anything back to the host."""
+    """The :data:`DEVICE_FIELDS` of one micro-batch as a float64 tensor on the loss's device, computed
+    without reading anything back to the host."""
     finite = torch.isfinite(loss)
     k = num_predicted.to(torch.float64)
-    zero = torch.zeros_like(k)
-    values = {"loss_sum": torch.where(finite, loss, 0.0).to(torch.float64), "num_micro_batches": torch.ones_like(k),
-              "num_correct": accuracy.to(torch.float64) * k, "num_predicted": k,
-              "num_nonfinite": (~finite).to(torch.float64)}
-    return torch.stack([values.get(name, zero) for name in _FIELDS])
+    return torch.stack([torch.where(finite, loss, 0.0).to(torch.float64), accuracy.to(torch.float64) * k, k,
+                        (~finite).to(torch.float64)])
+
+
+def _num_tokens(batch: dict) -> int:
+    """Non-padding tokens of a batch: counted by the loader's workers (``model.batch_plan``), else on the
+    loader's CPU tensor (never on the device's)."""
+    n = batch.get("num_tokens")
+    return n if n is not None else int(batch["attention_mask"].count_nonzero())
+
+
+_DEVICE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "labels", "layout", "predicted")
 
 
 def _on(batch: dict, device) -> dict:
-    keys = ("input_ids", "attention_mask", "token_type_ids", "labels")
-    return {k: batch[k].to(device) for k in keys if batch.get(k) is not None}
+    """The model's inputs on ``device``: host -> device copies that do not wait for the device (the
+    DataLoader pins them on a GPU: ``non_blocking`` from pinned memory is asynchronous)."""
+    return {k: batch[k].to(device, non_blocking=True) for k in _DEVICE_KEYS if batch.get(k) is not None}
 
 
 def _pipe_inputs(batch: dict) -> tuple:

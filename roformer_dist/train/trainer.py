@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,12 @@ from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, 
 from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, rope_settings, save_config, to_dict, validate
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
-from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM
-from roformer_dist.parallel.runner import build_parallel_engine
+from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM, batch_plan
+from roformer_dist.parallel.runner import StepStats, build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
 from roformer_dist.runtime.stop import StopFlag
-from roformer_dist.train.curriculum import lr_at, stage_at, total_steps
+from roformer_dist.train.curriculum import StageAt, lr_at, stage_at, total_steps
 from roformer_dist.train.data import data_error, resolve_data
 from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops
@@ -46,6 +46,16 @@ from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 __all__ = ["Trainer"]
 
 log = logging.getLogger("roformer_dist.trainer")
+
+
+class Unread(NamedTuple):
+    """A step run whose device statistics may not be read yet, with what its record needs."""
+    step: int
+    stats: StepStats
+    lr: float
+    dt: float
+    at: StageAt
+    tokens_seen: int
 
 
 class Trainer:
@@ -90,6 +100,12 @@ class Trainer:
         self.profiler: Optional[ProfileWindow] = None
         self.peak_flops = peak_flops(matmul_precision(cfg.deepspeed.precision))
         """Dense peak FLOP/s of this GPU at the run's matmul precision; None: no MFU (said once in the log)."""
+        self._unread: list[Unread] = []
+        """Steps whose device statistics are not read yet (read at log, save and stop steps: ``_read_due``)."""
+        self._window = [0, 0, 0.0]
+        """Tokens, samples and seconds of the steps since the last log step (perf/*)."""
+        self._logged_step = 0
+        """The step the window starts after."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -145,7 +161,9 @@ class Trainer:
                                   seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
                                   whole_word_mask=cfg.data.whole_word_mask, skip_bad_shards=cfg.data.skip_bad_shards,
                                   pin_memory=torch.cuda.is_available(), packing=cfg.data.packing,
-                                  weights=self.plan.stage_weights(first.index))
+                                  weights=self.plan.stage_weights(first.index),
+                                  prepare=None if cfg.parallel.pipeline > 1 else
+                                  batch_plan(cfg.model, self.engine.device.type))
         # dropout: one stream per replica and pipeline stage, shared by the tensor ranks of a stage
         torch.manual_seed(cfg.trainer.seed + 1 + self.runner.seed_offset)
         if found:
@@ -257,7 +275,8 @@ class Trainer:
         return iter(self.loader) if self.runner.reads_data else None
 
     def train_step(self, batches, lr: float):
-        """One optimizer step (the runner's) and the counters; returns (StepStats, seconds)."""
+        """One optimizer step (the runner's) and the host's counters; returns (StepStats, seconds). The step's
+        device statistics may be unread (``StepStats.pending``): :meth:`read_steps` accounts for them."""
         self.runner.set_lr(lr)
         t0 = time.monotonic()
         try:
@@ -271,15 +290,35 @@ class Trainer:
         s.step += 1
         s.tokens_seen += stats.num_tokens
         s.samples_seen += stats.num_samples
-        if stats.nonfinite:
-            s.nonfinite_total += 1
-            s.consecutive_nonfinite += 1
-            log.warning("step %d: non-finite loss, update skipped (%d in a row, %d in all)", s.step,
-                        s.consecutive_nonfinite, s.nonfinite_total)
-        else:
-            s.consecutive_nonfinite = 0
-            self.last_good = s.step
         return stats, dt
+
+    def _read_due(self, step: int, stop_requested: bool) -> bool:
+        """Whether the steps run so far are read now: at log steps (records, console), saves (the checkpoint
+        holds the non-finite counters, and every record of its steps is written before it commits), the end
+        and stop requests; each a decision every rank takes alike."""
+        p = self.policy
+        return p.log(step) or p.save(step) or p.done(step) or stop_requested
+
+    def read_steps(self) -> None:
+        """Read the unread steps' device statistics (one sync), account for their non-finite losses in
+        order, and record them."""
+        unread, self._unread = self._unread, []
+        if not unread:
+            return
+        t0 = time.monotonic()
+        read = self.runner.read_stats([u.stats for u in unread])
+        self._window[2] += time.monotonic() - t0  # the device's work the host waited for: the window's too
+        s = self.state
+        for u, stats in zip(unread, read):
+            if stats.nonfinite:
+                s.nonfinite_total += 1
+                s.consecutive_nonfinite += 1
+                log.warning("step %d: non-finite loss, update skipped (%d in a row, %d in all)", u.step,
+                            s.consecutive_nonfinite, s.nonfinite_total)
+            else:
+                s.consecutive_nonfinite = 0
+                self.last_good = u.step
+            self.record(u._replace(stats=stats))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -356,6 +395,7 @@ class Trainer:
             log.info("nothing to do: step %d already reached (stop at %d of %d)", s.step, policy.last_step,
                      self.total)
             return EXIT_DONE
+        self._logged_step = s.step
         if self._eval_due:
             self.run_skipped_eval()
         self.switch_stage(stage_at(self.stages, s.step).index)
@@ -407,7 +447,11 @@ class Trainer:
             self.profiler.after_step(s.step)
             if self.saver is not None:
                 self.saver.poll()  # a failed background save ends the run here, as a synchronous one would
-            self.record(stats, lr, dt, at)
+            self._unread.append(Unread(s.step, stats, lr, dt, at, s.tokens_seen))
+            w = self._window
+            w[0], w[1], w[2] = w[0] + stats.num_tokens, w[1] + stats.num_samples, w[2] + dt
+            if self._read_due(s.step, stats.stop):
+                self.read_steps()
             stop = policy.stop(s.step, stop_requested=stats.stop, consecutive_nonfinite=s.consecutive_nonfinite)
             self._announce(stop)
             # eval before the save: a checkpoint of step N exists only once N's eval is recorded (and flushed).
@@ -450,17 +494,20 @@ class Trainer:
         """A warning on the console once (rank 0); the other ranks note it in their own log."""
         (log.warning if self.env.rank == 0 else log.info)(msg, *args)
 
-    def record(self, stats, lr: float, dt: float, at) -> None:
-        s, st = self.state, at.stage
-        toks_per_s = stats.num_tokens / dt if dt > 0 else 0.0
+    def record(self, u: "Unread") -> None:
+        """One step's record in metrics.jsonl and, at a log step, the scalars and the console line. perf/*
+        cover the steps since the last log step: on a GPU the host runs ahead of the device, so one step's
+        host time says little, while the window (its steps' host times and the wait for the device at this
+        read) is the real rate."""
+        s, st, stats, lr = self.state, u.at.stage, u.stats, u.lr
         loss = None if stats.nonfinite else stats.loss
-        # time: when the step ended (Unix seconds); step_time_s: the runner's share of it (data + compute +
-        # communication), so that the loop's own cost is time[i] - time[i - 1] - step_time_s[i]
-        rec = {"step": s.step, "loss": loss, "mlm_acc": stats.mlm_acc, "lr": lr, "seq_len": st.seq_len,
+        # time: when the step was recorded (Unix seconds); step_time_s: the runner's share of the host's time
+        # for the step (data + launching the compute + communication)
+        rec = {"step": u.step, "loss": loss, "mlm_acc": stats.mlm_acc, "lr": lr, "seq_len": st.seq_len,
                "stage": st.name, "samples": stats.num_samples, "global_batch": self.runner.global_batch_size,
-               "accumulation": self.runner.accumulation_steps, "tokens_seen": s.tokens_seen,
-               "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(dt, 5)}
-        logging_now = self.policy.log(s.step)
+               "accumulation": self.runner.accumulation_steps, "tokens_seen": u.tokens_seen,
+               "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(u.dt, 5)}
+        logging_now = self.policy.log(u.step)
         mixture = self._mixture_scalars() if logging_now and self.plan and len(self.plan.sources) > 1 else {}
         if mixture:
             rec["sources"] = {name: {"tokens": int(mixture[f"data/{name}/tokens"]), "share": mixture[f"data/{name}/share"]}
@@ -468,19 +515,24 @@ class Trainer:
         self.metrics.step_record(rec)
         if not logging_now:
             return
+        tokens, samples, seconds = self._window
+        steps = max(1, u.step - self._logged_step)
+        self._window, self._logged_step = [0, 0, 0.0], u.step
+        toks_per_s = tokens / seconds if seconds > 0 else 0.0
+        step_time = seconds / steps
         scalars = {"train/loss": loss, "train/mlm_acc": stats.mlm_acc, "train/lr": lr, "train/seq_len": st.seq_len,
-                   "train/stage": at.index, "train/grad_norm": self.runner.grad_norm(),
+                   "train/stage": u.at.index, "train/grad_norm": self.runner.grad_norm(),
                    "train/loss_scale": self.runner.loss_scale(), "perf/tokens_per_s": toks_per_s,
-                   "perf/samples_per_s": stats.num_samples / dt if dt else 0.0, "perf/step_time_s": dt,
+                   "perf/samples_per_s": samples / seconds if seconds > 0 else 0.0, "perf/step_time_s": step_time,
                    "perf/max_mem_gb": max_mem_gb(), **mixture}
         if self.peak_flops:
             fpt = self.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
             scalars["perf/mfu"] = toks_per_s * fpt / (self.peak_flops * self.env.world_size)
-        self.metrics.scalars(s.step, scalars)
+        self.metrics.scalars(u.step, scalars)
         if self.env.rank == 0:
             shown = "nan (skipped)" if stats.nonfinite else f"{stats.loss:.4f}"
-            log.info("step %d/%d [%s len %d] loss %s acc %.3f lr %.2e %.0f tok/s %.2f s/step", s.step,
-                     self.total, st.name, st.seq_len, shown, stats.mlm_acc, lr, toks_per_s, dt)
+            log.info("step %d/%d [%s len %d] loss %s acc %.3f lr %.2e %.0f tok/s %.2f s/step", u.step,
+                     self.total, st.name, st.seq_len, shown, stats.mlm_acc, lr, toks_per_s, step_time)
 
     def _mixture_scalars(self) -> dict:
         """Per source: tokens drawn so far by the whole job, and its share of the tokens since the last
