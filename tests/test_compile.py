@@ -6,11 +6,12 @@ lengths (eager); 1 rank, 1 layer. The first compiled run pays the cold compile (
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from trainer_runs import make_cfg, trace, train
+from trainer_runs import make_cfg, records, trace, train
 from roformer_dist.config import load_config, validate
 from roformer_dist.errors import ConfigError
 
@@ -75,6 +76,25 @@ def test_second_run_loads_the_compiled_graphs_from_the_cache(runs):
     assert warm["misses"] == 0 and warm["hits"] >= cold["misses"], (cold, warm)
     for a, b in zip(trace(runs["warm"]), trace(runs["cold"]), strict=True):
         assert abs(a - b) <= REL_TOL * abs(a)
+
+
+def test_auto_rotary_backend_is_measured_compiled_and_kept(runs):
+    """model.rotary_backend: auto with trainer.compile on CPU: reference and compiled are timed compiled
+    (forward and backward at the stage's shape), the faster taken; the table is in the stage's first step
+    record and in run_dir/rotary_backend.json (what a resumed run reads instead of measuring again)."""
+    recs = records(runs["cold"])
+    measured = recs[0]["rotary_backend"]
+    timings = {t["backend"]: t for t in measured["timings"]}
+    assert set(timings) == {"reference", "compiled"} and all(t["median_ms"] > 0 for t in timings.values())
+    fastest = min(timings, key=lambda b: timings[b]["median_ms"])
+    assert measured["backend"] == fastest and measured["key"]["compiled"] is True
+    assert measured["key"]["shape"][1:] == [128, 4, 16]  # (micro-batch, S, heads, head_dim) of the stage
+    saved = json.loads((runs["cold"] / "rotary_backend.json").read_text())
+    assert [c["backend"] for c in saved["choices"]] == [fastest]
+    assert all("rotary_backend" not in r for r in recs[1:])
+    # an eager CPU run has one candidate (reference): nothing is measured or written
+    assert all("rotary_backend" not in r for r in records(runs["eager"]))
+    assert not (runs["eager"] / "rotary_backend.json").exists()
 
 
 def test_layouts_compile_does_not_cover_are_refused_by_name():

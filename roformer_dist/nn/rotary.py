@@ -41,10 +41,15 @@ Backends (``rotate_pair`` is the one dispatch; ``apply_rotary`` / ``rotate`` cal
                 weights (:func:`half_layout_weights`, kernel name :data:`HALF_LAYOUT`) so that no
                 activation is permuted at run time; ``apply_rotary(backend="apex")`` permutes activations.
     flash_attn  ``flash_attn.layers.rotary.apply_rotary_emb(..., interleaved=True)``.
-    auto        CUDA: triton > flash_attn > reference (apex only when asked for). CPU: reference. On CPU the
-                compiled backend is ~1.6x faster per call (bench/rotary.py) but costs a ~10 s compile
-                per process and sequence length, and rotary is ~2 % of a training step there, so
-                ``auto`` takes the eager path; choose ``compiled`` explicitly for long CPU runs.
+    auto        chosen by measurement (``nn/rotary_tune.py``): the trainer times forward and backward of
+                each candidate at the stage's shape on its device (compiled when the model is) and takes
+                the fastest, once per stage shape (cached in the run directory). Without a measurement
+                (a model used outside the trainer) :func:`model_kernel` takes the fixed preference:
+                CUDA: triton > flash_attn > reference; CPU: reference (apex only when asked for).
+
+The model resolves its backend once, outside the forward (``model.set_rotary_kernel``: at build for a
+device and at each curriculum stage), and calls :func:`run_kernel` with the name: ``torch.compile``
+cannot trace the resolution (it looks for installed packages).
 """
 
 from __future__ import annotations
@@ -265,9 +270,17 @@ def _pair_formula(q, k, cos, sin):
 
 
 @functools.cache
-def _compiled(which: str):
+def _compiled_kernel(which: str):
     fn = _pair_formula if which == "pair" else _rotate_pairs_formula
     return torch.compile(fn, dynamic=None)
+
+
+def _compiled(which: str):
+    """The compiled formula; inside a compiled model (``trainer.compile``) the plain formula, which the
+    model's own compilation fuses (no second compile, and no cached call for dynamo to trace)."""
+    if torch.compiler.is_compiling():
+        return _pair_formula if which == "pair" else _rotate_pairs_formula
+    return _compiled_kernel(which)
 
 
 class _CompiledRotary(torch.autograd.Function):

@@ -30,6 +30,7 @@ from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, rope_settings, save_config, to_dict, validate
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
 from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM, batch_plan
+from roformer_dist.nn.rotary_tune import RotaryChoices, timings_to_json
 from roformer_dist.parallel.runner import StepStats, build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
@@ -47,6 +48,9 @@ __all__ = ["Trainer"]
 
 log = logging.getLogger("roformer_dist.trainer")
 
+ROTARY_CHOICES = "rotary_backend.json"
+"""In the run directory: the rotary backends measured for ``model.rotary_backend: auto``."""
+
 
 class Unread(NamedTuple):
     """A step run whose device statistics may not be read yet, with what its record needs."""
@@ -56,6 +60,10 @@ class Unread(NamedTuple):
     dt: float
     at: StageAt
     tokens_seen: int
+    ended: float
+    """When the host finished the step (Unix seconds)."""
+    rotary: Optional[dict] = None
+    """The rotary backend's measurement, on the first step after it."""
 
 
 class Trainer:
@@ -106,6 +114,8 @@ class Trainer:
         """Tokens, samples and seconds of the steps since the last log step (perf/*)."""
         self._logged_step = 0
         """The step the window starts after."""
+        self._rotary_record: Optional[dict] = None
+        """A rotary backend measured at the last stage switch, for the next step's record (rank 0)."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -155,6 +165,8 @@ class Trainer:
         self.engine, self.runner = build_parallel_engine(
             cfg, model, first.stage, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
         self.dp_rank, self.dp_size = self.runner.dp_rank, self.runner.dp_size
+        self.rotary_choices = RotaryChoices.load(self.run_dir / ROTARY_CHOICES) if env.rank == 0 else None
+        self.runner.choose_kernel = self.choose_rotary_backend
         mbs = micro_batch_size(cfg, first.stage, env.world_size)
         self.loader = ShardLoader(loader_sources(cfg), seq_len=first.stage.seq_len, micro_batch_size=mbs,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
@@ -270,6 +282,28 @@ class Trainer:
         log.info("stage %d/%d %r: seq_len %d, global batch %d, micro-batch %d, accumulation %d",
                  index + 1, len(self.stages), st.name, st.seq_len, st.global_batch_size, mbs,
                  self.runner.accumulation_steps)
+
+    def choose_rotary_backend(self, shape: tuple[int, int, int, int], device: torch.device) -> str:
+        """The rotary backend of a stage (the runner asks at each stage switch): ``model.rotary_backend``, or
+        with ``auto`` the fastest measured on rank 0 at this shape (``nn.rotary_tune``; the table is logged,
+        kept in run_dir/rotary_backend.json for a resumed run, and put in the stage's first step record).
+        Every rank takes rank 0's choice (collective)."""
+        m = self.cfg.model
+        backend, table = None, None
+        if self.env.rank == 0:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.deepspeed.precision, torch.float32)
+            choice = self.rotary_choices.choose(m.rotary_backend, shape, dtype, device, rotary_value=m.rotary_value,
+                                                compiled=self.cfg.trainer.compile)
+            backend = choice.backend
+            if choice.measured:
+                table = {"backend": backend, "key": choice.key.to_json(), "timings": timings_to_json(choice.rows)}
+                try:
+                    self.rotary_choices.save(self.run_dir / ROTARY_CHOICES)
+                except OSError as e:
+                    raise StorageError.from_os_error(e, "recording the rotary backend's measurement") from None
+        backend = self.comm.broadcast(backend)
+        self._rotary_record = table
+        return backend
 
     def _batches(self):
         return iter(self.loader) if self.runner.reads_data else None
@@ -447,7 +481,8 @@ class Trainer:
             self.profiler.after_step(s.step)
             if self.saver is not None:
                 self.saver.poll()  # a failed background save ends the run here, as a synchronous one would
-            self._unread.append(Unread(s.step, stats, lr, dt, at, s.tokens_seen))
+            self._unread.append(Unread(s.step, stats, lr, dt, at, s.tokens_seen, time.time(), self._rotary_record))
+            self._rotary_record = None
             w = self._window
             w[0], w[1], w[2] = w[0] + stats.num_tokens, w[1] + stats.num_samples, w[2] + dt
             if self._read_due(s.step, stats.stop):
@@ -501,12 +536,15 @@ class Trainer:
         read) is the real rate."""
         s, st, stats, lr = self.state, u.at.stage, u.stats, u.lr
         loss = None if stats.nonfinite else stats.loss
-        # time: when the step was recorded (Unix seconds); step_time_s: the runner's share of the host's time
-        # for the step (data + launching the compute + communication)
+        # time: when the host finished the step (Unix seconds); step_time_s: the runner's share of the host's
+        # time for the step (data + launching the compute + communication), so that the loop's own cost is
+        # time[i] - time[i - 1] - step_time_s[i]
         rec = {"step": u.step, "loss": loss, "mlm_acc": stats.mlm_acc, "lr": lr, "seq_len": st.seq_len,
                "stage": st.name, "samples": stats.num_samples, "global_batch": self.runner.global_batch_size,
                "accumulation": self.runner.accumulation_steps, "tokens_seen": u.tokens_seen,
-               "skipped": stats.nonfinite, "time": round(time.time(), 4), "step_time_s": round(u.dt, 5)}
+               "skipped": stats.nonfinite, "time": round(u.ended, 4), "step_time_s": round(u.dt, 5)}
+        if u.rotary is not None:
+            rec["rotary_backend"] = u.rotary  # measured for this stage (``auto``)
         logging_now = self.policy.log(u.step)
         mixture = self._mixture_scalars() if logging_now and self.plan and len(self.plan.sources) > 1 else {}
         if mixture:
