@@ -10,6 +10,10 @@ exception is a bug and shows its traceback (exit status 1).
     DataError        4   corpus / shard set / tokenizer missing, damaged or inconsistent
     CheckpointError  5   no usable checkpoint, or one that does not match the model or layout
     RunLockedError   6   another run holds the run directory (the message names the holder)
+    EnvironmentSetupError
+                     7   this machine cannot build or load what the run needs (a DeepSpeed op: no compiler,
+                         no nvcc, a TORCH_CUDA_ARCH_LIST it cannot read); the message names the op, the
+                         variables and the fix
     StorageError    74   the run directory cannot be written (disk full, read-only, permission denied);
                          the message names the path and the OS error
 
@@ -25,9 +29,10 @@ import errno as _errno
 
 from data_pipeline.errors import EXIT_INTERRUPTED, EXIT_STORAGE, DataError, exit_status, run_command
 
-__all__ = ["ConfigError", "DataError", "CheckpointError", "RunLockedError", "StorageError", "EXIT_DONE",
-           "EXIT_BUG", "EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_DATA", "EXIT_CHECKPOINT", "EXIT_LOCKED",
-           "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status", "run_command"]
+__all__ = ["ConfigError", "DataError", "CheckpointError", "RunLockedError", "EnvironmentSetupError", "StorageError",
+           "EXIT_DONE", "EXIT_BUG", "EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_DATA", "EXIT_CHECKPOINT", "EXIT_LOCKED",
+           "EXIT_ENVIRONMENT", "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status",
+           "run_command"]
 
 EXIT_DONE = 0
 EXIT_BUG = 1  # an unexpected exception: its traceback is shown
@@ -36,6 +41,7 @@ EXIT_NONFINITE = 3
 EXIT_DATA = 4
 EXIT_CHECKPOINT = 5
 EXIT_LOCKED = 6
+EXIT_ENVIRONMENT = 7
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved because of a stop signal; run again to continue
 EXIT_ABORTED = EXIT_INTERRUPTED  # 128 + SIGINT: a second Ctrl-C
 
@@ -47,6 +53,7 @@ EXIT_STATUS_HELP = """exit status:
   4    data error: shard set, tokenizer (the file is named)
   5    checkpoint error: damaged, or written for another model or layout
   6    run_dir in use by another run (the holder is named)
+  7    this machine cannot build what the run needs: a DeepSpeed op (the op, the variables and the fix are named)
   74   run_dir not writable: disk full, read-only, permission denied (the path is named)
   75   stopped by a signal after saving a complete checkpoint: run again to continue
   130  aborted by a second Ctrl-C (nothing saved; the newest complete checkpoint stays latest)"""
@@ -69,6 +76,14 @@ class RunLockedError(RuntimeError):
     """The run directory is held by another run; the message names the holder."""
 
     exit_status = EXIT_LOCKED
+
+
+class EnvironmentSetupError(RuntimeError):
+    """This machine cannot build or load something the run needs (a DeepSpeed op: no C++ compiler, no nvcc,
+    a ``TORCH_CUDA_ARCH_LIST`` DeepSpeed cannot read); the message names it, the environment variables
+    involved and the fix. Not a bug of ours: no traceback."""
+
+    exit_status = EXIT_ENVIRONMENT
 
 
 class StorageError(OSError):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, ConfigError, RunLockedError, StorageError
+from roformer_dist.parallel.engine import SHM_COMM, load_op
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
@@ -38,10 +39,11 @@ log = logging.getLogger(__name__)
 def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None) -> bool:
     """The process group (the project's one bootstrap), then DeepSpeed's communication on top of it.
 
-    DeepSpeed loads (on first use JIT-builds) an op here; a lock left by a killed build is removed first
-    and a live build waited for (``runtime.jit_builds``). False: ``stop`` was requested during that wait,
-    or during the load, which the same signal failed (torch runs ninja in this process group); DeepSpeed
-    is then not initialised."""
+    DeepSpeed loads (on first use JIT-builds) an op here (on CPU); a lock left by a killed build is removed
+    first and a live build waited for (``runtime.jit_builds``), then the op is built through
+    ``parallel.engine.load_op``: a build that fails raises ``EnvironmentSetupError`` (one line) on every rank.
+    False: ``stop`` was requested during that wait, or during the build or load, which the same signal failed
+    (torch runs ninja in this process group); DeepSpeed is then not initialised."""
     backend = init_process_group(env, cfg.dist.backend, cfg.dist.timeout_s)
     use_environment_extensions_dir()
     if not wait_for_build_locks(should_stop=lambda: stop is not None and stop.requested):
@@ -49,6 +51,7 @@ def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None)
     import deepspeed  # heavy: only a training rank needs it
 
     try:
+        load_op(SHM_COMM, env.local_rank)  # here, so that a failing build is one line, not DeepSpeed's traceback
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     except Exception:
         if stop is not None and stop.requested:
