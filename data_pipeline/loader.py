@@ -672,6 +672,10 @@ class ShardLoader:
         if generation == self._generation:
             self._active = None
 
+    def close(self) -> None:
+        """End the workers of the iteration in flight (a later ``iter()`` starts new ones)."""
+        self._stop_active()
+
     def set_stage(self, seq_len: int, micro_batch_size: int, weights: Optional[dict] = None) -> None:
         """New sequence length / micro-batch (and, given ``weights``, new shares of the sources); the next
         ``iter()`` re-packs from the consumed position."""

@@ -78,7 +78,7 @@ class FakeRunner:
     def set_lr(self, lr):
         self.lr = lr
 
-    def set_stage(self, stage, world_size):
+    def set_stage(self, stage, world_size, choose_kernel=None):
         self.events.append(("stage", stage.seq_len))
 
     def train_step(self, batches, stop=False, inject_nan=False):
@@ -111,6 +111,9 @@ class FakeLoader:
 
     def state_dict(self):
         return {}
+
+    def close(self):
+        pass
 
 
 class FakeMetrics:

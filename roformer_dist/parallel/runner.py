@@ -169,9 +169,6 @@ class ParallelRunner:
         self.engine, self.dims, self.cfg, self.loss_fn = engine, dims, cfg, loss_fn
         self.pipeline = dims.pp_size > 1
         self.host_group = _host_group()
-        self.choose_kernel: Optional[Callable[[tuple[int, int, int, int], torch.device], str]] = None
-        """Set by the trainer: the rotary backend for a stage's (micro-batch, S, heads, head_dim) on the
-        engine's device (a measured choice for ``auto``); unset: ``model.rotary_backend`` as configured."""
         # trainer.compile: the model compiled per stage (set_stage); config refuses it with pipeline stages
         self.compiler = StageCompiler(engine.module, compile_cache_dir(cfg)) if cfg.trainer.compile else None
 
@@ -340,13 +337,16 @@ class ParallelRunner:
             sums.zero_()
         return sums
 
-    def set_stage(self, stage: StageConfig, world_size: int) -> None:
+    def set_stage(self, stage: StageConfig, world_size: int,
+                  choose_kernel: Optional[Callable[[tuple[int, int, int, int], torch.device], str]] = None) -> None:
         """New curriculum stage: micro-batch and accumulation (and the pipeline's activation shapes), the
         stage's rotary settings (``config.rope_settings``: they may differ from the model's) and its rotary
-        kernel (:attr:`choose_kernel`), all before the stage's first forward (and its compilation)."""
+        kernel, all before the stage's first forward (and its compilation). ``choose_kernel``: the rotary
+        backend for the stage's (micro-batch, S, heads per rank, head_dim) on the engine's device (the
+        trainer's measured choice for ``auto``); None: ``model.rotary_backend`` as configured."""
         set_rope(self.engine, rope_settings(self.cfg.model, stage), self.cfg.model.max_position_embeddings)
         mbs = micro_batch_size(self.cfg, stage, world_size)
-        self._set_rotary_kernel(mbs, stage.seq_len)
+        self._set_rotary_kernel(mbs, stage.seq_len, choose_kernel)
         self.engine.set_train_micro_batch_size(mbs)
         self.engine.set_train_batch_size(stage.global_batch_size)
         if self.pipeline:
@@ -355,13 +355,13 @@ class ParallelRunner:
         if self.compiler is not None:
             self.compiler.compile_stage(stage.name, stage.seq_len, mbs)
 
-    def _set_rotary_kernel(self, mbs: int, seq_len: int) -> None:
+    def _set_rotary_kernel(self, mbs: int, seq_len: int, choose_kernel) -> None:
         m = self.cfg.model
         if m.position_embedding != "rotary":
             return
         heads = m.num_attention_heads // self.dims.tp_size
         shape = (mbs, seq_len, heads, m.hidden_size // m.num_attention_heads)
-        backend = self.choose_kernel(shape, self.engine.device) if self.choose_kernel is not None else m.rotary_backend
+        backend = choose_kernel(shape, self.engine.device) if choose_kernel is not None else m.rotary_backend
         set_rotary_kernel(self.engine.module, model_kernel(backend, self.engine.device))
 
     def set_lr(self, lr: float) -> None:

@@ -85,6 +85,7 @@ class Trainer:
         self.faults = faults
         self.comm = TorchComm()
         self.metrics: Optional[MetricsWriter] = None
+        self.loader: Optional[ShardLoader] = None
         self.elastic = False
         self.last_good: Optional[int] = None
         """The last step whose update was applied (for the non-finite stop's message)."""
@@ -166,7 +167,6 @@ class Trainer:
             cfg, model, first.stage, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
         self.dp_rank, self.dp_size = self.runner.dp_rank, self.runner.dp_size
         self.rotary_choices = RotaryChoices.load(self.run_dir / ROTARY_CHOICES) if env.rank == 0 else None
-        self.runner.choose_kernel = self.choose_rotary_backend
         mbs = micro_batch_size(cfg, first.stage, env.world_size)
         self.loader = ShardLoader(loader_sources(cfg), seq_len=first.stage.seq_len, micro_batch_size=mbs,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
@@ -273,7 +273,7 @@ class Trainer:
         mbs = micro_batch_size(self.cfg, st, self.env.world_size)
         self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index) if self.plan else None)
         self.faults.point("stage.switch")
-        self.runner.set_stage(st, self.env.world_size)
+        self.runner.set_stage(st, self.env.world_size, choose_kernel=self.choose_rotary_backend)
         rope = rope_settings(self.cfg.model, st)  # the runner puts them in force
         if rope != self._rope and (rope != rope_settings(self.cfg.model) or self._rope is not None):
             log.info("stage %r: rotary %s", st.name, ", ".join(f"{k} {v}" for k, v in rope.items()))
@@ -596,6 +596,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()  # its workers end with the run, not when the garbage collector gets to them
         if self.profiler is not None:
             self.profiler.close()  # a run that raised inside the window
         if self.metrics is not None:
