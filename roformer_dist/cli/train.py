@@ -90,8 +90,10 @@ def _run(args, stop: StopFlag) -> int:
     from roformer_dist.train.data import resolve_data
     from roformer_dist.train.mixture import plan_mixture
     from roformer_dist.train.entry import run_rank
+    from roformer_dist.train.metrics import run_sinks
     from roformer_dist.train.spawn import check_resume, check_warm_start, spawn_local
 
+    run_sinks(cfg)  # an unknown sink is refused before anything starts
     resolved, manifests = resolve_data(cfg)  # manifests vs model config, before any process starts
     plan_mixture(resolved, manifests)  # caps the budget cannot keep: refused here
     if as_rank:

@@ -22,6 +22,12 @@ import torch
 from data_pipeline.atomic import StagedDir
 from roformer_dist.finetune.tasks import Encoded
 from roformer_dist.hf.export import share_with_group
+from roformer_dist.train.sinks import SinkContext, open_sinks
+from roformer_dist.train.sinks.tensorboard import TB_DIR
+
+FINETUNE_SINKS = ("tensorboard",)
+"""Where fine-tuning's curves go (``train.sinks``): TensorBoard under ``out_dir/tb``; the epochs' records are
+``results.json``."""
 
 __all__ = ["Dist", "fit", "predict", "GROUP_BATCHES"]
 
@@ -115,12 +121,10 @@ def fit(clf, task, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batc
     warm = max(1, int(warmup * total))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
-    tb = None
+    sinks = []
     if dist.main:
-        from torch.utils.tensorboard import SummaryWriter
-
-        shutil.rmtree(out_dir / "tb", ignore_errors=True)
-        tb = SummaryWriter(str(out_dir / "tb"))
+        shutil.rmtree(out_dir / TB_DIR, ignore_errors=True)  # a fine-tuning run starts afresh
+        sinks = open_sinks(FINETUNE_SINKS, SinkContext(out_dir))
     pad = clf.tokenizer.pad_token_id
     records, best, step = [], None, 0
     try:
@@ -142,9 +146,8 @@ def fit(clf, task, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batc
                 sched.step()
                 step += 1
                 loss_sum += torch.tensor([loss.item() * len(idx), len(idx)], dtype=torch.float64)
-                if tb is not None:
-                    tb.add_scalar("train/loss", loss.item(), step)
-                    tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
+                for sink in sinks:
+                    sink.log_scalars(step, {"train/loss": loss.item(), "train/lr": sched.get_last_lr()[0]})
                 bar.set_postfix_str(f"loss {loss_sum[0].item() / loss_sum[1].item():.4f}", refresh=False)
             bar.close()
             if dist.world_size > 1:
@@ -157,11 +160,10 @@ def fit(clf, task, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batc
             key = tuple(rec[k] for k in task.selects)
             improved = best is None or key > best
             if dist.main:
-                for k, v in rec.items():
-                    if k.startswith("dev_") and isinstance(v, float):
-                        tb.add_scalar("dev/" + k[4:], v, epoch)
-                tb.add_scalar("train/epoch_loss", rec["train_loss"], epoch)
-                tb.flush()
+                epoch_scalars = {"dev/" + k[4:]: v for k, v in rec.items() if k.startswith("dev_") and isinstance(v, float)}
+                for sink in sinks:
+                    sink.log_scalars(epoch, {**epoch_scalars, "train/epoch_loss": rec["train_loss"]})
+                    sink.flush()
                 say(f"epoch {epoch}/{epochs}: train loss {rec['train_loss']:.4f}  {task.describe(rec)}  "
                     f"({rec['seconds']:.1f} s)" + ("  best so far" if improved and epoch > 1 else ""))
                 if improved:
@@ -171,8 +173,8 @@ def fit(clf, task, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batc
             if on_epoch is not None and dist.main:
                 on_epoch(rec)
     finally:
-        if tb is not None:
-            tb.close()
+        for sink in sinks:
+            sink.close()
     return records
 
 

@@ -1,8 +1,9 @@
-"""Rank 0's view of a run: TensorBoard scalars, ``metrics.jsonl`` and console lines.
+"""Rank 0's view of a run: its sinks (``metrics.jsonl``, TensorBoard, ...: :mod:`roformer_dist.train.sinks`)
+and MFU.
 
 ``metrics.jsonl`` holds one JSON line per optimizer step (step, loss, seq_len,
-stage, lr, ...). On resume both it and TensorBoard drop what came after the
-checkpoint (``purge_step``), so a resumed run's curves equal an uninterrupted one's.
+stage, lr, ...). On resume every sink drops what came after the checkpoint
+(``SinkContext.resume_step``), so a resumed run's curves equal an uninterrupted one's.
 
 ``perf/mfu`` is model FLOPs utilisation: tokens/s x FLOPs per token / (dense peak x GPUs), with the peak of
 the GPU at the run's matmul precision (:func:`peak_flops`, :func:`matmul_precision`) and the FLOPs of
@@ -20,18 +21,16 @@ attention restricted to document blocks (``data.packing``) is counted as full S 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
 import resource
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
-from data_pipeline.atomic import atomic_write_text
-from roformer_dist.errors import StorageError
+from roformer_dist.train.sinks import RUN_RECORD, SinkContext, check_sinks, open_sinks
 
 log = logging.getLogger(__name__)
 
@@ -102,78 +101,43 @@ def _peak(name: str, precision: str) -> Optional[float]:
     return None
 
 
+def run_sinks(cfg) -> tuple[str, ...]:
+    """The sinks of a run (``logging.sinks``, checked against the table; ``logging.tensorboard: false`` takes
+    TensorBoard out)."""
+    names = getattr(cfg.logging, "sinks", ("jsonl", "tensorboard"))
+    if not cfg.logging.tensorboard:
+        names = tuple(n for n in names if n != "tensorboard")
+    return check_sinks((RUN_RECORD, *names))
+
+
 class MetricsWriter:
-    """No-op on ranks other than 0.
+    """Rank 0's sinks (:mod:`roformer_dist.train.sinks`: ``metrics.jsonl`` always, the others of
+    ``logging.sinks``); a no-op on other ranks. ``metrics.jsonl`` is the record of the run: a failure to
+    write it is a StorageError (exit 74). The other sinks are views: each handles its own failures."""
 
-    ``metrics.jsonl`` is the record of the run: a failure to write it is a StorageError (exit 74).
-    TensorBoard events are a view: a failure to write them (disk full) is logged once and the events
-    stop, the run goes on until something that matters fails."""
-
-    def __init__(self, run_dir: Path, rank: int, resume_step: int, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, rank: int, resume_step: int, sinks: Sequence[str] = ("tensorboard",)):
         self.enabled = rank == 0
-        self.tb = None
-        self.jsonl_path = run_dir / "metrics.jsonl"
-        if not self.enabled:
-            return
-        self._truncate_jsonl(resume_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops the events of steps >= resume_step + 1 an interrupted launch left (all of them when
-            # this one starts from scratch: a launch killed before its first checkpoint left events of no use)
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else 0)
-
-    def _truncate_jsonl(self, resume_step: int) -> None:
-        if not self.jsonl_path.exists():
-            return
-        keep = []
-        for line in self.jsonl_path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                if json.loads(line)["step"] <= resume_step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a crash
-        try:
-            atomic_write_text(self.jsonl_path, "".join(line + "\n" for line in keep))
-        except OSError as e:
-            raise StorageError.from_os_error(e, "rewriting metrics.jsonl for the resumed run") from None
+        self.sinks = open_sinks(sinks, SinkContext(Path(run_dir), resume_step)) if self.enabled else []
 
     def step_record(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        try:
-            with open(self.jsonl_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:
-            if not e.filename:
-                e = OSError(e.errno, e.strerror, str(self.jsonl_path))
-            raise StorageError.from_os_error(e, f"recording step {record.get('step')}") from None
-
-    def _tb_call(self, fn, *args) -> None:
-        if self.tb is None:
-            return
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - the events are a view of metrics.jsonl; never fatal
-            log.warning("TensorBoard events stop here: %s", e)
-            self.tb = None
+        for sink in self.sinks:
+            sink.log_record(record)
 
     def scalars(self, step: int, values: dict) -> None:
-        for tag, value in values.items():
-            if value is not None and self.tb is not None:
-                self._tb_call(self.tb.add_scalar, tag, value, step)
+        values = {tag: value for tag, value in values.items() if value is not None}
+        for sink in self.sinks:
+            sink.log_scalars(step, values)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        for sink in self.sinks:
+            sink.log_text(tag, text, step)
 
     def flush(self) -> None:
         """Every event so far on disk (the trainer calls it before a checkpoint can commit)."""
-        if self.tb is not None:
-            self._tb_call(self.tb.flush)
-
-    def text(self, tag: str, text: str, step: int = 0) -> None:
-        if self.tb is not None:
-            self._tb_call(self.tb.add_text, tag, text, step)
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
-        if self.tb is not None:
-            self._tb_call(self.tb.close)
-            self.tb = None
-
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

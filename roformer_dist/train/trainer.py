@@ -38,7 +38,7 @@ from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import StageAt, lr_at, stage_at, total_steps
 from roformer_dist.train.data import data_error, resolve_data
 from roformer_dist.train.evaluation import Evaluator
-from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops
+from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops, run_sinks
 from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
 from roformer_dist.train.profiling import ProfileWindow
@@ -191,7 +191,7 @@ class Trainer:
                 save_config(cfg, self.run_dir / "config.yaml")
             except OSError as e:
                 raise StorageError.from_os_error(e, "writing config.yaml") from None
-        self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, cfg.logging.tensorboard)
+        self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, run_sinks(cfg))
         if cfg.checkpoint.async_:
             self.saver = AsyncSaver(self.ckpt_root, env.rank, env.world_size, cfg.checkpoint.keep_last, self.comm,
                                     cfg.dist.timeout_s, self.faults)
