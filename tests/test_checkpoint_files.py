@@ -215,3 +215,23 @@ def test_read_only_checkpoint_directory_is_found_before_training(tmp_path):
             ckpt.check_writable(ro, "the checkpoint directory")
         with pytest.raises(StorageError, match="EROFS"):
             save(ro, 4)
+
+
+def test_a_trainer_state_is_read_once_per_version_and_its_config_comes_back_typed(tmp_path, monkeypatch):
+    """A command asks for rank 0's trainer state several times (to-hf: the model card, the config, the
+    counters): the file is loaded once while it is unchanged, a changed file is read again, and every caller
+    gets its own copy."""
+    d = tmp_path / "step_00000004"
+    d.mkdir()
+    ckpt.atomic_torch_save(payload(4).to_dict(), ckpt.state_file(d, 0))
+    loads = []
+    real = torch.load
+    monkeypatch.setattr(ckpt.torch, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    first, second = ckpt.read_trainer_state(d, 0), ckpt.read_trainer_state(d, 0)
+    assert len(loads) == 1 and first.trainer.step == second.trainer.step == 4
+    first.trainer.step = 99
+    assert ckpt.read_trainer_state(d, 0).trainer.step == 4  # a copy each time
+    cfg = ckpt.checkpoint_config(d)
+    assert cfg.model.vocab_size == 100 and cfg == load_config(DEBUG, ["model.vocab_size=100"])
+    ckpt.atomic_torch_save(payload(8).to_dict(), ckpt.state_file(d, 0))  # another version of the file
+    assert ckpt.read_trainer_state(d, 0).trainer.step == 8 and len(loads) == 2

@@ -27,6 +27,8 @@ removed (it would never become ``latest`` anyway).
 
 from __future__ import annotations
 
+import copy
+import functools
 import io
 import json
 import logging
@@ -44,6 +46,7 @@ from data_pipeline.atomic import atomic_write_bytes, atomic_write_text
 from roformer_dist.checkpoint.safe_load import check_archive
 from roformer_dist.checkpoint.trainer_state import TrainerState
 from roformer_dist.checkpoint.write_errors import storage_error
+from roformer_dist.config import Config, from_dict
 from roformer_dist.errors import CheckpointError, StorageError
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 
@@ -81,15 +84,29 @@ def short_error(e: BaseException) -> str:
 
 
 def read_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
-    """The checked payload of ``trainer_state_rank<rank>.pt``; CheckpointError naming the file otherwise."""
+    """The checked payload of ``trainer_state_rank<rank>.pt``; CheckpointError naming the file otherwise.
+    Read once per file version in a process (a command asks for rank 0's several times): a copy of the
+    cached payload, so a caller may change what it gets."""
     path = state_file(ckpt_dir, rank)
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing (the trainer state of rank {rank})")
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the trainer state of rank {rank})") from None
+    return copy.deepcopy(_load_trainer_state(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_trainer_state(path: str, mtime_ns: int, size: int) -> TrainerState:  # noqa: ARG001 - the cache's key
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is a damaged file
         raise CheckpointError(f"{path}: unreadable ({short_error(e)})") from None
-    return TrainerState.from_dict(data, where=str(path))
+    return TrainerState.from_dict(data, where=path)
+
+
+def checkpoint_config(found: "Found | Path") -> Config:
+    """The run config a checkpoint was written with (its rank 0 trainer state)."""
+    return from_dict(read_trainer_state(getattr(found, "dir", found), 0).config)
 
 
 def is_complete(ckpt_dir: Path) -> bool:

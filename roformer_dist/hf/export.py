@@ -33,8 +33,8 @@ from data_pipeline.imported import SENTENCEPIECE, ImportedTokenizer, kind_of
 from data_pipeline.manifest import read_manifest, tokenizer_path
 from data_pipeline.tokenizer import SPECIAL_IDS, sha256_file
 from roformer_dist.checkpoint.lineage import read_parent_record
-from roformer_dist.checkpoint.store import Found, read_trainer_state
-from roformer_dist.config import from_dict, training_sources
+from roformer_dist.checkpoint.store import Found, checkpoint_config, read_trainer_state
+from roformer_dist.config import training_sources
 from roformer_dist.errors import ConfigError, DataError
 from roformer_dist.hf.convert import check_exportable, to_hf_model
 from roformer_dist.hf.model_card import render_model_card
@@ -112,9 +112,8 @@ def _eval_scalars(run_dir: Path, step: int) -> tuple[dict, Optional[int]]:
 
 def source_from_checkpoint(found: Found) -> ExportSource:
     """What the model card says about a training checkpoint: its run config, counters, last eval, shards."""
-    state = read_trainer_state(found.dir, 0)
-    config = from_dict(state.config)
-    trainer = state.trainer.state_dict()
+    config = checkpoint_config(found)
+    trainer = read_trainer_state(found.dir, 0).trainer.state_dict()
     run_dir = found.dir.parent.parent
     src = ExportSource(f"training checkpoint {found.dir}", run_config=config, trainer=trainer)
     src.eval_metrics, src.eval_step = _eval_scalars(run_dir, found.step)

@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 
 from data_pipeline.manifest import read_manifest
 from data_pipeline.source import is_url
-from roformer_dist.checkpoint.store import Found, read_trainer_state, resolve
+from roformer_dist.checkpoint.store import Found, checkpoint_config, read_trainer_state, resolve
 from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from_state_dict
-from roformer_dist.config import Config, from_dict, replace, training_sources
+from roformer_dist.config import Config, replace, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 from roformer_dist.train.curriculum import trained_max_len
@@ -111,7 +111,7 @@ def open_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]] = 
     model; ``packing``: the eval rows' ``data.packing`` (default: the run's)."""
     found = resolve(path)
     state = read_trainer_state(found.dir, 0)
-    cfg = from_dict(state.config)
+    cfg = checkpoint_config(found)
     trained = trained_max_len(cfg.curriculum.stages, found.step)
     if not lengths:
         last = cfg.curriculum.stages[-1]
