@@ -6,16 +6,18 @@ The job's shape decides the world size: ``dist.world_size`` becomes ``slurm.node
 and on GPU clusters there is one task per GPU (``tasks_per_node = gpus_per_node``), so the config is
 validated for the world size that will really run.
 
-What reaches the batch script (``sbatch_script``; submitit writes the same text). The config is
-validated first (``roformer_dist.config._validate_slurm``): ``slurm.partition``, ``account`` and ``qos``
-hold only letters, digits and ``_ - . ,``; ``slurm.constraint`` also the feature operators
-``& | ! * : [ ] ( )`` (no spaces); ``slurm.env`` and ``slurm.env_from`` keys are variable names
-(``[A-Za-z_][A-Za-z0-9_]*``); no SLURM string, ``slurm.setup`` line or ``run_dir`` holds a control
-character (a newline would start a script line of its own). Rendering:
+What reaches the batch script (``sbatch_script``; submitit writes the same text). The ``slurm`` section and
+``run_dir`` are checked by the rules of ``launcher.slurm_settings`` (the config checks only the job's shape)
+when the config is resolved and again in ``slurm_parameters``, which every batch script comes from
+(``roformer-data prepare --tasks`` too): ``slurm.partition``, ``account`` and ``qos`` hold only letters,
+digits and ``_ - . ,``; ``slurm.constraint`` also the feature operators ``& | ! * : [ ] ( )`` (no spaces);
+``slurm.env`` and ``slurm.env_from`` keys are variable names (``[A-Za-z_][A-Za-z0-9_]*``); no SLURM string,
+``slurm.setup`` line or ``run_dir`` holds a control character (a newline would start a script line of its
+own). Rendering:
 
-- ``slurm.env`` values are double-quoted: ``$NAME`` and ``${NAME}`` are expanded by the batch shell
-  (profiles use ``$HOME``), every other character is literal (backslash, ``"`` and a ``$`` that starts no
-  reference are escaped). Command substitution (``$(...)``, backticks) is refused at validation, with
+- ``slurm.env`` values are double-quoted (``slurm_settings.double_quoted``): ``$NAME`` and ``${NAME}`` are
+  expanded by the batch shell (profiles use ``$HOME``), every other character is literal (backslash, ``"``
+  and a ``$`` that starts no reference are escaped). Command substitution (``$(...)``, backticks) is refused, with
   a message pointing to ``slurm.setup`` (shell by design: the user's own lines, one line each).
 - ``slurm.env_from`` (secrets by reference, e.g. ``{WANDB_API_KEY: WANDB_API_KEY}``): the batch script
   holds only names, ``export KEY="${NAME?...}"`` (or the check ``: "${NAME?...}"`` when the names
@@ -37,7 +39,8 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.source import is_url
-from roformer_dist.config import ENV_NAME, Config, SlurmConfig, check_line, load_config, replace
+from launcher.slurm_settings import ENV_REFERENCE, check_line, double_quoted, env_from_line, validate_slurm
+from roformer_dist.config import Config, SlurmConfig, load_config, replace
 from roformer_dist.errors import ConfigError
 
 # Written into the sbatch script before srun: `scancel --signal=USR2 --full` (and some preemption setups)
@@ -98,6 +101,7 @@ def resolve(config: str, overrides: list[str], flags: JobFlags) -> Config:
         tasks = s.gpus_per_node
     world = s.nodes * tasks
     cfg = load_config(config, items + [f"slurm.tasks_per_node={tasks}", f"dist.world_size={world}"])
+    validate_slurm(cfg.slurm)  # before anything is created: refused alike for --cluster slurm and local
     check_line(cfg.run_dir, "run_dir")  # it is in the batch script: #SBATCH --output, srun, the job name
     # The job may start in another working directory than this shell's: make paths absolute.
     paths = {"run_dir": cfg.run_dir}
@@ -146,44 +150,11 @@ def job_name(cfg: Config) -> str:
     return "roformer-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(cfg.run_dir).name)
 
 
-_REFERENCE = re.compile(rf"\$(?:{ENV_NAME.pattern}|\{{{ENV_NAME.pattern}\}})")
-"""``$NAME`` or ``${NAME}``: the one form of expansion an ``slurm.env`` value may use."""
-
-
-def _double_quoted(value: str, key: str = "slurm.env") -> str:
-    """``value`` in double quotes for the batch shell: ``$NAME`` / ``${NAME}`` expand, all else is literal.
-
-    ``\\``, ``"``, backticks and every ``$`` that starts no such reference are escaped, so nothing but
-    those two forms of parameter expansion happens (no command substitution, arithmetic or ``${x:-...}``).
-    A control character is refused (it would end the line)."""
-    check_line(value, key)
-    out, i = [], 0
-    while i < len(value):
-        m = _REFERENCE.match(value, i)
-        if m:
-            out.append(m.group())
-            i = m.end()
-            continue
-        c = value[i]
-        out.append("\\" + c if c in '\\"`$' else c)
-        i += 1
-    return '"' + "".join(out) + '"'
-
-
-def _env_from_line(key: str, name: str) -> str:
-    missing = f"is not set: slurm.env_from.{key} reads it from the environment of roformer-submit"
-    if key == name:  # sbatch exports it as it is: only check that it arrived
-        return f': "${{{name}?{missing}}}"'
-    return f'export {key}="${{{name}?{missing}}}"'
-
-
 def setup_lines(cfg: Config) -> list[str]:
     """Shell lines run in the batch script before srun: the USR2 trap, the profile's env (values, then
-    names taken from the submitting environment), its setup."""
-    env = [f"export {k}={_double_quoted(v, f'slurm.env.{k}')}" for k, v in cfg.slurm.env.items()]
-    env += [_env_from_line(k, name) for k, name in cfg.slurm.env_from.items()]
-    for i, line in enumerate(cfg.slurm.setup):
-        check_line(line, f"slurm.setup[{i}]")  # validated with the config; checked again where it is written
+    names taken from the submitting environment), its setup; of a section that passes ``validate_slurm``."""
+    env = [f"export {k}={double_quoted(v, f'slurm.env.{k}')}" for k, v in cfg.slurm.env.items()]
+    env += [env_from_line(k, name) for k, name in cfg.slurm.env_from.items()]
     return [USR2_TRAP, *env, *cfg.slurm.setup]
 
 
@@ -216,15 +187,17 @@ def job_environment(s: SlurmConfig, environ=None) -> dict[str, str]:
         return env.get(m.group().strip("${}"), "")
 
     for key, value in s.env.items():
-        out[key] = env[key] = _REFERENCE.sub(expand, value)
+        out[key] = env[key] = ENV_REFERENCE.sub(expand, value)
     for key, name in s.env_from.items():
         out[key] = env[key] = env.get(name, "")
     return out
 
 
 def slurm_parameters(cfg: Config) -> dict:
-    """Parameters of ``submitit.SlurmExecutor.update_parameters`` (also what ``--dry-run`` renders)."""
+    """Parameters of ``submitit.SlurmExecutor.update_parameters`` (also what ``--dry-run`` renders), from a
+    ``slurm`` section that passes ``validate_slurm``: every batch script comes from here."""
     s = cfg.slurm
+    validate_slurm(s)
     params = {
         "job_name": job_name(cfg),
         "time": s.time_min,

@@ -15,7 +15,8 @@ to start reading; the import direction is checked by ``lint-imports``, see pypro
     checkpoint/  the checkpoint store, trainer state, resume checks, weights files
     parallel/    DeepSpeed engine, tensor x pipeline x data parallelism
     nn/          the model on one device          runtime/  signals, run lock, process group
-    config.py    the one config tree              errors.py  error classes and exit statuses
+    config/      the one config tree: schema, loading, validation, derived values
+    errors.py    error classes and exit statuses
     testing.py   multi-process helpers for tests and benches
 
 Below the package: ``data_pipeline`` (corpus -> tokenizer -> shards -> loader), which imports

@@ -70,7 +70,13 @@ def test_a_run_always_keeps_its_record_and_tensorboard_can_be_left_out(tmp_path)
     from roformer_dist.config import load_config
 
     assert run_sinks(load_config(overrides=["logging.tensorboard=false"])) == ("jsonl",)
-    assert "tensorboard" in run_sinks(load_config())
+    assert run_sinks(load_config()) == ("jsonl", "tensorboard")
+    assert run_sinks(load_config(overrides=["logging.sinks=[tensorboard]"])) == ("jsonl", "tensorboard")
+    with pytest.raises(ConfigError, match="logging.sinks: unknown sink.*'mlflow'"):
+        run_sinks(load_config(overrides=["logging.sinks=[jsonl, mlflow]"]))
+    for bad in ("[jsonl, jsonl]", "['']"):
+        with pytest.raises(ConfigError, match=r"logging\.sinks"):
+            load_config(overrides=[f"logging.sinks={bad}"])
     writer = MetricsWriter(tmp_path, 0, 0, ("jsonl",))
     writer.step_record({"step": 1, "loss": 2.0, "mlm_acc": 0.1})
     writer.scalars(1, {"train/loss": 2.0, "train/grad_norm": None})  # None values are left out

@@ -30,7 +30,8 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from roformer_dist.train.sinks import RUN_RECORD, SinkContext, check_sinks, open_sinks
+from roformer_dist.config import Config, effective_sinks
+from roformer_dist.train.sinks import SinkContext, check_sinks, open_sinks
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,10 @@ def _peak(name: str, precision: str) -> Optional[float]:
     return None
 
 
-def run_sinks(cfg) -> tuple[str, ...]:
-    """The sinks of a run (``logging.sinks``, checked against the table; ``logging.tensorboard: false`` takes
-    TensorBoard out)."""
-    names = getattr(cfg.logging, "sinks", ("jsonl", "tensorboard"))
-    if not cfg.logging.tensorboard:
-        names = tuple(n for n in names if n != "tensorboard")
-    return check_sinks((RUN_RECORD, *names))
+def run_sinks(cfg: Config) -> tuple[str, ...]:
+    """The sinks of a run: ``config.effective_sinks`` (``metrics.jsonl`` always; ``logging.tensorboard: false``
+    takes TensorBoard out), checked against the table (ConfigError naming ``logging.sinks``)."""
+    return check_sinks(effective_sinks(cfg.logging))
 
 
 class MetricsWriter:

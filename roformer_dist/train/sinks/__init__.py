@@ -6,7 +6,7 @@
     for s in sinks: s.close()
 
 The trainer (``train.metrics.MetricsWriter``, rank 0) and fine-tuning write through it; ``logging.sinks``
-chooses them (``jsonl`` is always on: ``metrics.jsonl`` is the run's record). What each call means:
+chooses them (``jsonl`` is always on: ``metrics.jsonl`` is the run's record; ``config.effective_sinks``). What each call means:
 
 ``log_record(record)``   one optimizer step's record (``step``, ``loss``, ... ; ``metrics.jsonl``'s line)
 ``log_scalars(step, values)``   named values at a step (``train/loss``, ``eval/loss_512``, ``perf/mfu``...);
@@ -34,7 +34,7 @@ from roformer_dist.errors import ConfigError
 from roformer_dist.train.sinks.jsonl import JsonlSink
 from roformer_dist.train.sinks.tensorboard import TensorBoardSink
 
-__all__ = ["Sink", "SinkContext", "SINKS", "RUN_RECORD", "check_sinks", "open_sinks"]
+__all__ = ["Sink", "SinkContext", "SINKS", "check_sinks", "open_sinks"]
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,6 @@ SINKS: dict[str, Callable[[SinkContext], Sink]] = {
     "tensorboard": TensorBoardSink,
 }
 """``logging.sinks`` name -> the sink's class."""
-
-RUN_RECORD = "jsonl"
-"""The sink every training run has, listed or not (``train.metrics.run_sinks``)."""
-
 
 def check_sinks(names: Iterable[str], key: str = "logging.sinks") -> tuple[str, ...]:
     """The names, without repeats; ConfigError naming ``key`` for a name not in :data:`SINKS`."""

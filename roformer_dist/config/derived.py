@@ -1,0 +1,68 @@
+"""Values computed from a config, each in one place: the data-parallel size, a stage's micro-batch, the
+rotary settings in force, the training mixture, the metric sinks in force, the run directory mode.
+
+Code that needs one of these calls the function here rather than recomputing it; ``validate.py`` checks the
+config with the same functions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from data_pipeline.mixture import DEFAULT_NAME
+from roformer_dist.config.schema import Config, DataConfig, LoggingConfig, ModelConfig, SourceConfig, StageConfig
+from roformer_dist.errors import ConfigError
+
+
+def data_parallel_size(cfg: Config, world_size: Optional[int] = None) -> int:
+    ws = cfg.dist.world_size if world_size is None else world_size
+    return ws // (cfg.parallel.tensor * cfg.parallel.pipeline)
+
+
+def micro_batch_size(cfg: Config, stage: StageConfig, world_size: Optional[int] = None) -> int:
+    """Micro-batch of a stage: explicit, or the token budget divided by seq_len, made to divide the batch."""
+    if stage.micro_batch_size is not None:
+        return stage.micro_batch_size
+    dp = max(1, data_parallel_size(cfg, world_size))
+    per_rank = max(1, stage.global_batch_size // dp)
+    mbs = max(1, min(per_rank, cfg.curriculum.tokens_per_micro_batch // stage.seq_len))
+    while per_rank % mbs:
+        mbs -= 1
+    return mbs
+
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_position")
+"""The rotary settings (no parameters): a model's, overridden per curriculum stage."""
+
+
+def rope_settings(m: ModelConfig, stage: Optional[StageConfig] = None) -> dict[str, Any]:
+    """The rotary settings in force: the model's, with a stage's own values (not None) over them."""
+    out = {k: getattr(m, k) for k in ROPE_KEYS}
+    if stage is not None:
+        out.update({k: getattr(stage, k) for k in ROPE_KEYS if getattr(stage, k) is not None})
+    return out
+
+
+def training_sources(d: DataConfig) -> tuple[SourceConfig, ...]:
+    """The training mixture: data.sources, or data.shards as one source named ``main`` (weight 1)."""
+    return d.sources or ((SourceConfig(DEFAULT_NAME, d.shards, 1.0),) if d.shards else ())
+
+
+def effective_sinks(lg: LoggingConfig) -> tuple[str, ...]:
+    """The metric sinks in force: ``jsonl`` (the run's record, always on) first, then ``logging.sinks`` in
+    their order, without ``tensorboard`` when ``logging.tensorboard`` is false."""
+    rest = (s for s in lg.sinks if s != "jsonl" and (lg.tensorboard or s != "tensorboard"))
+    return ("jsonl", *rest)
+
+
+def parse_mode(text: str, key: str = "run_dir_mode") -> int:
+    """``"0750"`` -> 0o750; the owner must keep rwx (the run writes there). ConfigError naming ``key``.
+    The one parser of ``run_dir_mode`` (runtime/rundir.py, roformer-submit's umask)."""
+    if not isinstance(text, str) or not re.fullmatch(r"0[0-7]{3}", text):
+        raise ConfigError(f"{key}: expected an octal mode with its leading 0 such as 0750 (quoted in YAML: "
+                          f"'0750'), got {text!r}")
+    mode = int(text, 8)
+    if mode & 0o700 != 0o700:
+        raise ConfigError(f"{key}: {text} takes from the owner the rwx a run needs on its own directory")
+    return mode

@@ -1,0 +1,414 @@
+"""The config tree's schema: one frozen dataclass per section, a docstring under each field.
+
+``Config`` is the root; its sections are ``ModelConfig``, ``DataConfig`` (with ``SourceConfig`` and
+``EvalSourceConfig``), ``CurriculumConfig`` (of ``StageConfig``), ``InitConfig``, ``OptimConfig``,
+``DeepSpeedConfig``, ``ParallelConfig``, ``DistConfig``, ``TrainerConfig`` (with ``ProfileConfig``),
+``CheckpointConfig``, ``LoggingConfig`` and ``SlurmConfig``. Every field with a fixed set of values is typed
+with one of the ``Literal`` aliases below. Loading is ``load.py``, the rules ``validate.py``, values
+computed from a config ``derived.py``.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from roformer_dist.errors import ConfigError
+
+DEFAULT_RUN_DIR_MODE = "0750"
+"""``run_dir_mode``'s default: no write for the group or others (runtime/rundir.py)."""
+
+# --------------------------------------------------------------------------- choice types
+# Every field with a fixed set of values is typed with one of these; the loader (``load._coerce``), the
+# validator and the code that dispatches on the value (nn/model.py, nn/rotary.py) read the values from here.
+
+HiddenAct = Literal["gelu", "gelu_new", "relu"]
+PositionEmbedding = Literal["rotary", "absolute"]
+RopeScaling = Literal["none", "linear", "ntk", "yarn"]
+NewRows = Literal["mean", "init"]
+RotaryBackend = Literal["auto", "reference", "compiled", "triton", "apex", "flash_attn"]
+AttentionKind = Literal["softmax", "linear"]
+Packing = Literal["document", "cross_document"]
+DocumentPositions = Literal["restart", "continue"]
+OptimizerName = Literal["adamw", "lamb"]
+LRSchedule = Literal["linear", "cosine", "constant"]
+ZeroStage = Literal[0, 1, 2, 3]
+Precision = Literal["fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu"]
+DistBackend = Literal["auto", "gloo", "nccl"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def choices(choice_type: Any) -> tuple:
+    """The allowed values of a choice type, in declaration order: ``choices(AttentionKind)``."""
+    return typing.get_args(choice_type)
+
+
+def choice_error(key: str, allowed: tuple, value: Any) -> ConfigError:
+    """The one message of a value outside its choices (the loader's and the validator's)."""
+    return ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: Union[int, str] = "auto"
+    """Vocabulary size, or ``auto`` to take it from the shard manifest."""
+    embedding_size: Optional[int] = None
+    """Embedding width; None = hidden_size. Otherwise a linear projection maps it to hidden_size."""
+    hidden_size: int = 768
+    """Width of every transformer layer."""
+    num_hidden_layers: int = 12
+    """Number of transformer layers."""
+    num_attention_heads: int = 12
+    """Attention heads per layer; must divide hidden_size, head size must be even (rotary pairs)."""
+    intermediate_size: int = 3072
+    """Inner width of the feed-forward block."""
+    hidden_act: HiddenAct = "gelu"
+    """Feed-forward activation: gelu | gelu_new (tanh approximation) | relu."""
+    hidden_dropout_prob: float = 0.1
+    """Dropout after embeddings, attention output and feed-forward output."""
+    attention_probs_dropout_prob: float = 0.1
+    """Dropout on attention probabilities (softmax attention; linear attention forms none)."""
+    max_position_embeddings: int = 1536
+    """Longest sequence the model accepts (sizes the rotary cache / absolute table)."""
+    type_vocab_size: int = 2
+    """Number of token-type (segment) ids."""
+    layer_norm_eps: float = 1e-12
+    """LayerNorm epsilon (post-LN BERT layers)."""
+    rotary_value: bool = False
+    """Also rotate the values (RoFormer's ``rotary_value``)."""
+    pad_token_id: int = 0
+    """Id of [PAD]; its embedding row is kept zero at init."""
+    initializer_range: float = 0.02
+    """Std of the normal initialiser."""
+    position_embedding: PositionEmbedding = "rotary"
+    """rotary (RoFormer) | absolute (the BERT baseline, learned absolute positions)."""
+    rotary_backend: RotaryBackend = "auto"
+    """auto | reference | compiled | triton | apex | flash_attn (see roformer_dist/nn/rotary.py)."""
+    attention: AttentionKind = "softmax"
+    """softmax (scaled dot-product, O(S^2)) | linear (the paper's section 3.3: feature map elu(x)+1,
+    rotary on the feature maps, O(S) time and memory; see roformer_dist/nn/attention.py)."""
+    document_positions: DocumentPositions = "restart"
+    """Positions in rows that carry document numbers (``data.packing: document``): restart (each
+    document counts from 0, as if it were alone) | continue (the row's positions). No parameters: a
+    resumed run may change it."""
+    rope_theta: float = 10000.0
+    """Rotary base: pair i turns by ``m / rope_theta**(2i/d)`` at position m (RoFormer: 10000). Raising it
+    slows every rotation (ModernBERT's context extension). No parameters: a stage, a resume or a fork may
+    change it (as the three rope_* keys below and, with rotary positions, max_position_embeddings)."""
+    rope_scaling: RopeScaling = "none"
+    """Context extension of the rotary angles: none | linear (position interpolation: positions divided by
+    the factor) | ntk (NTK-aware: the base raised by ``factor**(d/(d-2))``) | yarn (YaRN: per-pair blend of
+    interpolation and extrapolation by wavelength, and attention temperature ``0.1 ln(factor) + 1``)."""
+    rope_scaling_factor: float = 1.0
+    """How many times longer than rope_original_max_position the model should read (>= 1)."""
+    rope_original_max_position: Optional[int] = None
+    """The length the model was trained at before the extension (yarn's wavelength bounds); None =
+    max_position_embeddings / rope_scaling_factor."""
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One source of a corpus mixture (``data.sources``)."""
+    name: str = ""
+    """Its name (letters, digits, '_', '-'): in logs, metrics (``data/<name>/...``) and stage weights."""
+    shards: str = ""
+    """Its shard set (a directory or URL prefix, as data.shards)."""
+    weight: Optional[float] = None
+    """Its share of the training *tokens*, relative to the other sources' weights (0.5/0.3/0.2, or 5/3/2);
+    None = 1, or with data.size_alpha its size^alpha. A curriculum stage may override it (``weights``)."""
+    max_epochs: Optional[float] = None
+    """Repetition cap: the run draws at most this many epochs of this source (the planner lowers its
+    share and raises the others', with a warning; the loader never starts an epoch past it)."""
+
+
+@dataclass(frozen=True)
+class EvalSourceConfig:
+    """One held-out set of ``data.eval_sources``."""
+    name: str = ""
+    """Its name: eval tags ``eval_<name>/loss_<L>``."""
+    shards: str = ""
+    """Its shard set (the training sources' tokenizer)."""
+    batches: Optional[int] = None
+    """Batches per eval length; None = data.eval_batches."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    shards: str = ""
+    """Training shard set: a directory (manifest.json + shard-*.tar) or a URL prefix (http://, https://,
+    pipe:COMMAND, file:; ``{name}`` in it is replaced by the file name, else ``/<name>`` is appended).
+    Or, instead, data.sources."""
+    sources: tuple[SourceConfig, ...] = ()
+    """A corpus mixture instead of data.shards: ``[{name, shards, weight, max_epochs}, ...]``, weights as
+    shares of training tokens, interleaved row by row in every micro-batch (data_pipeline/mixture.py)."""
+    size_alpha: Optional[float] = None
+    """Size smoothing of the mixture: a source's weight is multiplied by (its tokens)^alpha (1 = in
+    proportion to size, 0 = the weights alone; 0.3-0.7 as multilingual encoders use). None = off."""
+    eval_sources: tuple[EvalSourceConfig, ...] = ()
+    """Held-out sets evaluated one by one beside data.eval_shards (``eval_<name>/loss_<L>``)."""
+    eval_shards: str = ""
+    """Held-out shard set (a directory or URL prefix, as data.shards); empty = no eval."""
+    packing: Packing = "document"
+    """document (attention and positions stay inside each packed document: block-diagonal, see
+    roformer_dist/nn/documents.py) | cross_document (every token of a row attends to the whole row).
+    The rows are the same either way; eval uses the same packing. A resumed run may change it."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank (0 = load in the training process)."""
+    mlm_probability: float = 0.15
+    """Fraction of non-special tokens chosen for MLM prediction."""
+    whole_word_mask: bool = True
+    """Mask whole words when the shards carry word-start marks (.wwm)."""
+    skip_bad_shards: bool = False
+    """Skip (and count, and log) a corrupt shard instead of stopping."""
+    eval_batches: int = 8
+    """Batches per eval length."""
+    url_retries: int = 5
+    """Reads of a manifest, tokenizer or shard at a URL before giving up (transient failures only:
+    HTTP 5xx/408/429, connection errors, a failing pipe: command); 1 = no retry."""
+    url_retry_wait_s: float = 1.0
+    """Wait before the first retry of a URL; doubled before each further one (at most 30 s)."""
+    url_timeout_s: float = 600.0
+    """One read of a URL (curl, a pipe: command) that has not finished after this many seconds is killed
+    and counts as a transient failure (retried)."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: str = "stage"
+    """Stage name, shown in logs and TensorBoard."""
+    seq_len: int = 512
+    """Packed sequence length (multiple of 8, <= model.max_position_embeddings)."""
+    global_batch_size: int = 256
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    steps: int = 1000
+    """Optimizer steps in this stage."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per rank per forward; None = curriculum.tokens_per_micro_batch // seq_len."""
+    lr: Optional[float] = None
+    """Peak LR of this stage (re-warmed up over warmup_steps); None = the global schedule continues."""
+    warmup_steps: int = 0
+    """Re-warmup steps when lr is set."""
+    eval_lengths: tuple[int, ...] = ()
+    """Eval sequence lengths in this stage; empty = the stage's own seq_len."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights of this stage by source name (``{news: 0.3, books: 0.7}``); a source not named keeps
+    its data.sources weight."""
+    rope_theta: Optional[float] = None
+    """This stage's rotary base; None = model.rope_theta."""
+    rope_scaling: Optional[RopeScaling] = None
+    """This stage's rotary scaling; None = model.rope_scaling."""
+    rope_scaling_factor: Optional[float] = None
+    """This stage's scaling factor; None = model.rope_scaling_factor."""
+    rope_original_max_position: Optional[int] = None
+    """This stage's original length; None = model.rope_original_max_position."""
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    stages: tuple[StageConfig, ...] = (StageConfig(),)
+    """The stages, run in order."""
+    tokens_per_micro_batch: int = 4096
+    """Token budget of a micro-batch when a stage does not fix micro_batch_size."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Where a new run's weights come from (a warm start; a fork is one from a run of ours)."""
+    from_: str = ""
+    """YAML key ``from``: '' = random initialisation; else a Hugging Face repository directory
+    (``RoFormerForMaskedLM``, or ``BertForMaskedLM`` with model.position_embedding: absolute), a
+    roformer-dist run directory (its newest complete checkpoint), a checkpoint directory, or a weights file
+    of ``roformer-convert from-hf``. Read only when the run has no checkpoint of its own: a restart resumes
+    the run, never re-initialises it."""
+    load_optimizer: bool = False
+    """Also take the optimizer state (Adam moments) from the checkpoint: only from a checkpoint of ours with
+    the same ZeRO format, tensor x pipeline layout and world size. The step counter, schedule and data
+    position always start afresh."""
+    new_rows: NewRows = "mean"
+    """Rows of a vocabulary that grew (ids beyond the parent's vocabulary): mean (the mean of the parent's
+    rows) | init (the normal initialiser, model.initializer_range)."""
+    check_tokenizer: bool = True
+    """Refuse a parent of ours trained on shards of another tokenizer (sha256 of its model); false when the
+    new vocabulary extends the parent's with the old pieces at their old ids."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: OptimizerName = "adamw"
+    """adamw | lamb."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    warmup_steps: int = 1000
+    """Linear warmup steps from 0 to lr."""
+    schedule: LRSchedule = "linear"
+    """Decay after warmup: linear | cosine | constant."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of lr."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not on norms and biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-6
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 = off."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    zero_stage: ZeroStage = 2
+    """ZeRO stage 0-3."""
+    precision: Precision = "fp32"
+    """fp32 | bf16 | fp16 (fp16 uses dynamic loss scaling)."""
+    offload_optimizer: OffloadDevice = "none"
+    """none | cpu."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward."""
+    initial_loss_scale_power: int = 16
+    """fp16: initial loss scale is 2**this."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel degree (1 = off)."""
+    pipeline: int = 1
+    """Pipeline-parallel degree (1 = off)."""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    world_size: int = 1
+    """Processes roformer-train starts on this machine (ignored when launched by SLURM/torchrun)."""
+    backend: DistBackend = "auto"
+    """auto (nccl with CUDA, else gloo) | gloo | nccl."""
+    timeout_s: int = 1800
+    """Collective timeout in seconds."""
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int = 0
+    """First step traced by ``torch.profiler`` on rank 0 (0 = no profiling)."""
+    steps: int = 3
+    """Steps traced from start_step on; the trace goes to run_dir/profile/."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    seed: int = 1234
+    """Seeds model init, data order and masking."""
+    stop_at_step: int = 0
+    """Stop cleanly with a checkpoint after this step (0 = run the whole curriculum)."""
+    save_every: int = 1000
+    """Checkpoint every N steps (0 = only at stage ends, stop and the end)."""
+    eval_every: int = 1000
+    """Evaluate every N steps (0 = only at stage ends)."""
+    log_every: int = 10
+    """Console line and TensorBoard scalars every N steps. The steps' losses are read from the device at
+    log steps (and saves and stops) only: a read waits for the device, so a GPU runs ahead in between."""
+    max_nonfinite_steps: int = 5
+    """Stop (with a checkpoint of the last good state) when this many consecutive NaN/inf losses end the
+    steps read so far: checked where the losses are read (log steps, saves, stops), so a run of non-finite
+    steps that later steps recovered from before the read is counted, warned about, and not stopped for."""
+    compile: bool = False
+    """``torch.compile`` the model once per curriculum stage (static shapes); not with pipeline stages,
+    tensor parallelism or ZeRO-3."""
+    compile_cache_dir: str = ""
+    """Where compiled artefacts are cached across restarts ("" = run_dir/compile_cache)."""
+    profile: ProfileConfig = ProfileConfig()
+    """A ``torch.profiler`` window: steps [start_step, start_step + steps) of rank 0."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    keep_last: int = 3
+    """Complete checkpoints to keep (older ones are deleted)."""
+    resume: bool = True
+    """Resume from the newest complete, undamaged checkpoint in run_dir/checkpoints when there is one."""
+    async_: bool = False
+    """YAML key ``async``. The step loop goes on while a checkpoint is written: a host-memory snapshot, then
+    a background writer per rank; COMPLETE and ``latest`` still follow only when every rank's files are
+    durable, and a stop or the end of the run waits for the save in flight."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard events to run_dir/tb (rank 0). ``false`` takes ``tensorboard`` out of the sinks in
+    force (``derived.effective_sinks``): the same as leaving it out of ``sinks``."""
+    level: str = "INFO"
+    """Python logging level."""
+    sinks: tuple[str, ...] = ("jsonl", "tensorboard")
+    """Where metrics and text go: jsonl (metrics.jsonl, the run's record: always on), tensorboard, and any
+    other registered sink; validated against the sink table at start. Without ``tensorboard`` here (or with
+    ``tensorboard: false``) no TensorBoard events are written."""
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """The SLURM job of ``roformer-submit`` (``roformer-train`` ignores it). ``validate`` checks its shape;
+    what may be written into a batch script (character sets, one line per value, ``$NAME`` only) is the
+    launcher's rule, checked where the script is made (``launcher/slurm_settings.py``)."""
+    partition: str = ""
+    """SLURM partition ('' = cluster default); letters, digits and ``_ - . ,``, as account and qos."""
+    account: str = ""
+    """SLURM account."""
+    qos: str = ""
+    """SLURM QoS."""
+    constraint: str = ""
+    """SLURM --constraint."""
+    nodes: int = 1
+    """Nodes per job."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 = CPU job)."""
+    tasks_per_node: int = 1
+    """Ranks per node (one per GPU on GPU clusters)."""
+    cpus_per_task: int = 1
+    """CPUs per rank."""
+    mem_gb: int = 0
+    """Memory per node in GB (0 = cluster default)."""
+    time_min: int = 60
+    """Time limit in minutes."""
+    signal_delay_s: int = 120
+    """Seconds before the time limit at which SLURM sends USR2."""
+    max_num_timeout: int = 20
+    """Requeues allowed after time-limit stops (submitit's count; a stop before min(0.8 x time_min,
+    time_min - 10) minutes of an attempt counts as a preemption, which does not spend it)."""
+    setup: tuple[str, ...] = ()
+    """Shell lines run in the batch script before the job (e.g. module load): shell by design, one line each."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the job (e.g. NCCL settings). ``$NAME`` and ``${NAME}`` in a value are
+    expanded by the batch shell; command substitution (``$(...)``, backticks) is refused by roformer-submit; any other
+    character is literal. Values are written into config.yaml, the batch script and the job's pickle:
+    no secrets here, use ``env_from``."""
+    env_from: dict[str, str] = field(default_factory=dict)
+    """Environment variables the job takes from the environment ``roformer-submit`` runs in, by name:
+    ``{WANDB_API_KEY: WANDB_API_KEY}`` (job variable: submitting variable). Only the names are written
+    anywhere; the value reaches the job through the environment sbatch exports. The variable must be
+    set when submitting."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run_dir: str = "runs/default"
+    """Where the run lives: config.yaml, tb/, checkpoints/, logs/."""
+    run_dir_mode: str = DEFAULT_RUN_DIR_MODE
+    """Mode of the directories a run creates (octal); a run directory writable by the group or others
+    beyond it, or owned by another user, is refused (0770: a team shares run directories)."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    init: InitConfig = InitConfig()
+    optim: OptimConfig = OptimConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    dist: DistConfig = DistConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    slurm: SlurmConfig = SlurmConfig()
