@@ -61,6 +61,7 @@ from launcher import profiles, slurm
 from launcher.profiles import JobFlags
 from roformer_dist.config import parse_mode, save_config
 from roformer_dist.errors import ConfigError, run_command
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import SLURM_JOB_ID, RunLock, pid_start
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 6
@@ -120,7 +121,7 @@ def submit(args: argparse.Namespace) -> int:
     cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")
     profiles.check_submit_env(cfg.slurm, cluster)
     run_dir = Path(cfg.run_dir)
-    logs = run_dir / "logs"
+    logs = RunDir(run_dir).logs
     s = cfg.slurm
     if args.dry_run:
         if cluster == "slurm":
@@ -143,7 +144,7 @@ def submit(args: argparse.Namespace) -> int:
         # run_dir and logs/ (owner and mode: the pickles in logs/ are unpickled by a requeued job) before
         # anything is written there
         with RunLock(run_dir, mode=cfg.run_dir_mode):
-            save_config(cfg, run_dir / "config.yaml")
+            save_config(cfg, RunDir(run_dir).config)
         job = _submit(cfg, cluster, logs)
         _record(run_dir, job.job_id, cluster, mask)
     print(f"job_id: {job.job_id}", flush=True)
@@ -180,7 +181,7 @@ def private_files(run_dir_mode: str) -> Iterator[int]:
 def _busy(run_dir: Path) -> str:
     """Why ``run_dir`` cannot take another job now ('' when it can): its last SLURM job is still queued or
     running (a second one would start beside it and be refused by the run lock)."""
-    if not (run_dir / "logs" / "jobs.jsonl").exists():
+    if not RunDir(run_dir).jobs.exists():
         return ""
     try:
         job = _last_job(run_dir)
@@ -221,13 +222,13 @@ def _submit(cfg, cluster: str, logs: Path):
 def _record(run_dir: Path, job_id: str, cluster: str, mask: int = 0o077) -> None:
     """``logs/job_id`` and a line of ``logs/jobs.jsonl`` (mode 0666 & ~``mask``, also when it existed
     wider); a local job's record holds its controller's start time, which ``cancel`` checks."""
-    logs = run_dir / "logs"
+    logs = RunDir(run_dir).logs
     atomic_write_text(logs / "job_id", f"{job_id}\n")
     rec = {"job_id": job_id, "cluster": cluster, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": sys.argv[1:]}
     if cluster == "local":
         rec["pid_start"] = pid_start(int(job_id))
-    fd = os.open(logs / "jobs.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~mask)
+    fd = os.open(RunDir(run_dir).jobs, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~mask)
     with os.fdopen(fd, "a") as f:
         os.fchmod(fd, 0o666 & ~mask)
         f.write(json.dumps(rec) + "\n")
@@ -263,7 +264,7 @@ _PID = re.compile(r"[1-9][0-9]*")
 def _last_job(run_dir: Path) -> dict:
     """The last record of ``logs/jobs.jsonl``, checked (module docstring); ConfigError naming the file
     and line otherwise."""
-    path = run_dir / "logs" / "jobs.jsonl"
+    path = RunDir(run_dir).jobs
     if not path.exists():
         raise ConfigError(f"{run_dir}: no job was submitted for this run directory ({path} missing)")
     try:
@@ -298,7 +299,7 @@ def _progress(run_dir: Path) -> str:
     import yaml
 
     step = 0
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics
     if metrics.exists():
         lines = [x for x in metrics.read_text(errors="replace").splitlines() if x.strip()]
         try:
@@ -306,11 +307,11 @@ def _progress(run_dir: Path) -> str:
         except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             step = "?"  # a last line cut short (the trainer killed mid-write)
     try:
-        stages = yaml.safe_load((run_dir / "config.yaml").read_text())["curriculum"]["stages"]
+        stages = yaml.safe_load(RunDir(run_dir).config.read_text())["curriculum"]["stages"]
         total = str(sum(int(st["steps"]) for st in stages))
     except (OSError, KeyError, TypeError, ValueError):
         total = "?"
-    latest = run_dir / "checkpoints" / "latest"
+    latest = RunDir(run_dir).latest
     tag = latest.read_text().strip() if latest.exists() else "none"
     return f"step {step}/{total}, latest checkpoint: {tag}"
 
@@ -393,7 +394,7 @@ def cancel(run_dir: Path) -> int:
 
 def logs(run_dir: Path, rank: int, lines: int) -> int:
     job = _last_job(run_dir)
-    d = run_dir / "logs"
+    d = RunDir(run_dir).logs
     shown = 0
     for path in (d / f"rank{rank}.log", d / f"{job['job_id']}_{rank}_log.err", d / f"{job['job_id']}_{rank}_log.out"):
         if path.exists() and path.stat().st_size:

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.atomic import atomic_write_text
+from roformer_dist.runtime.rundir import RunDir
 
 __all__ = ["Parent", "PARENT_FILE", "write_parent", "read_parent_record"]
 
-PARENT_FILE = "parent.json"
+PARENT_FILE = RunDir("").parent.name
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Parent:
 
 def write_parent(run_dir: Path, parent: Parent) -> None:
     """``run_dir/parent.json`` (atomic); the first record stays when a restart finds one."""
-    path = Path(run_dir) / PARENT_FILE
+    path = RunDir(run_dir).parent
     if not path.exists():
         atomic_write_text(path, parent.to_json())
 
@@ -48,6 +49,6 @@ def write_parent(run_dir: Path, parent: Parent) -> None:
 def read_parent_record(run_dir: str | os.PathLike) -> Optional[dict]:
     """The run's ``parent.json`` as a dict, or None (a run started from random weights, or unreadable)."""
     try:
-        return json.loads((Path(run_dir) / PARENT_FILE).read_text(encoding="utf-8"))
+        return json.loads(RunDir(run_dir).parent.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None

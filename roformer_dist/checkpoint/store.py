@@ -49,11 +49,11 @@ from roformer_dist.checkpoint.write_errors import storage_error
 from roformer_dist.config import Config, from_dict
 from roformer_dist.errors import CheckpointError, StorageError
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
+from roformer_dist.runtime.rundir import LATEST, RunDir
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
-LATEST = "latest"
 BAD = "BAD"
 EVALUATED = "EVALUATED"
 """Written into a checkpoint whose step's eval a stop skipped, once a later launch has run and recorded it."""
@@ -234,7 +234,7 @@ def resolve(path: str | os.PathLike) -> Found:
             return _read_complete(p.parent, p.name)
         except _MARKER_ERRORS as e:
             raise CheckpointError(f"{p}: unreadable {COMPLETE} marker ({short_error(e)})") from None
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    root = RunDir(p).checkpoints if RunDir(p).checkpoints.is_dir() else p
     if not ((root / LATEST).exists() or _tags(root)):
         raise CheckpointError(f"{path}: not a roformer-dist checkpoint (expected {CHECKPOINT_FORMS})")
     found = find_resume(root)

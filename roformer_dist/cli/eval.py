@@ -38,6 +38,7 @@ from typing import Optional
 
 from roformer_dist.config import ModelConfig, Packing, choices, rope_settings, validate_rope
 from roformer_dist.errors import ConfigError, run_command
+from roformer_dist.runtime.rundir import RunDir
 
 PACKINGS = choices(Packing)
 
@@ -239,7 +240,7 @@ def _short_name(path: str) -> str:
     p = Path(path).resolve()
     if p.name.startswith("step_"):
         p = p.parent.parent
-    elif p.name == "checkpoints":
+    elif p == RunDir(p.parent).checkpoints:
         p = p.parent
     return p.name
 

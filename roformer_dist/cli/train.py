@@ -20,6 +20,7 @@ from pathlib import Path
 
 from roformer_dist.config import Config, dump_yaml, load_config
 from roformer_dist.errors import EXIT_STATUS_HELP, ConfigError, run_command
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, exit_now
 
@@ -102,7 +103,7 @@ def _run(args, stop: StopFlag) -> int:
         stop.on_abort(lock.release)
         first = next(iter(manifests.values()))
         check_warm_start(resolved, first)
-        check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
+        check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
         check_resume(resolved, first)
         return spawn_local(cfg, stop)
 

@@ -22,8 +22,8 @@ import torch
 from data_pipeline.atomic import StagedDir
 from roformer_dist.finetune.tasks import Encoded
 from roformer_dist.hf.export import share_with_group
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.train.sinks import SinkContext, open_sinks
-from roformer_dist.train.sinks.tensorboard import TB_DIR
 
 FINETUNE_SINKS = ("tensorboard",)
 """Where fine-tuning's curves go (``train.sinks``): TensorBoard under ``out_dir/tb``; the epochs' records are
@@ -123,7 +123,7 @@ def fit(clf, task, train: Encoded, dev: Encoded, *, epochs: int, lr: float, batc
         opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
     sinks = []
     if dist.main:
-        shutil.rmtree(out_dir / TB_DIR, ignore_errors=True)  # a fine-tuning run starts afresh
+        shutil.rmtree(RunDir(out_dir).tb, ignore_errors=True)  # a fine-tuning run starts afresh
         sinks = open_sinks(FINETUNE_SINKS, SinkContext(out_dir))
     pad = clf.tokenizer.pad_token_id
     records, best, step = [], None, 0

@@ -41,6 +41,7 @@ from roformer_dist.hf.model_card import render_model_card
 from roformer_dist.hf.tokenizer import (build_fast_tokenizer, build_imported_fast_tokenizer, read_sp_model,
                                         roundtrip_agreement, write_imported_tokenizer_files, write_tokenizer_files)
 from roformer_dist.runtime.events import read_scalars
+from roformer_dist.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _existing(path: str, run_dir: Path) -> Optional[Path]:
 
 def _eval_scalars(run_dir: Path, step: int) -> tuple[dict, Optional[int]]:
     """``eval/*`` values of the last evaluation at or before ``step`` (from the run's TensorBoard)."""
-    tb = run_dir / "tb"
+    tb = RunDir(run_dir).tb
     if not tb.is_dir():
         return {}, None
     try:

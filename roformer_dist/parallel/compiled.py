@@ -43,6 +43,7 @@ import torch
 from roformer_dist.config import Config
 from roformer_dist.nn.documents import DocumentPlan
 from roformer_dist.nn.model import rotary_kernel_of
+from roformer_dist.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ RECOMPILE_LIMIT = 8
 
 def compile_cache_dir(cfg: Config) -> Path:
     """``trainer.compile_cache_dir``, or run_dir/compile_cache."""
-    return Path(cfg.trainer.compile_cache_dir or Path(cfg.run_dir) / "compile_cache")
+    return Path(cfg.trainer.compile_cache_dir or RunDir.of(cfg).compile_cache)
 
 
 def configure_inductor(path: Path) -> None:

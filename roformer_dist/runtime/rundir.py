@@ -1,4 +1,4 @@
-"""Run directories that no one else can tamper with.
+"""Run directories: every path in one (:class:`RunDir`), and directories that no one else can tamper with.
 
 A run directory holds what a later launch trusts: checkpoints that are resumed and pruned, the
 submitit pickles a requeue unpickles, the config. On a shared filesystem another user, or a member
@@ -21,14 +21,89 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from roformer_dist.config import DEFAULT_RUN_DIR_MODE, parse_mode
 from roformer_dist.errors import ConfigError, StorageError
 
-__all__ = ["SUBDIRS", "prepare_run_dir", "check_run_dir"]
+__all__ = ["RunDir", "SUBDIRS", "LATEST", "prepare_run_dir", "check_run_dir"]
 
-SUBDIRS = ("checkpoints", "logs", "tb")
+LATEST = "latest"
+"""In the checkpoints directory: the name of the newest complete checkpoint."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path of a run directory, named once (``RunDir(cfg.run_dir)``; ``RunDir.of(cfg)``)::
+
+        <run_dir>/checkpoints/              step_XXXXXXXX/ ..., latest           (checkpoint.store)
+        <run_dir>/metrics.jsonl             one line per step                     (train.sinks.jsonl)
+        <run_dir>/tb/                       TensorBoard events                    (train.sinks.tensorboard)
+        <run_dir>/config.yaml               the resolved config                   (train.trainer, roformer-submit)
+        <run_dir>/logs/                     each rank's log, jobs.jsonl           (train.logs, launcher)
+        <run_dir>/parent.json               what a fork started from              (checkpoint.lineage)
+        <run_dir>/profile/                  trainer.profile's traces              (train.profiling)
+        <run_dir>/compile_cache/            trainer.compile's kernels             (parallel.compiled)
+        <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (train.trainer)
+    """
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike):
+        object.__setattr__(self, "root", Path(root))
+
+    @classmethod
+    def of(cls, cfg) -> "RunDir":
+        return cls(cfg.run_dir)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def latest(self) -> Path:
+        return self.checkpoints / LATEST
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tb(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def jobs(self) -> Path:
+        """The launcher's record of the SLURM jobs of this run."""
+        return self.logs / "jobs.jsonl"
+
+    @property
+    def parent(self) -> Path:
+        return self.root / "parent.json"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.root / "compile_cache"
+
+    @property
+    def rotary_choices(self) -> Path:
+        return self.root / "rotary_backend.json"
+
+
+SUBDIRS = tuple(p.name for p in (RunDir("").checkpoints, RunDir("").logs, RunDir("").tb))
 """The subdirectories whose contents a later launch trusts."""
 
 

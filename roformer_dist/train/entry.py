@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -26,6 +25,7 @@ from roformer_dist.parallel.engine import SHM_COMM, load_op
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
 from roformer_dist.train.logs import setup_logging
@@ -67,7 +67,7 @@ def _take_run_lock(cfg: Config, env: DistEnv, stop: StopFlag):
     if env.rank == 0:
         try:
             lock = RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire()
-            check_writable(Path(cfg.run_dir) / "checkpoints", "the checkpoint directory")
+            check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
         except (RunLockedError, StorageError, ConfigError) as e:
             error = e
     error = TorchComm().broadcast(error)

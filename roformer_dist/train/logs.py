@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 from roformer_dist.config import Config
 from roformer_dist.errors import StorageError
+from roformer_dist.runtime.rundir import RunDir
 
 __all__ = ["setup_logging"]
 
@@ -28,7 +28,7 @@ class _FileHandler(logging.FileHandler):
 
 
 def setup_logging(cfg: Config, rank: int) -> None:
-    logs = Path(cfg.run_dir) / "logs"
+    logs = RunDir.of(cfg).logs
     try:
         logs.mkdir(parents=True, exist_ok=True)
         fh = _FileHandler(logs / f"rank{rank}.log")

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from roformer_dist.runtime.rundir import RunDir
+
 if TYPE_CHECKING:
     from roformer_dist.config import ProfileConfig
 
@@ -47,7 +49,7 @@ class ProfileWindow:
                  record_shapes: bool = True, profile_memory: bool = False, with_stack: bool = False):
         self.start = cfg.start_step
         self.end = cfg.start_step + cfg.steps - 1  # the last profiled step, inclusive
-        self.dir = Path(run_dir) / "profile"
+        self.dir = RunDir(run_dir).profile
         self.enabled = rank == 0 and cfg.start_step > 0
         self._options = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack)
         self._prof: Optional[torch.profiler.profile] = None

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_BUG, EXIT_REQUEUE, exit_status
 from roformer_dist.runtime.process_group import free_port, peer_lost
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.stop import StopFlag, adopt_orphans, blocked_stop_signals, children, die_with_parent, exit_now, \
     kill_tree
 from roformer_dist.train.entry import run_rank
@@ -153,7 +154,7 @@ def check_warm_start(cfg: Config, manifest: dict) -> None:
     from roformer_dist.checkpoint import store as ckpt
     from roformer_dist.train.warm_start import warm_start
 
-    if cfg.checkpoint.resume and ckpt.find_resume(Path(cfg.run_dir) / "checkpoints") is not None:
+    if cfg.checkpoint.resume and ckpt.find_resume(RunDir.of(cfg).checkpoints) is not None:
         return
     warm_start(cfg, manifest["tokenizer"]["sha256"])
 
@@ -167,6 +168,6 @@ def check_resume(cfg: Config, manifest: dict) -> None:
     from roformer_dist.checkpoint import store as ckpt
     from roformer_dist.checkpoint.compat import check_compatible
 
-    found = ckpt.choose_resume(Path(cfg.run_dir) / "checkpoints", 0, 1)
+    found = ckpt.choose_resume(RunDir.of(cfg).checkpoints, 0, 1)
     if found is not None:
         check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, cfg.dist.world_size, manifest)

@@ -34,6 +34,7 @@ from roformer_dist.nn.rotary_tune import RotaryChoices, timings_to_json
 from roformer_dist.parallel.runner import StepStats, build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import StageAt, lr_at, stage_at, total_steps
 from roformer_dist.train.data import data_error, resolve_data
@@ -48,8 +49,6 @@ __all__ = ["Trainer"]
 
 log = logging.getLogger("roformer_dist.trainer")
 
-ROTARY_CHOICES = "rotary_backend.json"
-"""In the run directory: the rotary backends measured for ``model.rotary_backend: auto``."""
 
 
 class Unread(NamedTuple):
@@ -76,7 +75,8 @@ class Trainer:
         self.cfg = cfg
         self.env = env
         self.run_dir = Path(cfg.run_dir)
-        self.ckpt_root = self.run_dir / "checkpoints"
+        self.paths = RunDir(cfg.run_dir)
+        self.ckpt_root = self.paths.checkpoints
         self.stages = cfg.curriculum.stages
         self.total = total_steps(self.stages)
         self.policy = LoopPolicy.from_config(cfg)
@@ -166,7 +166,7 @@ class Trainer:
         self.engine, self.runner = build_parallel_engine(
             cfg, model, first.stage, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
         self.dp_rank, self.dp_size = self.runner.dp_rank, self.runner.dp_size
-        self.rotary_choices = RotaryChoices.load(self.run_dir / ROTARY_CHOICES) if env.rank == 0 else None
+        self.rotary_choices = RotaryChoices.load(self.paths.rotary_choices) if env.rank == 0 else None
         mbs = micro_batch_size(cfg, first.stage, env.world_size)
         self.loader = ShardLoader(loader_sources(cfg), seq_len=first.stage.seq_len, micro_batch_size=mbs,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
@@ -188,7 +188,7 @@ class Trainer:
             try:
                 if self.parent is not None:
                     write_parent(self.run_dir, self.parent)
-                save_config(cfg, self.run_dir / "config.yaml")
+                save_config(cfg, self.paths.config)
             except OSError as e:
                 raise StorageError.from_os_error(e, "writing config.yaml") from None
         self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, run_sinks(cfg))
@@ -298,7 +298,7 @@ class Trainer:
             if choice.measured:
                 table = {"backend": backend, "key": choice.key.to_json(), "timings": timings_to_json(choice.rows)}
                 try:
-                    self.rotary_choices.save(self.run_dir / ROTARY_CHOICES)
+                    self.rotary_choices.save(self.paths.rotary_choices)
                 except OSError as e:
                     raise StorageError.from_os_error(e, "recording the rotary backend's measurement") from None
         backend = self.comm.broadcast(backend)

@@ -6,17 +6,16 @@ Its failures are ``StorageError`` s (exit 74): a run whose record cannot be writ
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from data_pipeline.atomic import atomic_write_text
 from roformer_dist.errors import StorageError
+from roformer_dist.runtime.rundir import RunDir
 
-METRICS_FILE = "metrics.jsonl"
 
 
 class JsonlSink:
     def __init__(self, ctx):
-        self.path = Path(ctx.dir) / METRICS_FILE
+        self.path = RunDir(ctx.dir).metrics
         self._truncate(ctx.resume_step)
 
     def _truncate(self, resume_step: int) -> None:
@@ -33,7 +32,7 @@ class JsonlSink:
         try:
             atomic_write_text(self.path, "".join(line + "\n" for line in keep))
         except OSError as e:
-            raise StorageError.from_os_error(e, f"rewriting {METRICS_FILE} for the resumed run") from None
+            raise StorageError.from_os_error(e, f"rewriting {self.path.name} for the resumed run") from None
 
     def log_record(self, record: dict) -> None:
         try:
@@ -59,5 +58,5 @@ class JsonlSink:
     @staticmethod
     def read(directory) -> dict[int, dict]:
         """step -> record, as written."""
-        path = Path(directory) / METRICS_FILE
+        path = RunDir(directory).metrics
         return {r["step"]: r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())}

@@ -6,11 +6,11 @@ stops; the run goes on until something that matters fails."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+
+from roformer_dist.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-TB_DIR = "tb"
 
 
 class TensorBoardSink:
@@ -19,7 +19,7 @@ class TensorBoardSink:
 
         # purge_step drops the events of steps >= resume_step + 1 an interrupted launch left (all of them when
         # this one starts from scratch: a launch killed before its first checkpoint left events of no use)
-        self.tb = SummaryWriter(str(Path(ctx.dir) / TB_DIR), purge_step=ctx.resume_step + 1 if ctx.resume_step else 0)
+        self.tb = SummaryWriter(str(RunDir(ctx.dir).tb), purge_step=ctx.resume_step + 1 if ctx.resume_step else 0)
 
     def _call(self, fn, *args) -> None:
         if self.tb is None:
@@ -57,4 +57,4 @@ class TensorBoardSink:
         """tag -> [(step, value)], as TensorBoard shows them."""
         from roformer_dist.runtime.events import read_scalars
 
-        return read_scalars(Path(directory) / TB_DIR)
+        return read_scalars(RunDir(directory).tb)
