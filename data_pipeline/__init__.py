@@ -1,20 +1,36 @@
 """roformer-dist data pipeline: corpus -> SentencePiece -> webdataset shards -> resumable MLM loader.
 
-Stages (see each module): :mod:`.corpus` (readers, normalisation), :mod:`.tokenizer`
-(SentencePiece training/loading, word-start marks), :mod:`.imported` (an existing HF tokenizer.json or
-WordPiece vocab.txt with its own special ids), :mod:`.tario` (the shard tar format),
-:mod:`.manifest` (the manifest and its checks), :mod:`.source` (shard sets in directories or at
-URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (preparation split over
-tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.mixture`
-(corpus mixtures: sources, token shares, the interleaving), :mod:`.loader` (``ShardLoader``),
-:mod:`.masking` (dynamic MLM masking), :mod:`.cli` (``roformer-data``); :mod:`.pd_ner` (named entities
-from People's Daily's tags, for the demo's NER task).
+Stages (see each module): :mod:`.corpus` (input files -> documents, through the format table of
+:mod:`.formats`: one reader per format, ``txt.py``, ``jsonl.py``, ``pd.py``; :mod:`.lines`: files read
+as lines, ``.gz``, :class:`~.lines.CorpusStats`; :mod:`.normalization`: what every document goes
+through), :mod:`.tokenizer` (SentencePiece training/loading, word-start marks), :mod:`.imported` (an
+existing HF tokenizer.json or WordPiece vocab.txt with its own special ids), :mod:`.tario` (the shard
+tar format), :mod:`.manifest` (the manifest and its checks), :mod:`.source` (shard sets in directories
+or at URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (preparation split over
+tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.mixture` (corpus
+mixtures: sources, token shares, the interleaving), :mod:`.batches` (a slot's packed, masked batches),
+:mod:`.loader` (``ShardLoader``), :mod:`.masking` (dynamic MLM masking); ``roformer-data``:
+:mod:`.cli` (the flags, ``main``), :mod:`.cli_prepare` (``prepare``, ``--source`` mixtures),
+:mod:`.cli_commands` (``tokenizer``, ``shards``, ``inspect``, ``--tasks``, the steps they share);
+:mod:`.pd_ner` (named entities from People's Daily's tags, for the demo's NER task); :mod:`.atomic`
+(atomic writes, staged directories); :mod:`.errors` (below).
 
-The pipeline imports nothing of roformer_dist or launcher (a checked contract: ``lint-imports``).
-``roformer-data prepare|shards --tasks N`` runs its tasks through a runner handed to
-:func:`.cli.main`: the ``roformer-data`` console script is ``launcher.prepare.main``, which hands it
-submitit and the cluster profiles of ``roformer-submit``. :mod:`.errors` holds the project's error
-protocol (every error class carries its exit status) and ``run_command``, the one CLI runner.
+Layers, top to bottom (``|``: modules that may not import each other; a module imports only from the
+layers below its own), a checked contract (``lint-imports``, ``pyproject.toml``)::
+
+    cli > cli_prepare > cli_commands > cluster | loader > batches > shards > manifest > imported
+      > tokenizer | tario | source | corpus | mixture | masking | slots | pd_ner > formats
+      > lines | normalization > atomic | errors
+
+The pipeline imports nothing of roformer_dist or launcher (checked too), and knows none of their
+config keys: an error about one of several inputs says which in a structured field (``DataError.input``,
+``UsageError.argument``: a role of :mod:`.errors`), and the caller names it in its own words
+(``roformer_dist.train.data``: ``data.shards``; :mod:`.cli`: ``--tokenizer``). ``roformer-data
+prepare|shards --tasks N`` runs its tasks through a runner handed to :func:`.cli.main`: the
+``roformer-data`` console script is ``launcher.prepare.main``, which hands it submitit and the cluster
+profiles of ``roformer-submit``. :mod:`.errors` holds the project's error protocol (every error class
+carries its exit status) and ``run_command``, the one CLI runner. Start reading at :mod:`.corpus` and
+:mod:`.loader`.
 """
 
 __all__ = ["ShardLoader", "read_manifest", "check_tokenizer", "CorruptShardError", "DataError", "UsageError"]

@@ -10,6 +10,15 @@ and ``roformer-data`` turn it into their data-error exit status (see :mod:`rofor
 already holds a shard set (without ``--force``) or cannot be written, an impossible tokenizer
 setting, a cluster option that does not fit.
 
+Which input or argument: a function that takes several (the training set and the eval set, the model's
+vocabulary size, a tokenizer given by its caller) says which one an error is about in a structured
+field, a role (:data:`TRAINING_SET`, ...), never in the caller's words: ``DataError(message,
+input=TRAINING_SET, field="vocab_size")``, ``UsageError(message, argument=TOKENIZER)``. ``str(error)``
+is ``"<role>: <message>"``; a caller that has its own name for the role renders it with
+:meth:`DataError.naming` (``roformer_dist.train.data``: ``data.shards``, ``data.sources[0] (news)``,
+``model.vocab_size``; ``roformer-data``: ``--tokenizer``, ``--out``). ``field`` is the manifest field
+that is wrong, where there is one (also named in the message).
+
 Exit statuses of ``roformer-data`` (the same numbers as :mod:`roformer_dist.errors`)::
 
     0  done (``inspect --verify``: the shard set is sound)
@@ -29,10 +38,11 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = ["DataError", "UsageError", "TaskError", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_DATA",
-           "EXIT_STORAGE", "EXIT_INTERRUPTED", "exit_status", "run_command"]
+           "EXIT_STORAGE", "EXIT_INTERRUPTED", "exit_status", "run_command", "TRAINING_SET", "EVAL_SET",
+           "MODEL_VOCAB_SIZE", "TOKENIZER", "OUTPUT"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -45,16 +55,65 @@ FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 """OS errors that only a write can cause: reported as a storage failure (exit 74), never as a bug."""
 
 
+# The roles an error may name (``DataError.input``, ``UsageError.argument``); callers render them in their words.
+TRAINING_SET = "training set"
+"""The shard set a model trains on (:func:`~data_pipeline.manifest.check_training_data`)."""
+EVAL_SET = "eval set"
+"""The held-out shard set, checked against the training set."""
+MODEL_VOCAB_SIZE = "model vocab size"
+"""The vocabulary size a model expects, checked against the training set's manifest."""
+TOKENIZER = "tokenizer"
+"""A tokenizer file (or directory) given by the caller, to be used or imported."""
+OUTPUT = "output"
+"""Where a new shard set goes."""
+
+
+def _named(about: Optional[str], message: str) -> str:
+    return f"{about}: {message}" if about else message
+
+
 class DataError(ValueError):
-    """Bad input data: the message names the file (and field) and what was expected."""
+    """Bad input data: the message names the file (and field) and what was expected; ``input``, the role of
+    the input it is about when a function takes several; ``field``, the manifest field that is wrong."""
 
     exit_status = EXIT_DATA
 
+    def __init__(self, message: str = "", *, input: Optional[str] = None, field: Optional[str] = None):  # noqa: A002
+        super().__init__(message)
+        self.message, self.input, self.field = message, input, field
+
+    def __str__(self) -> str:
+        return _named(self.input, self.message)
+
+    def naming(self, input: str) -> "DataError":  # noqa: A002
+        """The same error (class, message, field) about ``input``: the caller's name for its role."""
+        return _renamed(self, "input", input)
+
 
 class UsageError(ValueError):
-    """Bad arguments (not bad data): the message names the flag or path and what to do."""
+    """Bad arguments (not bad data): the message names the flag or path and what to do; ``argument``, the role
+    of the argument it is about where the caller has its own name for it."""
 
     exit_status = EXIT_USAGE
+
+    def __init__(self, message: str = "", *, argument: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.argument = message, argument
+
+    def __str__(self) -> str:
+        return _named(self.argument, self.message)
+
+    def naming(self, argument: str) -> "UsageError":
+        """The same error about ``argument``: the caller's name for its role (a config key, a flag)."""
+        return _renamed(self, "argument", argument)
+
+
+def _renamed(error: BaseException, attribute: str, name: str):
+    """A copy of ``error`` (any subclass: no constructor called) with ``attribute`` set to ``name``."""
+    out = type(error).__new__(type(error), *error.args)
+    out.__dict__.update(error.__dict__)
+    setattr(out, attribute, name)
+    return out
 
 
 class TaskError(RuntimeError):

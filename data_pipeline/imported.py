@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .errors import DataError, UsageError
+from .errors import TOKENIZER, DataError, UsageError
 from .tokenizer import SPECIAL_TOKENS, jieba_cut, sha256_file, word_lengths
 
 __all__ = ["KINDS", "SENTENCEPIECE", "TOKENIZER_JSON", "WORDPIECE_VOCAB", "ImportedTokenizer", "find_tokenizer_file",
@@ -64,13 +64,14 @@ def manifest_kind(manifest: dict) -> str:
 
 def kind_of(path: str | os.PathLike) -> str:
     """The kind of a tokenizer file, from its name: ``*.model`` SentencePiece, ``*.json`` an HF
-    tokenizer.json, ``*.txt`` a WordPiece vocabulary; UsageError for anything else."""
+    tokenizer.json, ``*.txt`` a WordPiece vocabulary; UsageError (about the :data:`~.errors.TOKENIZER`) for anything
+    else."""
     suffix = Path(path).suffix
     for kind, ext in ((SENTENCEPIECE, ".model"), (TOKENIZER_JSON, ".json"), (WORDPIECE_VOCAB, ".txt")):
         if suffix == ext:
             return kind
-    raise UsageError(f"--tokenizer {path}: expected a SentencePiece .model, an HF tokenizer.json, a WordPiece "
-                     "vocab.txt or a directory holding one of them")
+    raise UsageError(f"{path}: expected a SentencePiece .model, an HF tokenizer.json, a WordPiece vocab.txt or a "
+                     "directory holding one of them", argument=TOKENIZER)
 
 
 def find_tokenizer_file(path: str | os.PathLike) -> tuple[Path, str]:
@@ -81,7 +82,8 @@ def find_tokenizer_file(path: str | os.PathLike) -> tuple[Path, str]:
         for kind in (TOKENIZER_JSON, WORDPIECE_VOCAB, SENTENCEPIECE):
             if (p / KINDS[kind]).is_file():
                 return p / KINDS[kind], kind
-        raise UsageError(f"--tokenizer {p}: the directory holds no tokenizer.json, vocab.txt or tokenizer.model")
+        raise UsageError(f"{p}: the directory holds no tokenizer.json, vocab.txt or tokenizer.model",
+                         argument=TOKENIZER)
     return p, kind_of(p)
 
 

@@ -35,7 +35,10 @@ Checks, each raising :class:`~data_pipeline.errors.DataError` naming the file an
 :func:`read_manifest` (structure, types, totals, names, bounds), :func:`check_tokenizer` (the
 tokenizer file against the manifest: sha256, vocabulary size, special ids, dtype) and
 :func:`check_training_data` (what the trainer runs before it builds a model: the training set,
-the eval set against it, the model's vocabulary size and the checkpoint's tokenizer).
+the eval set against it, the model's vocabulary size and the checkpoint's tokenizer). An error also
+carries the field (``DataError.field``) and, from :func:`check_training_data`, which input it is about
+(``DataError.input``, ``UsageError.argument``: a role of :mod:`.errors`, which the caller names in its
+own words: this module knows no config keys or flags).
 """
 
 from __future__ import annotations
@@ -48,14 +51,15 @@ import reprlib
 from pathlib import Path
 from typing import Optional
 
-from .errors import DataError, UsageError
+from .errors import EVAL_SET, MODEL_VOCAB_SIZE, TRAINING_SET, DataError, UsageError
 from .imported import KINDS, manifest_kind, tokenizer_facts
 from .source import ShardSource, TooLargeError, UrlError, check_name, name_problem
 from .tario import MAX_SHARD_BYTES
 from .tokenizer import SPECIAL_IDS, SPECIAL_TOKENS, sha256_file
 
 __all__ = ["FORMAT_VERSION", "READ_FORMATS", "MANIFEST", "SHARD_NAME", "read_manifest", "parse_manifest",
-           "tokenizer_path", "read_tokenizer", "check_tokenizer", "check_training_data", "as_source", "dtype_for",
+           "tokenizer_path", "read_tokenizer", "check_tokenizer", "check_same_tokenizer", "check_training_data",
+           "as_source", "dtype_for",
            "shard_byte_limit", "MAX_VOCAB_SIZE", "MAX_SHARD_BYTES", "MAX_MANIFEST_BYTES", "MAX_TOKENIZER_BYTES"]
 
 FORMAT_VERSION = 2
@@ -87,7 +91,7 @@ _REPR.maxlevel = 3
 
 
 def _field_error(path, key: str, expected: str, got) -> DataError:
-    return DataError(f"{path}: field {key!r}: expected {expected}, got {_REPR.repr(got)}")
+    return DataError(f"{path}: field {key!r}: expected {expected}, got {_REPR.repr(got)}", field=key)
 
 
 def read_manifest(location) -> dict:
@@ -141,7 +145,7 @@ def _check_tokenizer_entry(path, tok: dict) -> None:
     problem = None if tok["path"] is None else name_problem(tok["path"])
     if problem is not None:
         raise DataError(f"{path}: field 'tokenizer.path': expected a plain file name inside the set (like "
-                        f"tokenizer.model), got {_REPR.repr(tok['path'])}: {problem}")
+                        f"tokenizer.model), got {_REPR.repr(tok['path'])}: {problem}", field="tokenizer.path")
     if tok["sha256"] is not None and not _HEX64.match(tok["sha256"]):
         raise _field_error(path, "tokenizer.sha256", "64 lowercase hex digits", tok["sha256"])
     if "kind" in tok and tok["kind"] not in KINDS:
@@ -161,7 +165,7 @@ def parse_manifest(raw: bytes | str, path) -> dict:
 
     def req(key, types, expected):
         if key not in m:
-            raise DataError(f"{path}: missing field {key!r} ({expected})")
+            raise DataError(f"{path}: missing field {key!r} ({expected})", field=key)
         if not isinstance(m[key], types) or (isinstance(m[key], bool) and types is int):
             raise _field_error(path, key, expected, m[key])
         return m[key]
@@ -224,18 +228,18 @@ def read_tokenizer(location, manifest: dict) -> Optional[bytes]:
     rel = manifest["tokenizer"]["path"]
     if rel is None:
         return None
-    where = f"{src.child(MANIFEST)}: field 'tokenizer.path'"
+    where, key = f"{src.child(MANIFEST)}: field 'tokenizer.path'", "tokenizer.path"
     try:
         return src.read(rel, "tokenizer", MAX_TOKENIZER_BYTES)
     except TooLargeError:
         raise DataError(f"{where}: the tokenizer {src.child(rel)} is larger than {MAX_TOKENIZER_BYTES} "
-                        "bytes (MAX_TOKENIZER_BYTES): not a tokenizer") from None
+                        "bytes (MAX_TOKENIZER_BYTES): not a tokenizer", field=key) from None
     except FileNotFoundError:
-        raise DataError(f"{where}: the tokenizer {src.child(rel)} is missing") from None
+        raise DataError(f"{where}: the tokenizer {src.child(rel)} is missing", field=key) from None
     except UrlError as e:
-        raise DataError(f"{where}: {e}") from None
+        raise DataError(f"{where}: {e}", field=key) from None
     except OSError as e:
-        raise DataError(f"{where}: cannot read the tokenizer {src.child(rel)} ({e.strerror})") from None
+        raise DataError(f"{where}: cannot read the tokenizer {src.child(rel)} ({e.strerror})", field=key) from None
 
 
 def check_tokenizer(location, manifest: Optional[dict] = None, *, tokenizer: str | os.PathLike | None = None,
@@ -260,37 +264,41 @@ def check_tokenizer(location, manifest: Optional[dict] = None, *, tokenizer: str
         sha256 = hashlib.sha256(model).hexdigest()
         if want is not None and sha256 != want:
             raise DataError(f"{mpath}: field 'tokenizer.sha256': tokenizer mismatch: the shards were made with a "
-                            f"tokenizer of sha256 {want[:16]}..., but {name} has sha256 {sha256[:16]}...")
+                            f"tokenizer of sha256 {want[:16]}..., but {name} has sha256 {sha256[:16]}...",
+                            field="tokenizer.sha256")
         size, ids = tokenizer_facts(model, str(name), manifest_kind(manifest))
         if size != manifest["vocab_size"]:
             raise DataError(f"{mpath}: field 'vocab_size' is {manifest['vocab_size']}, but the tokenizer {name} has "
-                            f"{size} pieces (the manifest was edited or belongs to another tokenizer)")
+                            f"{size} pieces (the manifest was edited or belongs to another tokenizer)",
+                            field="vocab_size")
         for key, got in ids.items():
             if manifest["special_ids"][key] != got:
                 raise DataError(f"{mpath}: field 'special_ids.{key}' is {manifest['special_ids'][key]}, but the "
-                                f"tokenizer {name} has {SPECIAL_TOKENS[key]} at id {got}")
+                                f"tokenizer {name} has {SPECIAL_TOKENS[key]} at id {got}", field=f"special_ids.{key}")
         if manifest["dtype"] != dtype_for(size):
             raise DataError(f"{mpath}: field 'dtype' is {manifest['dtype']!r}, expected {dtype_for(size)!r} for "
-                            f"{size} pieces")
+                            f"{size} pieces", field="dtype")
     if sha256 is not None and want is not None and sha256 != want:
         raise DataError(f"{mpath}: field 'tokenizer.sha256': tokenizer mismatch: the shards were made with a "
                         f"tokenizer of sha256 {want[:16]}..., but {name or 'the given tokenizer'} has sha256 "
-                        f"{sha256[:16]}...")
+                        f"{sha256[:16]}...", field="tokenizer.sha256")
     if vocab_size is not None and vocab_size != manifest["vocab_size"]:
         raise DataError(f"{mpath}: vocab_size mismatch: the shards have vocab_size {manifest['vocab_size']}, "
-                        f"the model expects {vocab_size}")
+                        f"the model expects {vocab_size}", field="vocab_size")
 
 
-def check_same_tokenizer(m: dict, ref: dict, where: str, ref_name: str) -> None:
+def check_same_tokenizer(m: dict, ref: dict, where: str, ref_name: str, *,
+                         input: Optional[str] = None) -> None:  # noqa: A002
     """A DataError unless manifest ``m`` (described by ``where``) has the tokenizer of ``ref`` (``ref_name``):
-    the same model (sha256), ``vocab_size``, ``special_ids`` and ``dtype``."""
+    the same model (sha256), ``vocab_size``, ``special_ids`` and ``dtype``. ``input``: the error's role."""
     a, b = m["tokenizer"]["sha256"], ref["tokenizer"]["sha256"]
     if a != b:
         raise DataError(f"{where}: field 'tokenizer.sha256' is {a and a[:16]}..., {ref_name} is {b and b[:16]}...: "
-                        "made with another tokenizer")
+                        "made with another tokenizer", input=input, field="tokenizer.sha256")
     for key in ("vocab_size", "special_ids", "dtype"):
         if m[key] != ref[key]:
-            raise DataError(f"{where}: field {key!r} is {m[key]!r}, {ref_name} is {ref[key]!r}")
+            raise DataError(f"{where}: field {key!r} is {m[key]!r}, {ref_name} is {ref[key]!r}", input=input,
+                            field=key)
 
 
 def check_training_data(shards, eval_shards=None, *, model_vocab_size: Optional[int] = None,
@@ -300,29 +308,33 @@ def check_training_data(shards, eval_shards=None, *, model_vocab_size: Optional[
     Each set's manifest against its own tokenizer (:func:`check_tokenizer`); the eval set against
     the training set (tokenizer sha256, vocab_size, special_ids, dtype), the model's vocabulary size
     (None = take it from the manifest) and the tokenizer recorded in the checkpoint being resumed.
-    Each error names the config key and the manifest field that disagrees.
+    Each error says which input it is about (``DataError.input``: :data:`~.errors.TRAINING_SET`,
+    :data:`~.errors.EVAL_SET`; ``UsageError.argument``: :data:`~.errors.TRAINING_SET` when none is given,
+    :data:`~.errors.MODEL_VOCAB_SIZE`) for the caller to name in its words, and the manifest field.
     """
     if not shards:
-        raise UsageError("data.shards: no training shard set given (a directory or URL made by "
-                         "`roformer-data prepare`)")
-    try:
-        m = read_manifest(shards)
-        check_tokenizer(shards, m)
-    except DataError as e:
-        raise DataError(f"data.shards: {e}") from None
+        raise UsageError("no training shard set given (a directory or URL made by `roformer-data prepare`)",
+                         argument=TRAINING_SET)
+    m = _checked_set(shards, TRAINING_SET)
     vocab, sha = m["vocab_size"], m["tokenizer"]["sha256"]
     if model_vocab_size is not None and model_vocab_size != vocab:
-        raise UsageError(f"model.vocab_size: {model_vocab_size} differs from the shard manifest's vocab_size "
-                         f"{vocab} ({as_source(shards).child(MANIFEST)}); use model.vocab_size=auto")
+        raise UsageError(f"{model_vocab_size} differs from the shard manifest's vocab_size {vocab} "
+                         f"({as_source(shards).child(MANIFEST)})", argument=MODEL_VOCAB_SIZE)
     if eval_shards:
-        try:
-            ev = read_manifest(eval_shards)
-            check_tokenizer(eval_shards, ev)
-        except DataError as e:
-            raise DataError(f"data.eval_shards: {e}") from None
-        check_same_tokenizer(ev, m, f"data.eval_shards: {as_source(eval_shards).child(MANIFEST)}", "data.shards'")
+        ev = _checked_set(eval_shards, EVAL_SET)
+        check_same_tokenizer(ev, m, str(as_source(eval_shards).child(MANIFEST)), "the training set's", input=EVAL_SET)
     if checkpoint_tokenizer_sha256 and checkpoint_tokenizer_sha256 != sha:
-        raise DataError(f"data.shards: tokenizer sha256 {sha and sha[:12]} differs from the checkpoint's "
+        raise DataError(f"tokenizer sha256 {sha and sha[:12]} differs from the checkpoint's "
                         f"{checkpoint_tokenizer_sha256[:12]}; resuming on shards of another tokenizer would "
-                        "scramble the vocabulary")
+                        "scramble the vocabulary", input=TRAINING_SET, field="tokenizer.sha256")
+    return m
+
+
+def _checked_set(location, role: str) -> dict:
+    """The manifest of the set at ``location``, checked against its own tokenizer; an error names ``role``."""
+    try:
+        m = read_manifest(location)
+        check_tokenizer(location, m)
+    except DataError as e:
+        raise e.naming(role) from None
     return m

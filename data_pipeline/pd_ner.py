@@ -2,7 +2,7 @@
 People's Daily NER sets: ``nr`` (person names) -> PER, ``ns`` (place names) -> LOC, ``nt`` (organisation
 names) -> ORG. The corpus tags a Chinese name as surname and given name (``江/nr  泽民/nr``): consecutive
 ``nr`` words are one person. A line (a paragraph) is split into sentences after ``。``, ``！`` and ``？``.
-Words are normalised as the shard builder normalises them (:func:`~data_pipeline.corpus.normalize`) and
+Words are normalised as the shard builder normalises them (:func:`~data_pipeline.normalization.normalize`) and
 joined without spaces; entities are character spans of that text, ``end`` exclusive.
 
     from data_pipeline.pd_ner import ner_sentences
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from data_pipeline.corpus import normalize
+from .normalization import normalize
 
 __all__ = ["ENTITY_TAGS", "ner_sentences"]
 

@@ -29,7 +29,7 @@ import numpy as np
 from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
 from .corpus import (CHUNK_RECORDS, MAX_LINE_BYTES, CorpusStats, check_inputs, iter_record_chunks,
                      normalize_records)
-from .errors import DataError, UsageError
+from .errors import OUTPUT, DataError, UsageError
 from .imported import KINDS, SENTENCEPIECE, open_tokenizer
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
                        shard_byte_limit, tokenizer_path)
@@ -127,27 +127,30 @@ def stage_output(out_dir: str | os.PathLike, force: bool = False,
                  replaceable: Optional[tuple[Callable[[Path], bool], str]] = None) -> StagedDir:
     """A staging directory for a new shard set at ``out_dir`` (see the module docstring).
 
-    UsageError when ``out_dir`` holds a shard set and ``force`` is not set, holds anything else,
-    or cannot be written (checked by creating the staging directory). ``replaceable``: (test, what)
-    for another kind of output that ``force`` may replace (``prepare --source``'s mixture)."""
+    UsageError (about the :data:`~.errors.OUTPUT`) when ``out_dir`` holds a shard set and ``force`` is not
+    set, holds anything else, or cannot be written (checked by creating the staging directory).
+    ``replaceable``: (test, what) for another kind of output that ``force`` may replace (``prepare
+    --source``'s mixture)."""
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir():
-            raise UsageError(f"{out}: exists and is not a directory; choose another --out")
+            raise UsageError(f"{out}: exists and is not a directory; choose another --out", argument=OUTPUT)
         entries = list(out.iterdir())
         other = replaceable is not None and bool(entries) and replaceable[0](out)
         if entries and ((out / MANIFEST).is_file() or other):
             if not force:
                 what = replaceable[1] if other else "a shard set"
                 raise UsageError(f"{out}: {what} is already there; pass --force to replace it (the new "
-                                 f"{'one' if other else 'set'} is built beside it and swapped in only when complete)")
+                                 f"{'one' if other else 'set'} is built beside it and swapped in only when complete)",
+                                 argument=OUTPUT)
         elif entries:
             raise UsageError(f"{out}: exists and is not a shard set ({len(entries)} entries, no {MANIFEST}); "
-                             "choose another --out or empty it")
+                             "choose another --out or empty it", argument=OUTPUT)
     try:
         return StagedDir(out)
     except OSError as e:
-        raise UsageError(f"{out}: cannot write the output there ({e.strerror}: {e.filename})") from None
+        raise UsageError(f"{out}: cannot write the output there ({e.strerror}: {e.filename})", argument=OUTPUT) \
+            from None
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> None:

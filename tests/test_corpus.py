@@ -204,3 +204,43 @@ def test_records_normalised_as_utf8_bytes_equal_the_str_texts(peoples_daily):
         assert (words is None) == (words8 is None) == (kind == "text")
     keep, texts, _ = normalize_records("text", ["ok", "bad \ud800"], utf8=True)
     assert texts == ["ok", "bad \ud800"]
+
+
+def test_a_new_format_is_one_reader_and_one_line_in_the_table(tmp_path, peoples_daily, monkeypatch):
+    """A format is a Reader registered in data_pipeline.formats.FORMATS: with nothing else, auto mode finds it
+    by its suffix (also .gz), --format offers it, and roformer-data prepares a shard set of it."""
+    from data_pipeline import cli
+    from data_pipeline.corpus import _pd_words, detect_format
+    from data_pipeline.formats import FORMATS, TEXT
+    from data_pipeline.manifest import read_manifest
+
+    class TabSeparated:                                  # what a new module's READER would be
+        help = "tab-separated lines, the text in the last column; auto: .tsv files"
+        suffixes = (".tsv",)
+        kind = TEXT
+
+        def looks_like(self, line):
+            return False
+
+        def splittable(self, options):
+            return True
+
+        def records(self, lines, options):
+            for batch in lines.batches():
+                yield [line.rsplit("\t", 1)[-1] for line in batch]
+
+    monkeypatch.setitem(FORMATS, "tsv", TabSeparated())          # the one line in the table
+    texts = ["".join(_pd_words(x)) for x in open(peoples_daily, encoding="utf-8").readlines()[:400] if x.strip()]
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.tsv").write_text("".join(f"{i}\tpos\t{t}\n" for i, t in enumerate(texts[:300])), encoding="utf-8")
+    with gzip.open(d / "b.tsv.gz", "wt", encoding="utf-8") as g:
+        g.write("".join(f"{i}\t{t}\n" for i, t in enumerate(texts[300:])))
+    assert detect_format(d / "a.tsv") == detect_format(d / "b.tsv.gz") == "tsv"
+    stats = CorpusStats()
+    assert [x.text for x in read_documents(d, stats=stats)] == [normalize(t) for t in texts]
+    assert stats.files == 2 and stats.docs == len(texts)
+    out = tmp_path / "set"
+    assert cli.main(["prepare", "--input", str(d), "--format", "tsv", "--vocab-size", "3000", "--num-threads", "2",
+                     "--workers", "1", "--no-progress", "--out", str(out)]) == 0
+    assert read_manifest(out)["num_docs"] == len(texts)

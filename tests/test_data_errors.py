@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline import cli
-from data_pipeline.errors import EXIT_DATA, EXIT_USAGE, DataError
+from data_pipeline.errors import EXIT_DATA, EXIT_USAGE, TRAINING_SET, DataError
 from data_pipeline.manifest import check_training_data, read_manifest
 from data_pipeline.shards import CorruptShardError, verify_shard_set
 
@@ -159,9 +159,10 @@ def test_manifest_that_disagrees_with_its_tokenizer(made_set, tmp_path, capsys):
         (d / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": wrong}))
         assert cli.main(["inspect", "--verify", str(d)]) == EXIT_DATA
         assert f"field 'vocab_size' is {wrong}, but the tokenizer" in capsys.readouterr().err
-        with pytest.raises(DataError, match=f"data.shards: .*field 'vocab_size' is {wrong}, but the tokenizer "
-                                            f".*tokenizer.model has {real} pieces"):
+        with pytest.raises(DataError, match=f"training set: .*field 'vocab_size' is {wrong}, but the tokenizer "
+                                            f".*tokenizer.model has {real} pieces") as e:
             check_training_data(d)
+        assert (e.value.input, e.value.field) == (TRAINING_SET, "vocab_size")   # for the caller to name
     bad_ids = {**manifest, "special_ids": {**manifest["special_ids"], "mask": 5}}
     (d / "manifest.json").write_text(json.dumps(bad_ids))
     assert cli.main(["inspect", "--verify", str(d)]) == EXIT_DATA
@@ -180,8 +181,8 @@ def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
     assert resolved.model.vocab_size == manifests["main"]["vocab_size"] == small_shards.vocab_size
     # an eval set made with another tokenizer: the message names the field and shows two different hashes
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", f"data.eval_shards={made_set}"])
-    with pytest.raises(DataError, match=r"data.eval_shards: .*field 'tokenizer.sha256' is (\w+)\.\.\., data.shards' "
-                                        r"is (\w+)\.\.\.: made with another tokenizer") as e:
+    with pytest.raises(DataError, match=r"data.eval_shards: .*field 'tokenizer.sha256' is (\w+)\.\.\., the training "
+                                        r"set's is (\w+)\.\.\.: made with another tokenizer") as e:
         resolve_data(cfg, None)
     a, b = [w.rstrip(".,") for w in str(e.value).split() if w.endswith("...,") or w.endswith("...:")][:2]
     assert a != b
@@ -199,6 +200,52 @@ def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
     with pytest.raises(DataError, match="tokenizer sha256 .* differs from the checkpoint's 000000000000"):
         resolve_data(cfg, {"tokenizer_sha256": "0" * 64})
 
+
+
+def test_errors_carry_their_input_and_each_layer_names_it(made_set, small_shards, tmp_path, capsys):
+    """data_pipeline says which input an error is about in a field (a role), never in a caller's words; the
+    trainer names it by its config key, roformer-data by its flag."""
+    from data_pipeline.errors import EVAL_SET, MODEL_VOCAB_SIZE, OUTPUT, TOKENIZER, UsageError
+    from data_pipeline.imported import kind_of
+    from roformer_dist.config import load_config
+    from roformer_dist.errors import ConfigError
+    from roformer_dist.train.data import resolve_data
+
+    # the library: roles and fields, no config keys
+    with pytest.raises(DataError, match=r"^eval set: .*manifest\.json: field 'tokenizer\.sha256'") as e:
+        check_training_data(small_shards.dir, made_set)
+    assert (e.value.input, e.value.field) == (EVAL_SET, "tokenizer.sha256")
+    with pytest.raises(UsageError, match=r"^model vocab size: 5000 differs from the shard manifest's") as u:
+        check_training_data(small_shards.dir, model_vocab_size=5000)
+    assert u.value.argument == MODEL_VOCAB_SIZE and "model.vocab_size" not in str(u.value)
+    with pytest.raises(UsageError, match=r"^tokenizer: .*tok\.bin: expected a SentencePiece") as u:
+        kind_of(tmp_path / "tok.bin")
+    assert u.value.argument == TOKENIZER
+    # naming keeps the class, the message and the field
+    renamed = e.value.naming("data.eval_shards")
+    assert type(renamed) is type(e.value) and renamed.field == "tokenizer.sha256"
+    assert str(renamed) == "data.eval_shards: " + e.value.message
+    # the trainer: the first source of a mixture by its key and name
+    d = _copy(made_set, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps({**m, "vocab_size": m["vocab_size"] + 8}))
+    debug = ROOT / "configs" / "experiments" / "debug.yaml"
+    news = f"[{{name: news, shards: '{d}', weight: 1}}]"
+    cfg = load_config(debug, ["data.shards=", "data.eval_shards=", f"data.sources={news}"])
+    with pytest.raises(DataError, match=r"^data\.sources\[0\] \(news\): .*field 'vocab_size' is") as e:
+        resolve_data(cfg, None)
+    assert e.value.field == "vocab_size"
+    cfg = load_config(debug, [f"data.shards={small_shards.dir}", "data.eval_shards=", "model.vocab_size=5000"])
+    with pytest.raises(ConfigError, match=r"^model\.vocab_size: 5000 differs .*; use model\.vocab_size=auto$"):
+        resolve_data(cfg, None)
+    # roformer-data: by its flags
+    assert cli.main(_prepare("--input", str(small_shards.source), "--tokenizer", str(tmp_path / "tok.bin"),
+                             "--out", str(tmp_path / "out"))) == EXIT_USAGE
+    assert f"error: --tokenizer: {tmp_path / 'tok.bin'}: expected a SentencePiece" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert cli.main(_prepare("--input", str(small_shards.source), "--out", str(tmp_path / "file"))) == EXIT_USAGE
+    assert f"error: --out: {tmp_path / 'file'}: exists and is not a directory" in capsys.readouterr().err
+    assert cli.FLAGS[OUTPUT] == "--out"
 
 def test_binary_input_warns_with_counts_and_small_vocab_is_reported(tmp_path, corpus, caplog):
     import sentencepiece
