@@ -65,3 +65,14 @@ def test_lr_cosine_and_constant_and_floor():
     lin = OptimConfig(lr=1.0, warmup_steps=0, schedule="linear", min_lr_ratio=0.0)
     assert lr_at(lin, stages, 100) == pytest.approx(0.0)
     assert all(lr_at(lin, stages, s) >= lr_at(lin, stages, s + 1) for s in range(100))
+
+
+def test_every_lr_schedule_the_config_offers_has_a_shape():
+    """A new schedule is one entry in curriculum.SCHEDULES and its name in config.LRSchedule."""
+    from roformer_dist.config import LRSchedule, choices
+    from roformer_dist.train.curriculum import SCHEDULES
+
+    assert set(SCHEDULES) == set(choices(LRSchedule))
+    for name, shape in SCHEDULES.items():
+        assert shape(2.0, 0.2, 0.0) == 2.0, name             # the peak right after the warmup
+        assert shape(2.0, 0.2, 1.0) in (0.2, 2.0), name      # the floor at the end (constant: the peak)

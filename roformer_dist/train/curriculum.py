@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from roformer_dist.config import OptimConfig, StageConfig
 
@@ -57,15 +58,21 @@ def lr_at(optim: OptimConfig, stages: tuple[StageConfig, ...], step: int) -> flo
     peak = optim.lr
     if optim.warmup_steps > 0 and step < optim.warmup_steps:
         return peak * (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
-        return peak
     total = total_steps(stages)
     decay_steps = max(1, total - 1 - optim.warmup_steps)
     progress = min(1.0, max(0.0, (step - optim.warmup_steps) / decay_steps))
-    floor = peak * optim.min_lr_ratio
-    if optim.schedule == "linear":
-        return floor + (peak - floor) * (1.0 - progress)
-    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return SCHEDULES[optim.schedule](peak, peak * optim.min_lr_ratio, progress)
+
+
+Schedule = Callable[[float, float, float], float]
+"""(peak, floor, progress in [0, 1] after the warmup) -> the learning rate."""
+
+SCHEDULES: dict[str, Schedule] = {
+    "linear": lambda peak, floor, p: floor + (peak - floor) * (1.0 - p),
+    "cosine": lambda peak, floor, p: floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p)),
+    "constant": lambda peak, floor, p: peak,
+}
+"""``optim.schedule`` -> its shape after the warmup (``config.LRSchedule`` lists the same names)."""
 
 
 def stage_boundaries(stages: tuple[StageConfig, ...]) -> list[int]:
