@@ -54,8 +54,8 @@ slurm-down:
 	bash slurm/local_cluster/stop.sh
 
 bench: venv
-	for b in bench/*.py; do case $$b in bench/_common.py|bench/hf_trainer_mlm.py) continue;; esac; \
-	  $(BIN)/python $$b || exit 1; done   # hf_trainer_mlm.py: a worker of bench/e2e.py
+	for b in bench/*.py; do case $$b in bench/_*.py|bench/hf_trainer_mlm.py) continue;; esac; \
+	  $(BIN)/python $$b || exit 1; done   # _*.py: the harness and parts of benches; hf_trainer_mlm.py: e2e's worker
 
 clean:
 	rm -rf runs data .pytest_cache

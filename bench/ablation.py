@@ -25,18 +25,11 @@ With the default config the demo's shard sets are built first when missing (as `
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import _common as C  # noqa: E402
-
-from roformer_dist.config import CONFIGS_DIR, load_config  # noqa: E402
-from roformer_dist.cli.eval import parse_lengths  # noqa: E402
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 ENCODINGS = ("rotary", "absolute")
 
@@ -66,49 +59,25 @@ def eval_table(curves: dict[str, dict[int, tuple[float, int]]]) -> tuple[list[di
     return rows, "\n".join(lines)
 
 
-def ensure_demo_data(cfg) -> None:
-    """The demo's shard sets when the default (demo) config is used: built when missing, else reused."""
-    from roformer_dist.cli import demo
-
-    demo.prepare(cfg)
-
-
 TINY_STAGES = ("curriculum.stages=[{name: a, seq_len: 64, global_batch_size: 4, steps: 2, eval_lengths: [64]}, "
                "{name: b, seq_len: 128, global_batch_size: 4, steps: 2, eval_lengths: [64, 128]}]")
-
-
-def tiny_overrides() -> list[str]:
-    """The overrides of --tiny (before the command line's own): tiny shard sets built in the temporary
-    directory, two short stages, an eval of 2 batches at the end of each, no periodic checkpoints, 1 rank
-    (half the start-up time of two; the bench's code path is the same)."""
-    train, evals = C.tiny_shards(C.tiny_dir() / "data")
-    return [f"data.shards={train}", f"data.eval_shards={evals}", TINY_STAGES, "data.eval_batches=2",
-            "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1", "dist.world_size=1"]
+"""--tiny: two short stages, an eval of 2 batches at the end of each."""
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_config = CONFIGS_DIR / "experiments" / "demo.yaml"
-    p.add_argument("--config", default=str(default_config), help="experiment YAML (default: the demo's)")
+    p = C.parser(__doc__)
+    p.add_argument("--config", default=str(C.DEMO_CONFIG), help="experiment YAML (default: the demo's)")
     p.add_argument("--out", default="runs/ablation", help="parent directory of the two runs (the TensorBoard logdir)")
-    p.add_argument("--lengths", type=parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
+    p.add_argument("--lengths", type=C.parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
                    help="comma-separated lengths of the final length-generalisation eval (default 128,256,512,1024,1536)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for both runs")
-    C.tiny_defaults(p, argv, config=str(CONFIGS_DIR / "experiments" / "debug.yaml"),
-                    out=lambda: str(C.tiny_dir() / "ablation"), lengths=[64, 128])
+    C.tiny_defaults(p, argv, config=str(C.DEBUG_CONFIG), out=lambda: str(C.tiny_dir() / "ablation"),
+                    lengths=[64, 128])
     args = p.parse_args(argv)
     if args.tiny:
-        args.overrides = tiny_overrides() + args.overrides
+        args.overrides = C.tiny_train_overrides(TINY_STAGES) + args.overrides
     out = Path(args.out)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ValueError as e:
-        print(f"ablation: config error: {e}", file=sys.stderr)
-        return 2
-    if Path(args.config).resolve() == default_config.resolve():
-        ensure_demo_data(cfg)
+    C.demo_data(C.load_experiment("ablation", args.config, args.overrides), args.config)
     seconds = {}
     for enc in ENCODINGS:
         seconds[enc] = train(args.config, out / enc, enc, args.overrides, out / f"{enc}.log")
@@ -159,5 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.exit(main())

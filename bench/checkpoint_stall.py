@@ -28,8 +28,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import _common as C
@@ -38,7 +36,7 @@ REPO = C.REPO
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = C.parser(__doc__)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--save-every", type=int, default=4)
@@ -65,10 +63,7 @@ def run(a, mode: str, data: Path, round_: int) -> dict:
             "trainer.eval_every=0", "trainer.log_every=1", "checkpoint.keep_last=2",
             f"checkpoint.async={mode == 'async'}",
             f"curriculum.stages=[{{name: s, seq_len: 128, global_batch_size: 16, steps: {a.steps}}}]"]
-    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", str(REPO / "configs" / "experiments" / "debug.yaml"), *over]
-    r = subprocess.run(cmd, cwd=REPO, env=C.child_env(), capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"bench: {mode} run failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    C.train_quietly(C.DEBUG_CONFIG, over, mode)
     from roformer_dist.runtime.events import read_scalars
 
     held = {s: v for s, v in read_scalars(run_dir / "tb")["perf/checkpoint_stall_s"]}

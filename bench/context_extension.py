@@ -25,14 +25,13 @@ Writes runs/extend/report.json and prints the table (README "Longer context from
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import _common as C  # noqa: F401  (puts the checkout on sys.path)
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 REPO = C.REPO
 VARIANTS = {  # name -> (label, config overrides of the fork)
@@ -46,10 +45,6 @@ VARIANTS = {  # name -> (label, config overrides of the fork)
 """The parent trained at 512: the scalings extend 512 three times (to the phase's 1536)."""
 UNTRAINED = {(40000.0, "none"), (10000.0, "linear"), (10000.0, "yarn")}
 """The parent's own rows of the sweep shown beside the forks: (rope_theta, rope_scaling)."""
-
-
-def bin_(name: str) -> str:
-    return str(Path(sys.executable).parent / name)
 
 
 def run(cmd: list[str], **kwargs) -> None:
@@ -84,7 +79,7 @@ def build_eval_set(held_out: Path, tokenizer: Path, out: Path, longest: int) -> 
     src = out.parent / f"{out.name}.txt"
     src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
     print(f"long eval set: {len(texts)} documents of {longest - 2} tokens from {src}", flush=True)
-    run([bin_("roformer-data"), "shards", "--input", str(src), "--tokenizer", str(tokenizer), "--out", str(out),
+    run([*C.DATA, "shards", "--input", str(src), "--tokenizer", str(tokenizer), "--out", str(out),
          "--workers", "2", "--no-progress"])
     return out
 
@@ -96,7 +91,7 @@ def fork(args, run_dir: Path, overrides: list[str]) -> float:
             json.loads(metrics.read_text().splitlines()[-1])["step"] >= args.steps:
         return 0.0
     t0 = time.monotonic()
-    run([bin_("roformer-train"), "--config", str(args.config), "--fork", str(args.parent), f"run_dir={run_dir}",
+    run([*C.TRAIN, "--config", str(args.config), "--fork", str(args.parent), f"run_dir={run_dir}",
          f"curriculum={args.curriculum}", f"model.max_position_embeddings={args.longest}",
          f"data.eval_shards={args.eval_set}", "data.eval_sources=[]", "trainer.save_every=0", "trainer.eval_every=0",
          f"trainer.stop_at_step={args.steps}", *args.overrides, *overrides])
@@ -104,7 +99,7 @@ def fork(args, run_dir: Path, overrides: list[str]) -> float:
 
 
 def evaluate(args, checkpoint: Path, out: Path, *extra: str) -> list:
-    run([bin_("roformer-eval"), str(checkpoint), "--lengths", args.lengths, "--eval-shards", str(args.eval_set),
+    run([*C.EVAL, str(checkpoint), "--lengths", args.lengths, "--eval-shards", str(args.eval_set),
          "--batches", str(args.batches), "--json", str(out), *extra], stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -115,7 +110,7 @@ def tiny_setup(args) -> None:
     train, evals = C.tiny_shards(d / "shards")
     args.held_out, args.tokenizer = d / "shards" / "pd_eval.txt", d / "shards" / "tok" / "sp.model"
     args.overrides = [f"data.shards={train}", "dist.world_size=1", "data.eval_batches=2"]
-    run([bin_("roformer-train"), "--config", str(args.config), f"run_dir={args.parent}", f"data.eval_shards={evals}",
+    run([*C.TRAIN, "--config", str(args.config), f"run_dir={args.parent}", f"data.eval_shards={evals}",
          "trainer.stop_at_step=2", *args.overrides])
     args.curriculum = d / "extend.yaml"
     args.curriculum.write_text("tokens_per_micro_batch: 1024\nstages:\n  - {name: s256, seq_len: 256, "
@@ -123,9 +118,9 @@ def tiny_setup(args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = C.parser(__doc__)
     p.add_argument("--parent", type=Path, default=REPO / "runs" / "demo", help="the run forked (default: the demo's)")
-    p.add_argument("--config", type=Path, default=REPO / "configs" / "experiments" / "demo.yaml",
+    p.add_argument("--config", type=Path, default=C.DEMO_CONFIG,
                    help="the forks' experiment (the parent's model)")
     p.add_argument("--held-out", type=Path, default=REPO / "data" / "demo" / "corpus" / "pd_eval.txt",
                    help="held-out text the long documents are cut from")
@@ -139,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="a,b,c,d", help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--lengths", default="512,1024,1536,3072")
     p.add_argument("--batches", type=int, default=16, help="eval batches per length")
-    C.tiny_defaults(p, argv, parent=lambda: C.tiny_dir() / "parent", config=REPO / "configs/experiments/debug.yaml",
+    C.tiny_defaults(p, argv, parent=lambda: C.tiny_dir() / "parent", config=C.DEBUG_CONFIG,
                     eval_set=lambda: C.tiny_dir() / "eval_long", out=lambda: C.tiny_dir() / "extend", longest=512,
                     steps=2, variants="d", lengths="128,256,512", batches=2)
     args = p.parse_args(argv)
@@ -172,7 +167,7 @@ def main(argv=None) -> int:
     report = {"bench": "context_extension", "lengths": lengths, "steps": args.steps, "batches": args.batches,
               "fork_minutes": minutes, "rows": [{"label": label, "loss": losses} for label, losses in rows]}
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
+    C.result(**report)
     return 0
 
 

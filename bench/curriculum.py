@@ -80,15 +80,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import _common as C  # noqa: E402
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 from roformer_dist.config import CONFIGS_DIR, load_config, to_dict  # noqa: E402
 
@@ -397,16 +394,7 @@ def plot(path: Path, curves: dict[str, list[dict]], labels: dict[str, str], targ
 TINY_STAGES = ("curriculum.stages=[{name: s32, seq_len: 32, global_batch_size: 8, steps: 4}, "
                "{name: s64, seq_len: 64, global_batch_size: 4, steps: 2}, "
                "{name: s128, seq_len: 128, global_batch_size: 2, steps: 2}]")
-
-
-def tiny_overrides() -> list[str]:
-    """The overrides of --tiny (before the command line's own): tiny shard sets built in the temporary
-    directory, a 32 -> 64 -> 128 base curriculum of 256 tokens per step (8 steps), evals of 2 batches, no
-    periodic checkpoints, 1 rank."""
-    train_dir, evals = C.tiny_shards(C.tiny_dir() / "data")
-    return [f"data.shards={train_dir}", f"data.eval_shards={evals}", TINY_STAGES,
-            "curriculum.tokens_per_micro_batch=256", "data.eval_batches=2", "trainer.save_every=0",
-            "trainer.log_every=1", "dist.world_size=1"]
+"""--tiny: a 32 -> 64 -> 128 base curriculum of 256 tokens per step (8 steps)."""
 
 
 def parse_variants(text: str) -> list[str]:
@@ -418,11 +406,8 @@ def parse_variants(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_config = CONFIGS_DIR / "experiments" / "demo.yaml"
-    p.add_argument("--config", default=str(default_config), help="experiment YAML (default: the demo's)")
+    p = C.parser(__doc__)
+    p.add_argument("--config", default=str(C.DEMO_CONFIG), help="experiment YAML (default: the demo's)")
     p.add_argument("--out", default="runs/curriculum", help="parent directory of the runs (the TensorBoard logdir)")
     p.add_argument("--variants", type=parse_variants, default=list(VARIANTS), metavar="a,b,c",
                    help="which variants to run (default all three)")
@@ -433,21 +418,17 @@ def main(argv=None) -> int:
     p.add_argument("--long", type=int, default=None, metavar="L",
                    help="the length of (c)'s stages that stand for the paper's 1536 (default: the final length)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for every run")
-    C.tiny_defaults(p, argv, config=str(CONFIGS_DIR / "experiments" / "debug.yaml"),
-                    out=lambda: str(C.tiny_dir() / "curriculum"), eval_every=2)
+    C.tiny_defaults(p, argv, config=str(C.DEBUG_CONFIG), out=lambda: str(C.tiny_dir() / "curriculum"), eval_every=2)
     args = p.parse_args(argv)
     if args.scale <= 0:
         p.error("--scale must be positive")
     if args.eval_every is not None and args.eval_every < 1:
         p.error("--eval-every must be at least 1 (every variant is evaluated at the same steps)")
     if args.tiny:
-        args.overrides = tiny_overrides() + args.overrides
+        args.overrides = C.tiny_train_overrides(TINY_STAGES, "curriculum.tokens_per_micro_batch=256",
+                                                eval_every=None) + args.overrides
     out = Path(args.out).absolute()
-    try:
-        base = load_config(args.config, args.overrides)
-    except ValueError as e:
-        print(f"curriculum: config error: {e}", file=sys.stderr)
-        return 2
+    base = C.load_experiment("curriculum", args.config, args.overrides)
     import yaml
 
     paper = yaml.safe_load(PAPER.read_text(encoding="utf-8"))["stages"]
@@ -474,10 +455,7 @@ def main(argv=None) -> int:
     for n in args.variants:
         print(f"({n}) {VARIANTS[n]}: {describe(curricula[n])}", flush=True)
 
-    if Path(args.config).resolve() == default_config.resolve():
-        from roformer_dist.cli import demo
-
-        demo.prepare(base)  # the demo's shard sets: built when missing, else reused
+    C.demo_data(base, args.config)
 
     (out / "curricula").mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}
@@ -560,5 +538,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""Minimal reproduction (DeepSpeed only, no roformer-dist code): fp32 ZeRO-3 keeps two fp32 copies of each
-parameter shard.
+"""Minimal reproduction (DeepSpeed only: no roformer-dist code in the engine it builds and checks): fp32 ZeRO-3
+keeps two fp32 copies of each parameter shard.
 
 DeepSpeed's ZeRO-3 optimizer (``runtime/zero/stage3.py``, ``_create_fp32_partitions``) means to use the
 parameter shard itself as the fp32 master copy when the shard already has the master dtype and sits on
@@ -26,22 +26,13 @@ Tested with DeepSpeed 0.19.8 and torch 2.13.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import warnings
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import _common as C  # noqa: E402  (puts the checkout on sys.path)
+import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 
 import torch  # noqa: E402
 
-from roformer_dist.testing import free_port  # noqa: E402
-
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--width", type=int, default=512, help="in and out features of the model's two Linear layers")
     C.tiny_defaults(p, argv, width=64)
     return p.parse_args(argv)
@@ -71,10 +62,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     a = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    C.torch_setup()
+    C.init_single_rank()
     print(f"DeepSpeed {deepspeed.__version__}, torch {torch.__version__}; "
           f"torch.device('cpu') == 'cpu' -> {torch.device('cpu') == 'cpu'}")
     rows = [check("defaults", a.width, {}),
@@ -85,8 +74,8 @@ def main(argv=None) -> int:
         print(f"{r['config']:<24}{r['shard_dtype']:>15}{r['master_dtype']:>15}  {r['device_compared']:<54}"
               f"{str(r['equal']):>6}{'yes' if r['duplicated'] else 'no':>11}{r['duplicate_bytes']:>10}")
     dist.destroy_process_group()
-    print(json.dumps({"bench": "ds_zero3_fp32_master", "deepspeed": deepspeed.__version__,
-                      "reproduced": all(r["duplicated"] for r in rows), "rows": rows}))
+    C.result("ds_zero3_fp32_master", deepspeed=deepspeed.__version__, reproduced=all(r["duplicated"] for r in rows),
+             rows=rows)
     return 0
 
 

@@ -100,8 +100,6 @@ from typing import Callable, Optional, Union
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 
-from roformer_dist.testing import free_port  # noqa: E402
-
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_mlm.py"
 E2E_CONFIGS = ("ours", "hf", "hf_ds")
 COMPILED_CONFIGS = ("ours_compile", "hf_compile")
@@ -125,7 +123,7 @@ optimizer or scheduler section (the Trainer's AdamW and schedule), the rest fill
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--part", choices=("all", "e2e", "overhead"), default="all")
     p.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     p.add_argument("--global-batch", nargs="+", default=["128=32", "512=16"], metavar="SEQ=N",
@@ -358,7 +356,7 @@ def run_ours(a, seq: int, ranks: int, shards: Path, run_dir: Path, env: dict, co
     run_dir.mkdir(parents=True)
     conf = run_dir.parent / f"{run_dir.name}.yaml"
     conf.write_text(yaml.safe_dump(ours_config(a, seq, ranks, shards, run_dir, compile, trainer), sort_keys=False))
-    cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config", str(conf)]
+    cmd = [*C.TRAIN, "--config", str(conf)]
     metrics = run_dir / "metrics.jsonl"
     res = _watch(cmd, run_dir.parent / f"{run_dir.name}.log", env, _fresh(run_dir), timeout=a.run_timeout,
                  crash=crash, abort_when=lambda: metrics.exists() and metrics.stat().st_size > 0)
@@ -418,9 +416,6 @@ def run_one(a, c: str, seq: int, shards: Path, hf_dir: Path, model_dir: Path, ru
 
 def bare_worker(a) -> None:
     """Runs in its own process: the bare step (see the module docstring); writes the step end times."""
-    import os
-    import warnings
-
     import torch
 
     from data_pipeline.loader import ShardLoader
@@ -428,9 +423,8 @@ def bare_worker(a) -> None:
     from roformer_dist.parallel.engine import build_engine, param_groups
     from roformer_dist.nn.model import RoFormerForMaskedLM
 
-    warnings.filterwarnings("ignore")
-    if "OMP_NUM_THREADS" not in os.environ:  # what roformer-train's ranks do (trainer.run_rank)
-        torch.set_num_threads(os.cpu_count() or 1)
+    # all cores unless OMP_NUM_THREADS says otherwise: what roformer-train's ranks do (trainer.run_rank)
+    C.torch_setup("cpu", 0 if "OMP_NUM_THREADS" in os.environ else os.cpu_count() or 1)
     seq, gb = a.seq[0], a.batch[a.seq[0]]
     shards = shard_set(a)
     cfg = C.stage_config(model=a.model_preset, vocab=vocab_size(shards), ranks=1, seq=seq, global_batch=gb,
@@ -459,13 +453,9 @@ def bare_worker(a) -> None:
             opt.zero_grad(set_to_none=True)
             times.append(time.time())
     else:
-        import deepspeed
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        C.init_single_rank()
         engine = build_engine(cfg, model, stages[0], 1)
         for step, batch in enumerate(batches):
             for g in engine.optimizer.param_groups:
@@ -693,8 +683,7 @@ def main(argv=None) -> None:
         C.emit("e2e_overhead", o["results"]["train_1rank"]["tokens_per_s"], o["results"]["bare_torch"]["tokens_per_s"],
                "tokens/s", o["ratio_vs_bare_torch"], **extra)
     else:  # nothing to compare (runs failed twice): what there is, without a ratio
-        print(json.dumps({"bench": "e2e", "ours": None, "baseline": None, "unit": "tokens/s", "ratio": None,
-                          **extra}), flush=True)
+        C.result("e2e", ours=None, baseline=None, unit="tokens/s", ratio=None, **extra)
 
 
 if __name__ == "__main__":

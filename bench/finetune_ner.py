@@ -9,7 +9,7 @@ on one held-out set.
     python bench/finetune_ner.py --tiny         # sizes 20 and 60, 1 epoch, 2 seeds, on inputs of its own (below)
 
 Without --data the sentences come from the demo's People's Daily split, as ``make demo`` draws them
-(``roformer_dist.cli.demo.ner_split``): training sentences from the lines the demo pretrains on, the held-out
+(``roformer_dist.demo.tasks.ner_split``): training sentences from the lines the demo pretrains on, the held-out
 sentences (--dev, 1000) from the lines it never pretrains on; the demo's own NER task is the first 1000
 training sentences of the same list and the same held-out set. A training size takes the first N sentences.
 F1 is the last epoch's (the held-out set selects nothing), the median over --seeds (fine-tuning seeds);
@@ -19,21 +19,19 @@ the largest size, "baseline": from scratch at that size, "ratio", "curve": {size
 
 --tiny builds its inputs in a temporary directory without the demo: sentences of the few hundred People's
 Daily lines of _common.tiny_shards (train) and of its held-out lines (dev), and, as the "pretrained" model,
-bench/finetune_reviews.py's random-initialisation export: its scores mean nothing, the code path is the bench's.
+the random-initialisation export of bench/finetune_reviews.py's --tiny (``_label_curves.tiny_export``): its
+scores mean nothing, the code path is the bench's.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
+from _label_curves import common_flags, curve_flags, label_curve, report, settings, tiny_export  # noqa: E402
 
-import _common as C  # noqa: E402
-from finetune_reviews import common_flags, label_curve, report, settings, tiny_export  # noqa: E402
-
-from roformer_dist.cli.demo import ner_split, write_ner_jsonl  # noqa: E402
+from roformer_dist.demo.tasks import ner_split, write_ner_jsonl  # noqa: E402
 
 METHODS = {"dictionary": ["--baseline", "dict"], "pretrained": [], "from scratch": ["--from-scratch"]}
 
@@ -51,32 +49,19 @@ def build_data(corpus: Path, num_train: int, num_dev: int, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="runs/demo/hf", help="HF export directory or training checkpoint")
+    p = C.parser(__doc__)
+    curve_flags(p, out="runs/finetune_ner", epochs=8, lr=5e-4)
     p.add_argument("--corpus", default="data/demo/corpus", help="the demo's corpus split (pd_train.txt, pd_eval.txt)")
     p.add_argument("--data", default=None, help="a directory with train.jsonl and dev.jsonl instead of --corpus")
     p.add_argument("--dev", type=int, default=1000, help="held-out sentences (with --corpus)")
-    p.add_argument("--sizes", default="300,1000,3000", help="training sizes, comma-separated")
-    p.add_argument("--out", default="runs/finetune_ner")
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--seeds", default="0,1,2", help="fine-tuning seeds, comma-separated")
-    p.add_argument("--threads", type=int, default=2)
     C.tiny_defaults(p, argv, model=None, sizes="20,60", out=lambda: str(C.tiny_dir() / "runs"), epochs=1,
                     batch_size=16, max_length=64, seeds="0,1", dev=40)
     args = p.parse_args(argv)
     sizes, seeds = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.seeds.split(",")]
     out = Path(args.out)
-    if args.tiny:
-        train, _ = C.tiny_shards(C.tiny_dir() / "shards")
-        corpus = C.tiny_dir() / "corpus"
-        corpus.mkdir(parents=True, exist_ok=True)
-        for name, lines in (("pd_train.txt", C.TINY_TRAIN_LINES), ("pd_eval.txt", C.TINY_EVAL_LINES)):
-            C.peoples_daily_lines(corpus / name, lines)
-        args.corpus = str(corpus)
+    if args.tiny:  # the tiny shards' own corpus files: pd_train.txt and pd_eval.txt
+        C.tiny_shards(C.tiny_dir() / "shards")
+        args.corpus = str(C.tiny_dir() / "shards")
         args.model = args.model or str(tiny_export(C.tiny_dir() / "hf"))
     data = Path(args.data) if args.data else build_data(Path(args.corpus), max(sizes), args.dev, out / "data")
     for name in ("train.jsonl", "dev.jsonl"):

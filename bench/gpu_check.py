@@ -43,7 +43,6 @@ line) that gpu_check.sh writes into its OUT_DIR and prints one line per step and
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gzip
 import json
@@ -162,21 +161,17 @@ DEBUG_TRAIN_LINES, DEBUG_EVAL_LINES = (0, 2000), (4000, 4500)
 
 def debug_shards(out: Path) -> None:
     """``out/train`` and ``out/eval``, the debug experiment's shard sets; each skipped while its manifest is there."""
-    import subprocess
     import tempfile
 
-    prepare = [sys.executable, "-m", "data_pipeline.cli"]
     with tempfile.TemporaryDirectory(prefix="gpu_check_shards_") as tmp:
         if not (out / "train" / "manifest.json").exists():
             src = C.peoples_daily_lines(Path(tmp) / "pd_train.txt", DEBUG_TRAIN_LINES)
-            subprocess.run([*prepare, "prepare", "--input", str(src), "--vocab-size", "4000", "--out",
-                            str(out / "train"), "--max-docs-per-shard", "250", "--no-progress"], check=True,
-                           cwd=C.REPO, env=C.child_env())
+            C.roformer_data("prepare", "--input", str(src), "--vocab-size", "4000", "--out", str(out / "train"),
+                            "--max-docs-per-shard", "250", "--no-progress", quiet=False)
         if not (out / "eval" / "manifest.json").exists():
             src = C.peoples_daily_lines(Path(tmp) / "pd_eval.txt", DEBUG_EVAL_LINES)
-            subprocess.run([*prepare, "shards", "--input", str(src), "--tokenizer",
-                            str(out / "train" / "tokenizer.model"), "--out", str(out / "eval"),
-                            "--max-docs-per-shard", "125", "--no-progress"], check=True, cwd=C.REPO, env=C.child_env())
+            C.roformer_data("shards", "--input", str(src), "--tokenizer", str(out / "train" / "tokenizer.model"),
+                            "--out", str(out / "eval"), "--max-docs-per-shard", "125", "--no-progress", quiet=False)
 
 
 def build_shards(a) -> int:
@@ -522,7 +517,7 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "backends")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("backends", help="rotary backends vs reference at the model level")
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

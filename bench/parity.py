@@ -74,12 +74,10 @@ bench, its logs kept. Needs ``accelerate`` (the HF Trainer's dependency) and, fo
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -91,8 +89,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import _common as C  # noqa: E402  (puts the checkout on sys.path, sets up DeepSpeed on CPU)
 import e2e  # noqa: E402  (bench/, this script's directory, is on sys.path)
 
-HELD_OUT_LINES = 1500
-"""The last People's Daily lines, held out for the eval (as ``make demo`` holds them out)."""
+from roformer_dist.demo.data import PD_EVAL_LINES as HELD_OUT_LINES  # noqa: E402  (as ``make demo`` holds them out)
 SIDES = ("ours", "hf")
 LABELS = {"ours": "roformer-train", "hf": "HF Trainer"}
 NATIVE_TOLERANCE = 1e-4
@@ -100,7 +97,7 @@ NATIVE_TOLERANCE = 1e-4
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--out", type=Path, default=C.REPO / "runs" / "parity", help="parity.json and parity.png go here")
     p.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
     p.add_argument("--seq", type=int, default=128)
@@ -167,12 +164,10 @@ def shard_sets(a) -> tuple[Path, Path]:
     src = C.peoples_daily_lines(root / "pd_train.txt", (0, n - HELD_OUT_LINES))
     held = C.peoples_daily_lines(root / "pd_eval.txt", (n - HELD_OUT_LINES, n))
     print(f"building the shard sets {train} and {evals} from {C.peoples_daily()} (once)", flush=True)
-    run = dict(check=True, cwd=C.REPO, env=C.child_env(), stdout=subprocess.DEVNULL)
-    subprocess.run([sys.executable, "-m", "data_pipeline.cli", "prepare", "--input", str(src), "--vocab-size", "8000",
-                    "--out", str(train), "--workers", "2", "--max-docs-per-shard", "1000", "--no-progress"], **run)
-    subprocess.run([sys.executable, "-m", "data_pipeline.cli", "shards", "--input", str(held), "--tokenizer",
-                    str(train / "tokenizer.model"), "--out", str(evals), "--workers", "2", "--max-docs-per-shard",
-                    "500", "--no-progress"], **run)
+    C.roformer_data("prepare", "--input", str(src), "--vocab-size", "8000", "--out", str(train), "--workers", "2",
+                    "--max-docs-per-shard", "1000", "--no-progress")
+    C.roformer_data("shards", "--input", str(held), "--tokenizer", str(train / "tokenizer.model"), "--out",
+                    str(evals), "--workers", "2", "--max-docs-per-shard", "500", "--no-progress")
     return train, evals
 
 

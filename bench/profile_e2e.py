@@ -27,10 +27,8 @@ The profiler slows both sides (a few microseconds per op): read shares, not abso
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -153,7 +151,7 @@ def print_summary(columns: dict[str, dict]) -> None:
 # ----------------------------------------------------------------------------------------- the two runs
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (with --summarize: the trace's)")
     p.add_argument("--profile-start", type=int, default=5, help="first profiled step (1-based)")
@@ -228,8 +226,8 @@ def main(argv=None) -> None:
         print_summary(columns)
     for n in notes:
         print(f"note: {n}")
-    print(json.dumps({"bench": "profile_e2e", "seq": a.seq, "steps": a.profile_steps, "notes": notes,
-                      **{k: {c: round(v, 2) for c, v in s.items()} for k, s in columns.items()}}), flush=True)
+    C.result("profile_e2e", seq=a.seq, steps=a.profile_steps, notes=notes,
+             **{k: {c: round(v, 2) for c, v in s.items()} for k, s in columns.items()})
 
 
 if __name__ == "__main__":

@@ -22,18 +22,14 @@ minimum (after it the curve rises again, unless the minimum is at the end of the
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from roformer_dist.nn.rotary import rotary_tables  # noqa: E402
 
@@ -94,9 +90,7 @@ def write_png(path: Path, distances: np.ndarray, curves: dict[int, np.ndarray], 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head sizes d (even)")
     p.add_argument("--max-distance", type=int, default=1536, help="largest relative distance")
     p.add_argument("--window", type=int, default=64, help="moving-average window for 'where it stops decaying'")
@@ -142,9 +136,9 @@ def main(argv=None) -> int:
                         f"and stops decaying there (smoothed {s['smoothed_at_end']:.2f} at {args.max_distance})")
         print(f"d = {d}: {verdict}")
     print(f"wrote {csv_path}" + (f" and {png_path}" if wrote_png else ""))
-    print(json.dumps({"bench": "rope_decay", "max_distance": args.max_distance, "window": args.window,
-                      "head_dims": {str(d): s for d, s in summaries.items()}, "csv": str(csv_path),
-                      "png": str(png_path) if wrote_png else None}))
+    C.result("rope_decay", max_distance=args.max_distance, window=args.window,
+             head_dims={str(d): s for d, s in summaries.items()}, csv=str(csv_path),
+             png=str(png_path) if wrote_png else None)
     return 0
 
 

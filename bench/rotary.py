@@ -17,20 +17,16 @@ backward) / time: the figure to compare with the device's memory bandwidth.
 
 from __future__ import annotations
 
-import argparse
-import warnings
-
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 import torch
 
-from roformer_dist.nn.rotary import RotaryCache, apply_rotary, rotary_bytes
+from roformer_dist.nn.rotary import RotaryCache, apply_rotary
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=2)
+    p = C.parser(__doc__)
+    C.measure_flags(p, device="cpu", threads=2, repeats=7)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
@@ -38,9 +34,13 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--backends", default="reference,compiled",
                    help="comma list of ours to time (auto, reference, compiled, triton, apex, flash_attn)")
-    p.add_argument("--repeats", type=int, default=7)
     C.tiny_defaults(p, argv, batch=1, heads=2, head_dim=16, seqs="32,64", repeats=2)
     return p.parse_args(argv)
+
+
+def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Bytes a rotary pass over q and k must move at least (read + write each): the GB/s figures' numerator."""
+    return 2 * (q.numel() * q.element_size() + k.numel() * k.element_size())
 
 
 def hf_rotary():
@@ -51,9 +51,7 @@ def hf_rotary():
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    warnings.filterwarnings("ignore")
-    if a.device == "cpu":
-        torch.set_num_threads(a.threads)
+    threads = C.torch_setup(a.device, a.threads)
     hf_apply = hf_rotary()
     backends = [b for b in a.backends.split(",") if b]
     B, H, D = a.batch, a.heads, a.head_dim
@@ -101,8 +99,7 @@ def main(argv=None) -> None:
                              f"{times['hf'] / t:.2f}x", 2 * nbytes / t / 1e9,
                              "-" if fwd is None else f"{nbytes / fwd / 1e9:.3g}"])
                 results[(S, dname, name)] = t
-    print(f"rotary q,k fwd+bwd  B={B} H={H} D={D}  device={a.device}"
-          f"{' threads=' + str(torch.get_num_threads()) if a.device == 'cpu' else ''}")
+    print(f"rotary q,k fwd+bwd  B={B} H={H} D={D}  device={a.device}{threads}")
     C.print_table(["S", "dtype", "impl", "fwd+bwd ms", "fwd ms", "vs hf", "GB/s fwd+bwd", "GB/s fwd"], rows)
     S0, d0 = int(a.seqs.split(",")[0]), a.dtypes.split(",")[0]
     best = min(backends, key=lambda b: results[(S0, d0, b)])

@@ -31,8 +31,6 @@ line (the first corpus): {"bench": "shards", "ours": MB/s per worker (1 worker, 
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import shutil
 import statistics
@@ -41,9 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import _common as C  # noqa: E402
+import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 from data_pipeline.corpus import CHUNK_RECORDS, _pd_words, read_documents  # noqa: E402
 from data_pipeline.shards import write_shards  # noqa: E402
@@ -163,9 +159,9 @@ def measure(name: str, src: Path, tmp: Path, repeats: int, vocab_size: int = 800
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.parser(__doc__)
     ap.add_argument("--corpus", type=Path, nargs="*", default=[], help="corpus files (default: People's Daily)")
-    ap.add_argument("--repeats", type=int, default=5)
+    C.measure_flags(ap, repeats=5)
     ap.add_argument("--scale", type=int, default=4, help="People's Daily written this many times over")
     ap.add_argument("--lines", type=int, default=None, help="the first N non-empty lines of People's Daily only")
     ap.add_argument("--vocab", type=int, default=8000, help="SentencePiece vocabulary")
@@ -193,10 +189,9 @@ def main(argv=None) -> int:
         print(f"stages of the 1-worker build, CPU s ({r['corpus'][:40]}): "
               + ", ".join(f"{k} {v}" for k, v in st.items()))
     first = results[0]
-    print(json.dumps({"bench": "shards", "ours": first["workers_1"]["per_worker_cpu"],
-                      "baseline": first["baseline"]["cpu"], "unit": "MB/s", "ratio": first["workers_1"]["ratio_cpu"],
-                      "workers_2": first["workers_2"], "scaling_1_to_2_wall": first["scaling_1_to_2_wall"],
-                      "corpora": {r["corpus"]: r for r in results}}))
+    C.result("shards", ours=first["workers_1"]["per_worker_cpu"], baseline=first["baseline"]["cpu"], unit="MB/s",
+             ratio=first["workers_1"]["ratio_cpu"], workers_2=first["workers_2"],
+             scaling_1_to_2_wall=first["scaling_1_to_2_wall"], corpora={r["corpus"]: r for r in results})
     return 0
 
 

@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
@@ -41,11 +38,11 @@ from roformer_dist.config import ModelConfig
 from roformer_dist.nn.model import RoFormerForMaskedLM, predicted_index, set_rotary_kernel
 from roformer_dist.nn.rotary import model_kernel
 
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p = C.parser(__doc__)
+    C.measure_flags(p, device="cpu", threads=2, repeats=5, warmup=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--hidden", type=int, default=256)
@@ -59,8 +56,6 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("softmax", "linear"), default="softmax")
     p.add_argument("--model-preset", default=None,
                    help="take hidden/layers/heads/ffn from configs/model/NAME.yaml (e.g. base); --vocab stays")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ours-only", action="store_true", help="skip HF (e.g. for MFU of big models)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU (GPU)")
@@ -86,11 +81,7 @@ def model_config(a) -> ModelConfig:
 
 
 def make_batch(a, device):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, a.vocab, (a.batch, a.seq), generator=g)
-    masked = torch.rand(a.batch, a.seq, generator=g) < a.mask_prob
-    labels = torch.where(masked, ids, torch.full_like(ids, -100))
-    ids = torch.where(masked, torch.full_like(ids, 4), ids)  # [MASK] = 4
+    ids, labels = C.random_mlm_batch(a.vocab, a.batch, a.seq, seed=1, mask_prob=a.mask_prob)
     return ids.to(device), labels.to(device), predicted_index(labels).to(device)
 
 
@@ -132,23 +123,15 @@ def step_fn(model, which: str, ids, labels, predicted):
 
 def memory_worker(a) -> None:
     """Runs in a subprocess: prints {"peak_delta": bytes, "rss_before": bytes}."""
-    torch.set_num_threads(a.threads)
     model = build(a, a.memory_worker)
     ids, labels, predicted = make_batch(a, a.device)
     step = step_fn(model, a.memory_worker, ids, labels, predicted)
-    step()
-    model.zero_grad(set_to_none=True)
-    before = C.reset_peak_rss()
-    step()
-    print(json.dumps({"peak_delta": C.peak_rss() - before, "rss_before": before}))
+    print(json.dumps(C.step_peak_rss(step, settle=lambda: model.zero_grad(set_to_none=True))))
 
 
 def cpu_memory(a, which: str) -> int:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    argv = [sys.executable, str(Path(__file__).resolve()), "--memory-worker", which,
-            *[x for x in sys.argv[1:] if x != "--memory-worker"]]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_delta"]
+    return C.peak_rss_in_child([str(Path(__file__).resolve()), "--memory-worker", which,
+                                *[x for x in sys.argv[1:] if x != "--memory-worker"]])
 
 
 def peak_tflops(a) -> float | None:
@@ -165,12 +148,10 @@ def peak_tflops(a) -> float | None:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    warnings.filterwarnings("ignore")
+    C.torch_setup(a.device, a.threads)
     if a.memory_worker:
         memory_worker(a)
         return
-    if a.device == "cpu":
-        torch.set_num_threads(a.threads)
     model_config(a)  # a preset fills in the dimensions printed below
     if a.attention != "softmax" and not a.ours_only:
         raise SystemExit("--attention linear has no HF equivalent: add --ours-only")

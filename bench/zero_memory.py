@@ -34,7 +34,6 @@ tokens/s per rank = micro-batch x seq_len x accumulation / median step time of t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -62,7 +61,7 @@ BUFFER_ATTRS = ("ipg_buckets",)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--model", default="small", help="model preset (configs/model/)")
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--seq", type=int, default=128)
@@ -71,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=5, help="training steps per stage (the first 2 are not timed)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    C.measure_flags(p, threads=1, threads_help="torch threads per rank")
     C.tiny_defaults(p, argv, model="debug", vocab=512, seq=32, micro_batch=2, steps=3, stages=[0, 3])
     return p.parse_args(argv)
 

@@ -59,16 +59,6 @@ class InputRange:
 
 
 @dataclass
-class Document:
-    text: str
-    """Normalised text."""
-    words: "Optional[list[str] | np.ndarray]" = None
-    """Gold word segmentation (``"".join(words) == text``) when the source has it. (The shard builder's batches,
-    :func:`normalize_records`, carry gold words possibly as their lengths in characters (int64 array), which is
-    all the word marks need: no string per word.)"""
-
-
-@dataclass
 class CorpusStats:
     files: int = 0
     docs: int = 0

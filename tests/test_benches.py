@@ -1,7 +1,7 @@
 """Every bench script runs end to end in its tiny mode (``--tiny``) and prints its result.
 
-One test per ``bench/*.py`` (``bench/_common.py``, the helpers, aside), found by a glob: a new bench is
-tested without an edit here, and so needs a ``--tiny`` mode (see bench/_common.py: ``tiny_defaults``)
+One test per ``bench/*.py`` (``bench/_*.py``, the harness and the parts of benches, aside), found by a glob: a new
+bench is tested without an edit here, and so needs a ``--tiny`` mode (see bench/_common.py: ``tiny_defaults``)
 that ends with a JSON line ``{"bench": "<its file name>", ...}``. ``RESULTS`` names what each known
 bench prints instead or besides (its table header, its JSON line): output that a bench which parsed
 its flags and did nothing would not print. Each runs as ``python bench/NAME.py --tiny`` from the
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.name != "_common.py")
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
 
 RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hold)
     "ablation": ("ablation", "eval loss by length:"),

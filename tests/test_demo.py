@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sentiment_split_is_deduplicated_disjoint_balanced_and_seeded(reviews):
-    from roformer_dist.cli.demo import read_reviews, sentiment_split
+    from roformer_dist.demo.tasks import read_reviews, sentiment_split
 
     pos_path, neg_path = reviews
     pos, neg = read_reviews(pos_path), read_reviews(neg_path)
@@ -62,7 +62,9 @@ def tiny_export(small_shards, out: Path) -> Path:
 def test_downstream_reuses_a_result_only_for_the_same_command_line(small_shards, reviews, tmp_path):
     """Three real fine-tunings (a tiny export, random init, naive Bayes) scored after their last epoch; a
     rerun with the same settings reads the kept records, a changed setting redoes the models."""
-    from roformer_dist.cli.demo import build_parser, downstream, read_reviews, sentiment_split, write_jsonl
+    from roformer_dist.cli.demo import build_parser
+    from roformer_dist.demo.results import downstream
+    from roformer_dist.demo.tasks import read_reviews, sentiment_split, write_jsonl
 
     hf_dir = tiny_export(small_shards, tmp_path / "hf")
     train, dev, _ = sentiment_split(read_reviews(reviews[0])[:200], read_reviews(reviews[1])[:200], 24, 40)
@@ -118,7 +120,7 @@ def test_ner_split_draws_from_the_right_lines_and_grows_by_extension(peoples_dai
     held-out lines; seeded; a larger training size extends the same list and leaves dev alone (the label
     curve's first 1000 sentences are the demo's)."""
     from data_pipeline.pd_ner import ner_sentences
-    from roformer_dist.cli.demo import ner_split
+    from roformer_dist.demo.tasks import ner_split
 
     lines = peoples_daily.read_text(encoding="utf-8").splitlines(keepends=True)
     train_lines, eval_lines = tmp_path / "train.txt", tmp_path / "eval.txt"
@@ -141,7 +143,9 @@ def test_ner_downstream_and_the_curves_png(small_shards, peoples_daily, tmp_path
     its command line) and runs/demo/curves.png drawn from real TensorBoard events."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from roformer_dist.cli.demo import build_parser, ner_downstream, ner_split, write_curves, write_ner_jsonl
+    from roformer_dist.cli.demo import build_parser
+    from roformer_dist.demo.results import ner_downstream, write_curves
+    from roformer_dist.demo.tasks import ner_split, write_ner_jsonl
 
     hf_dir = tiny_export(small_shards, tmp_path / "hf")
     train, dev = ner_split(small_shards.source, small_shards.eval_source, 60, 30)

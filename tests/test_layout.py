@@ -29,12 +29,17 @@ def test_the_import_contract_holds():
     r = lint_imports(ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 broken" in r.stdout
+    declared = (ROOT / "pyproject.toml").read_text().count("[[tool.importlinter.contracts]]")
+    assert f"Contracts: {declared} kept, 0 broken" in r.stdout            # every declared contract was checked
+    assert "data_pipeline modules KEPT" in r.stdout
 
 
 @pytest.mark.parametrize("module, upward", [
     ("roformer_dist/nn/model.py", "roformer_dist.cli.train"),          # the model reaching for a command
     ("roformer_dist/checkpoint/store.py", "roformer_dist.train.trainer"),  # a lower layer importing the loop
     ("data_pipeline/loader.py", "roformer_dist.config"),               # the pipeline importing the package
+    ("data_pipeline/manifest.py", "data_pipeline.loader"),             # the manifest checks reaching for the loader
+    ("data_pipeline/formats/txt.py", "data_pipeline.corpus"),          # a format reaching for its dispatcher
 ])
 def test_an_upward_import_breaks_the_contract(tmp_path, module, upward):
     """A copy of the tree with one upward import added, inside a function as lazy imports are: the
@@ -61,3 +66,37 @@ def test_every_subpackage_says_what_it_owns_and_may_import(sub):
     named = {p.name for p in (PACKAGE / sub).glob("*.py") if p.name != "__init__.py"}
     missing = sorted(n for n in named if n not in doc)
     assert not missing, f"roformer_dist/{sub}/__init__.py does not describe {missing}"
+
+
+DATA_PIPELINE = ROOT / "data_pipeline"
+
+
+def test_data_pipeline_modules_are_small_and_mapped():
+    """Every module of data_pipeline stays under 600 lines and is named in its package's docstring (which
+    also draws the layers that pyproject.toml's contract checks)."""
+    modules = sorted(DATA_PIPELINE.rglob("*.py"))
+    long = {str(p.relative_to(ROOT)): n for p in modules if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"split these modules: {long}"
+    for package in (DATA_PIPELINE, DATA_PIPELINE / "formats"):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        named = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+        missing = sorted(n for n in named if n not in doc)
+        assert not missing, f"{package.relative_to(ROOT)}/__init__.py does not describe {missing}"
+    assert "May import" in (ast.get_docstring(ast.parse((DATA_PIPELINE / "formats" / "__init__.py").read_text())) or "")
+
+
+def test_benches_import_the_library_not_the_commands():
+    """bench/ imports roformer_dist's library, never a command module (``roformer_dist.cli.*``): a command is
+    run as one (a child process), the code behind it imported from its library module."""
+    found = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                      if n == "roformer_dist.cli" or n.startswith("roformer_dist.cli.")]
+    assert not found, "benches importing a command module:\n" + "\n".join(found)

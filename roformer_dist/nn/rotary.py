@@ -249,11 +249,6 @@ class _ReferenceRotary(torch.autograd.Function):
         return (None, None, *(None if g is None else _rotate_complex(g, cos, -sin) for g in grads))
 
 
-def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The documented convention on one tensor (B, S, ..., D); see the module docstring."""
-    return _ReferenceRotary.apply(cos, sin, x)[0]
-
-
 # --------------------------------------------------------------------------- compiled
 
 
@@ -592,15 +587,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str =
     return rotate_pair(x, None, cos, sin, backend)[0]
 
 
-def rotary_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Bytes a rotary pass over q and k must move at least (read + write each); for bandwidth figures."""
-    return 2 * (q.numel() * q.element_size() + k.numel() * k.element_size())
-
-
 __all__ = [
     "BACKENDS", "HALF_LAYOUT", "DEFAULT_ROPE", "RotaryCache", "set_rope", "rotary_tables", "pair_divisors",
     "yarn_mscale", "rotate_pair", "run_kernel", "apply_rotary", "rotate", "load_triton",
-    "rotate_reference", "resolve_backend", "model_kernel", "triton_available", "triton_interpreted",
+    "resolve_backend", "model_kernel", "triton_available", "triton_interpreted",
     "apex_available", "flash_attn_available", "interleaved_to_half_index", "qk_half_permutation",
-    "half_layout_weights", "rotate_half_reference", "rotate_half", "rotary_bytes",
+    "half_layout_weights", "rotate_half_reference", "rotate_half",
 ]

@@ -1,0 +1,139 @@
+"""bench/chaos.py's faults: the seeded schedule that draws them (signals at a wall time, fault points, damage
+between launches, stale locks, a full disk, a kill during a JIT build, a second fault during recovery) and
+the faults made between two launches (a damaged checkpoint, a stale lock record, a full tmpfs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+
+from _chaos_launch import TOTAL_STEPS, Fault, Launch, complete_checkpoints, metrics
+
+from roformer_dist.runtime.faults import ACTIONS
+
+SIGNAL_KINDS = ("kill-rank", "kill-launcher", "kill-group", "term-group", "int-group", "usr2-group")
+POINT_OCCURRENCES = {  # point -> the largest N drawn for POINT@N (how often one launch passes it, roughly)
+    "save.begin": 3, "save.before_file": 8, "save.after_file": 8, "save.before_complete": 3,
+    "save.before_latest": 3, "save.after_latest": 3, "loader.state": 3, "stage.switch": 2, "eval": 4,
+    "step.end": 8,
+}
+RANK0_ONLY = {"save.before_complete", "save.before_latest", "save.after_latest"}
+JIT_BUILD_SHARE = 0.03
+"""The chance that a fault drawn before a launch is a kill during a JIT build (each costs a build of the op)."""
+
+
+# ----------------------------------------------------------------------------------------- the schedule
+
+class Schedule:
+    """The seeded draw of faults; ``disk``: whether full-disk faults can be made."""
+
+    def __init__(self, seed: int, disk: bool, startup_s: float, step_s: float):
+        self.rng = random.Random(seed)
+        self.disk, self.startup_s, self.step_s = disk, startup_s, step_s
+        self.runtime_kinds = ["signal"] * 6 + ["point"] * 6  # the weights of the draw
+        self.kinds = self.runtime_kinds + ["damage", "stale-lock"] + (["disk-full"] if disk else [])
+
+    def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
+        """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
+        rng = self.rng
+        if not runtime_only and rng.random() < JIT_BUILD_SHARE:
+            return Fault("jit-build", f"#{index} kill-group during the JIT build of DeepSpeed's op")
+        kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
+        if kind == "damage" and len(complete_checkpoints(run_dir)) < 2:
+            kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
+        if kind == "signal":
+            sig = rng.choice(SIGNAL_KINDS)
+            steps_left = TOTAL_STEPS - len(metrics(run_dir))
+            at = rng.uniform(0.3, self.startup_s + max(1, steps_left) * self.step_s)
+            return Fault(f"time:{sig}", f"#{index} {sig} at {at:.2f} s", at_s=at, signal_kind=sig)
+        if kind == "point":
+            point = rng.choice(sorted(POINT_OCCURRENCES))
+            n = rng.randint(1, POINT_OCCURRENCES[point])
+            action = rng.choice(sorted(ACTIONS))
+            rank = 0 if point in RANK0_ONLY else rng.choice([0, 1, None])
+            spec = f"{point}@{n}:{action}" + (f"@{rank}" if rank is not None else "")
+            return Fault(f"point:{point}", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
+        return Fault(kind, f"#{index} {kind}")
+
+    def observe(self, result: Launch, run_dir: Path) -> None:
+        """Follow the machine's pace: start-up and step times of the launch that just ended (the wall-time
+        faults are drawn over the time a launch is expected to take)."""
+        times = [r["time"] for r in metrics(run_dir) if r["time"] >= result.started]
+        if len(times) >= 3:
+            self.startup_s = 0.5 * self.startup_s + 0.5 * (times[0] - result.started)
+            self.step_s = 0.5 * self.step_s + 0.5 * (times[-1] - times[0]) / (len(times) - 1)
+
+    def recovery(self, run_dir: Path, index: int) -> Fault:
+        """A second fault while the next launch recovers: early in its start-up, or right after its load."""
+        rng = self.rng
+        if complete_checkpoints(run_dir) and rng.random() < 0.5:
+            action = rng.choice(sorted(ACTIONS))
+            spec = f"resume.loaded@1:{action}" + rng.choice(["", "@0", "@1"])
+            return Fault("recovery:resume.loaded", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
+        sig = rng.choice(SIGNAL_KINDS)
+        at = rng.uniform(0.3, self.startup_s)
+        return Fault(f"recovery:{sig}", f"#{index} {sig} at {at:.2f} s (start-up)", at_s=at, signal_kind=sig)
+
+
+# ----------------------------------------------------------------------------------------- faults between launches
+
+def damage(run_dir: Path, rng: random.Random) -> str:
+    newest = complete_checkpoints(run_dir)[-1]
+    files = sorted(json.loads((newest / "COMPLETE").read_text())["files"])
+    victim = newest / rng.choice(files)
+    if rng.random() < 0.5:
+        victim.unlink()
+        return f"deleted {victim.relative_to(run_dir)}"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    return f"truncated {victim.relative_to(run_dir)} to {size // 2} of {size} bytes"
+
+
+def stale_lock(run_dir: Path) -> str:
+    """The lock record of a process that no longer exists (a holder killed with the record in place)."""
+    import socket
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    record = {"host": socket.gethostname(), "pid": dead.pid, "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": "roformer-train (killed)", "slurm_job_id": "", "slurm_attempt": 0, "uid": os.getuid()}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.lock.json").write_text(json.dumps(record))
+    return f"stale lock record of dead pid {dead.pid}"
+
+
+class Disk:
+    """A tmpfs for the campaign's run directories, shrunk to fill it for one launch (root only)."""
+
+    SIZE = "768m"
+
+    def __init__(self, path: Path):
+        self.path, self.mounted, self.reason = path, False, ""
+        path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            self.reason = "mounting a tmpfs needs root"
+            return
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SIZE}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        self.mounted = r.returncode == 0
+        self.reason = "" if self.mounted else f"cannot mount a tmpfs: {r.stderr.strip()}"
+
+    def fill(self) -> str:
+        st = os.statvfs(self.path)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        size = used + 256 * 1024  # room for the records of a few steps, not for a checkpoint
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+        return f"disk full: the tmpfs shrunk to {size // 1024} KiB ({used // 1024} KiB used)"
+
+    def restore(self) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={self.SIZE}", str(self.path)], check=True)
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)

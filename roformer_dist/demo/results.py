@@ -1,0 +1,111 @@
+"""What the demo shows once pretraining is done: the last evals read back from TensorBoard, the eval curves as a
+PNG, and the downstream comparisons (the export fine-tuned, the same architecture from random initialisation,
+a baseline without a network), each fine-tuning kept with the command line that made it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from data_pipeline.atomic import atomic_write_text
+from roformer_dist.finetune.run import run as finetune_run
+from roformer_dist.runtime.events import read_scalars
+from roformer_dist.train.plots import line_plot
+
+
+def eval_results(run_dir: Path, prefix: str = "eval") -> dict:
+    """The last eval of the run at each length: {length: {loss, unigram_loss, gap, mlm_acc, most_frequent_acc}};
+    ``prefix``: ``eval`` (the combined held-out set) or ``eval_<source>``."""
+    scalars = read_scalars(run_dir / "tb")
+    out: dict[str, dict] = {}
+    for tag, values in scalars.items():
+        head, _, length = tag.rpartition("_")
+        if not (tag.startswith(prefix + "/") and length.isdigit()):
+            continue
+        out.setdefault(length, {})[head[len(prefix) + 1:]] = round(values[-1][1], 4)
+    for row in out.values():
+        if "loss" in row and "unigram_loss" in row:
+            row["gap"] = round(row["unigram_loss"] - row["loss"], 4)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def write_curves(run_dir: Path, out: Path) -> bool:
+    """``out`` (PNG): the eval loss at each length over the steps, beside the unigram baseline at that length;
+    False (nothing written) without eval scalars or without matplotlib."""
+    if not (run_dir / "tb").is_dir():
+        return False
+    scalars = read_scalars(run_dir / "tb")
+    lengths = sorted(int(t.rpartition("_")[2]) for t in scalars if t.startswith("eval/loss_"))
+    if not lengths:
+        return False
+    series, hlines = {}, {}
+    for n in lengths:
+        steps, values = zip(*scalars[f"eval/loss_{n}"])
+        series[f"eval loss, length {n}"] = (steps, values)
+    for n in lengths:
+        unigram = scalars.get(f"eval/unigram_loss_{n}")
+        if unigram:
+            hlines[f"unigram baseline, length {n}"] = unigram[-1][1]
+    return line_plot(out, [{"title": "held-out MLM loss (both sources)", "xlabel": "optimizer step",
+                            "ylabel": "loss (nats per masked token)", "series": series, "hlines": hlines}])
+
+
+# --------------------------------------------------------------------------- downstream
+
+
+def _finetune_variants(variants: dict, common: list[str], out_root: Path, scores: dict) -> dict:
+    """Run roformer-finetune once per variant (``name -> its own flags``), each into ``out_root/<name>``.
+
+    Each result is kept in ``out_root/<name>.json`` with the command line that produced it; a rerun of the
+    demo reuses it only for the same command line (an interrupted or differently set run is redone).
+    ``scores``: record key -> results.json key, read from the last epoch (the held-out set selects nothing)."""
+    results: dict = {}
+    for name, extra in variants.items():
+        argv = [*extra, *common, "--out", str(out_root / name)]
+        record_path = out_root / f"{name}.json"
+        record = json.loads(record_path.read_text()) if record_path.exists() else {}
+        if record.get("argv") != argv:
+            print(f"-- fine-tuning: {out_root.name}/{name}", flush=True)
+            t0 = time.monotonic()
+            res = finetune_run(argv)
+            record = {"argv": argv, **{k: round(float(res[v]), 4) for k, v in scores.items()},
+                      "seconds": round(time.monotonic() - t0, 1),
+                      "train_examples": res["train_examples"], "dev_examples": res["dev_examples"]}
+            atomic_write_text(record_path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        results[name] = {k: record[k] for k in (*scores, "seconds")}
+        results["train_examples"], results["dev_examples"] = record["train_examples"], record["dev_examples"]
+    return results
+
+
+def _run_flags() -> list[str]:
+    """The flags every fine-tuning of the demo shares: seed 0, no progress bar, one thread per core."""
+    return ["--seed", "0", "--no-progress", "--threads", str(os.cpu_count() or 1)]
+
+
+def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
+    """Sentiment: fine-tune the export, the same architecture from random initialisation, and the n-gram
+    baseline (see _finetune_variants); ``args``: ``make demo``'s ``--finetune-*`` settings."""
+    common = ["--train", str(paths["sentiment"] / "train.jsonl"), "--dev", str(paths["sentiment"] / "dev.jsonl"),
+              "--epochs", str(args.finetune_epochs), "--lr", str(args.finetune_lr),
+              "--batch-size", str(args.finetune_batch_size), "--max-length", str(args.finetune_max_length),
+              "--pooling", args.finetune_pooling, *_run_flags()]
+    variants = {"pretrained": ["--model", str(hf_dir)],
+                "random_init": ["--model", str(hf_dir), "--from-scratch"],
+                "ngram_baseline": ["--baseline", "ngram"]}
+    return _finetune_variants(variants, common, out_root,
+                              {"accuracy": "last_dev_accuracy", "macro_f1": "last_dev_macro_f1"})
+
+
+def ner_downstream(ner_dir: Path, hf_dir: Path, out_root: Path, args) -> dict:
+    """NER: the export, random initialisation and the dictionary baseline; entity F1 of the last epoch;
+    ``args``: ``make demo``'s ``--ner-*`` settings."""
+    common = ["--task", "token", "--train", str(ner_dir / "train.jsonl"), "--dev", str(ner_dir / "dev.jsonl"),
+              "--epochs", str(args.ner_epochs), "--lr", str(args.ner_lr), "--batch-size", str(args.ner_batch_size),
+              "--max-length", str(args.ner_max_length), *_run_flags()]
+    variants = {"pretrained": ["--model", str(hf_dir)],
+                "random_init": ["--model", str(hf_dir), "--from-scratch"],
+                "dictionary": ["--baseline", "dict"]}
+    return _finetune_variants(variants, common, out_root, {"f1": "last_dev_f1", "precision": "last_dev_precision",
+                                                           "recall": "last_dev_recall"})
