@@ -80,19 +80,6 @@ def measure_flags(p: argparse.ArgumentParser, *, device: Optional[str] = None, t
         p.add_argument("--warmup", type=int, default=warmup, help="untimed runs first")
 
 
-def parse_lengths(text: str) -> list[int]:
-    """argparse type of a list of sequence lengths, ``"512,1024"``: positive multiples of 8, as the trainer takes.
-    (``roformer-eval --lengths`` checks its own the same way; ``roformer_dist.cli`` is no API of the benches.)"""
-    try:
-        lengths = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    wrong = [n for n in lengths if n <= 0 or n % 8]
-    if not lengths or wrong:
-        raise argparse.ArgumentTypeError(f"{wrong[0] if wrong else text!r} is not a positive multiple of 8")
-    return lengths
-
-
 def torch_setup(device: str = "cpu", threads: int = 0) -> str:
     """Quiet library warnings; ``threads`` torch threads on CPU. Returns the header's note of the threads
     (`` threads=N`` on CPU, nothing on a GPU)."""

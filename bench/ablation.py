@@ -31,6 +31,8 @@ from pathlib import Path
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
+from roformer_dist.config import parse_lengths  # noqa: E402
+
 ENCODINGS = ("rotary", "absolute")
 
 
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     p = C.parser(__doc__)
     p.add_argument("--config", default=str(C.DEMO_CONFIG), help="experiment YAML (default: the demo's)")
     p.add_argument("--out", default="runs/ablation", help="parent directory of the two runs (the TensorBoard logdir)")
-    p.add_argument("--lengths", type=C.parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
+    p.add_argument("--lengths", type=parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
                    help="comma-separated lengths of the final length-generalisation eval (default 128,256,512,1024,1536)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for both runs")
     C.tiny_defaults(p, argv, config=str(C.DEBUG_CONFIG), out=lambda: str(C.tiny_dir() / "ablation"),

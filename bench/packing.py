@@ -50,7 +50,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 import torch  # noqa: E402
 
-from roformer_dist.config import training_sources  # noqa: E402
+from roformer_dist.config import parse_lengths, training_sources  # noqa: E402
 
 PACKINGS = ("document", "cross_document")
 TINY_STAGE = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 4, steps: 8, "
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--config", default=str(C.DEMO_CONFIG), help="experiment YAML of both parts (default: the demo's)")
     C.measure_flags(p, threads=2, threads_help="torch threads of the step part and of roformer-eval")
     # part step
-    p.add_argument("--seq", type=C.parse_lengths, default=[512, 1536], metavar="S1,S2,...",
+    p.add_argument("--seq", type=parse_lengths, default=[512, 1536], metavar="S1,S2,...",
                    help="row lengths of the step part (default 512,1536)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch: batch = tokens // S")
     p.add_argument("--shards", default=None, help="training shard set of the step part (default: the config's)")
@@ -74,7 +74,7 @@ def parse_args(argv=None):
                    help="untimed passes over the batches per mode first (at least 1: the first gives the losses)")
     # part quality
     p.add_argument("--out", default="runs/packing", help="parent directory of the two runs")
-    p.add_argument("--lengths", type=C.parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
+    p.add_argument("--lengths", type=parse_lengths, default=[128, 256, 512, 1024, 1536], metavar="L1,L2,...",
                    help="eval lengths of the quality part (default 128,256,512,1024,1536)")
     p.add_argument("--fresh", action="store_true", help="delete the two runs first and train them again")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (both parts)")

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "roformer_dist"
-LEAF_MODULES = {"__init__.py", "config.py", "errors.py", "testing.py"}
+LEAF_MODULES = {"__init__.py", "errors.py", "testing.py"}
 
 
 def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
@@ -100,3 +100,30 @@ def test_benches_import_the_library_not_the_commands():
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
                       if n == "roformer_dist.cli" or n.startswith("roformer_dist.cli.")]
     assert not found, "benches importing a command module:\n" + "\n".join(found)
+
+
+def test_package_modules_are_small():
+    """No module of roformer_dist over 600 lines (data_pipeline: test_data_pipeline_modules_are_small_and_mapped)."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"split these modules: {long}"
+
+
+NOT_RUN_DIRECTORIES = {"launcher/prepare.py": "logs of roformer-data's staging directory, not of a run"}
+RUN_DIR_NAMES = ("checkpoints", "latest", "metrics.jsonl", "tb", "config.yaml", "logs", "jobs.jsonl", "parent.json",
+                 "profile", "compile_cache", "rotary_backend.json")
+
+
+def test_run_directory_paths_are_built_only_by_rundir():
+    """A path of a run directory is built through ``runtime.rundir.RunDir`` (``RunDir(run_dir).checkpoints``),
+    never spelled out (``run_dir / "checkpoints"``): the names live in one place."""
+    found = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "launcher").rglob("*.py")]):
+        if path == PACKAGE / "runtime" / "rundir.py" or str(path.relative_to(ROOT)) in NOT_RUN_DIRECTORIES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and \
+                    isinstance(node.right, ast.Constant) and node.right.value in RUN_DIR_NAMES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: / {node.right.value!r}")
+    assert not found, "run-directory paths spelled out (use RunDir):\n" + "\n".join(found)
+

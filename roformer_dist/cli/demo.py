@@ -43,6 +43,7 @@ from roformer_dist.config import load_config
 from roformer_dist.demo.data import DEMO_CONFIG, DataSettings, DemoError, check_run_matches_data, console_script, \
     data_paths, prepare, prepare_ner, run
 from roformer_dist.demo.results import downstream, eval_results, ner_downstream, write_curves
+from roformer_dist.runtime.rundir import RunDir
 
 
 def module_cmd(module: str) -> list[str]:
@@ -177,7 +178,7 @@ def _main(args) -> int:
     if not write_curves(run_dir, curves):
         curves = None
 
-    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    last = json.loads(RunDir(run_dir).metrics.read_text().splitlines()[-1])
     summary_path = run_dir / "demo_summary.json"
     summary = {
         "eval": evals,
@@ -190,7 +191,7 @@ def _main(args) -> int:
         "ner": ner,
         "minutes": {"data": round((t1 - t0) / 60, 1), "pretraining": round((t2 - t1) / 60, 1),
                     "downstream": round((t4 - t3) / 60, 1), "total": round((t4 - t0) / 60, 1)},
-        "hf_dir": str(hf_dir), "tensorboard": str(run_dir / "tb"), "summary_path": str(summary_path),
+        "hf_dir": str(hf_dir), "tensorboard": str(RunDir(run_dir).tb), "summary_path": str(summary_path),
         "curves": str(curves) if curves else None,
     }
     atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")

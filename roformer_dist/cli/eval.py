@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from roformer_dist.config import ModelConfig, Packing, choices, rope_settings, validate_rope
+from roformer_dist.config import ModelConfig, Packing, choices, parse_lengths, rope_settings, validate_rope
 from roformer_dist.errors import ConfigError, run_command
 from roformer_dist.runtime.rundir import RunDir
 
@@ -44,18 +44,6 @@ PACKINGS = choices(Packing)
 
 Scaling = tuple[str, Optional[float]]
 """A ``--rope-scaling`` item: (mode, factor or None for the default)."""
-
-
-def parse_lengths(text: str) -> list[int]:
-    """``"512,1024,1536"`` -> [512, 1024, 1536]; argparse reports a ValueError's message."""
-    try:
-        lengths = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    bad = [n for n in lengths if n < 8 or n % 8]
-    if not lengths or bad:
-        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a positive multiple of 8")
-    return lengths
 
 
 def _check_rope(text: str, **rope) -> None:

@@ -19,7 +19,7 @@ import from ``roformer_dist.config``, not from its modules.
 """
 
 from roformer_dist.config.derived import (ROPE_KEYS, data_parallel_size, effective_sinks, micro_batch_size,
-                                          parse_mode, rope_settings, training_sources)
+                                          parse_lengths, parse_mode, rope_settings, training_sources)
 from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yaml, from_dict, load_config,
                                        parse_overrides, replace, save_config, to_dict)
 from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, CheckpointConfig, Config,
@@ -48,5 +48,5 @@ __all__ = [
     "validate", "validate_model", "validate_rope", "validate_layout", "check_tensor_split", "ConfigError",
     # derived values
     "data_parallel_size", "micro_batch_size", "ROPE_KEYS", "rope_settings", "training_sources", "effective_sinks",
-    "parse_mode",
+    "parse_mode", "parse_lengths",
 ]

@@ -66,3 +66,18 @@ def parse_mode(text: str, key: str = "run_dir_mode") -> int:
     if mode & 0o700 != 0o700:
         raise ConfigError(f"{key}: {text} takes from the owner the rwx a run needs on its own directory")
     return mode
+
+
+def parse_lengths(text: str) -> list[int]:
+    """The argparse type of a list of sequence lengths, ``"512,1024,1536"`` -> [512, 1024, 1536]: positive
+    multiples of 8, as the trainer takes them (``roformer-eval --lengths``, the benches)."""
+    import argparse
+
+    try:
+        lengths = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    bad = [n for n in lengths if n < 8 or n % 8]
+    if not lengths or bad:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a positive multiple of 8")
+    return lengths

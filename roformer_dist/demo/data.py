@@ -23,6 +23,7 @@ from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.config import CONFIGS_DIR, load_config
 from roformer_dist.demo.tasks import SPLIT_SEED, ner_split, read_reviews, sentiment_split, write_jsonl, \
     write_ner_jsonl
+from roformer_dist.runtime.rundir import RunDir
 
 DEMO_CONFIG = CONFIGS_DIR / "experiments" / "demo.yaml"
 RECIPE_VERSION = 3
@@ -191,7 +192,7 @@ def prepare_ner(paths: dict, settings) -> Path:
 
 def check_run_matches_data(run_dir: Path, shards: Path) -> None:
     """DemoError with advice when run_dir holds checkpoints of another tokenizer (a run of an older demo)."""
-    found = ckpt.find_resume(run_dir / "checkpoints")
+    found = ckpt.find_resume(RunDir(run_dir).checkpoints)
     if found is None:
         return
     old = ckpt.read_trainer_state(found.dir, 0).tokenizer_sha256

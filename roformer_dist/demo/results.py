@@ -12,13 +12,14 @@ from pathlib import Path
 from data_pipeline.atomic import atomic_write_text
 from roformer_dist.finetune.run import run as finetune_run
 from roformer_dist.runtime.events import read_scalars
+from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.train.plots import line_plot
 
 
 def eval_results(run_dir: Path, prefix: str = "eval") -> dict:
     """The last eval of the run at each length: {length: {loss, unigram_loss, gap, mlm_acc, most_frequent_acc}};
     ``prefix``: ``eval`` (the combined held-out set) or ``eval_<source>``."""
-    scalars = read_scalars(run_dir / "tb")
+    scalars = read_scalars(RunDir(run_dir).tb)
     out: dict[str, dict] = {}
     for tag, values in scalars.items():
         head, _, length = tag.rpartition("_")
@@ -34,9 +35,9 @@ def eval_results(run_dir: Path, prefix: str = "eval") -> dict:
 def write_curves(run_dir: Path, out: Path) -> bool:
     """``out`` (PNG): the eval loss at each length over the steps, beside the unigram baseline at that length;
     False (nothing written) without eval scalars or without matplotlib."""
-    if not (run_dir / "tb").is_dir():
+    if not RunDir(run_dir).tb.is_dir():
         return False
-    scalars = read_scalars(run_dir / "tb")
+    scalars = read_scalars(RunDir(run_dir).tb)
     lengths = sorted(int(t.rpartition("_")[2]) for t in scalars if t.startswith("eval/loss_"))
     if not lengths:
         return False

@@ -6,7 +6,9 @@ stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculu
 learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
 ``mixture.py`` (the corpus mixture's plan: shares per stage, draws, epochs, repetition caps),
 ``warm_start.py`` (a new run's first weights from a Hugging Face repository, a run or a weights file:
-``init.from``, forks), ``metrics.py`` (metrics.jsonl, TensorBoard, MFU), ``profiling.py``
+``init.from``, forks), ``metrics.py`` (rank 0's sinks, MFU), ``sinks/`` (where metrics go: the ``Sink``
+protocol and its table; ``jsonl``, ``tensorboard``), ``preflight.py`` (the largest micro-batch tried on the
+GPU before DeepSpeed), ``profiling.py``
 (the ``torch.profiler`` window of ``trainer.profile``), ``evaluation.py`` (eval at each length beside the
 baselines), ``baselines.py`` (unigram and most-frequent-token baselines), ``length_report.py`` (a
 checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank's log file), ``plots.py``

@@ -29,7 +29,7 @@ from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, 
 from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
 from roformer_dist.config import Config, dump_yaml, micro_batch_size, rope_settings, save_config, to_dict, validate
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
-from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM, batch_plan
+from roformer_dist.nn.model import RoFormerForMaskedLM, batch_plan
 from roformer_dist.nn.rotary_tune import RotaryChoices, timings_to_json
 from roformer_dist.parallel.runner import StepStats, build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
@@ -42,6 +42,7 @@ from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops, run_sinks
 from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
 from roformer_dist.train.policies import LoopPolicy, Stop
+from roformer_dist.train.preflight import check_largest_micro_batch_fits
 from roformer_dist.train.profiling import ProfileWindow
 from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 
@@ -160,7 +161,7 @@ class Trainer:
                          f" (step {self.parent.step})" if self.parent.step is not None else "")
         self.flops_per_token = model.flops_per_token
         if cfg.parallel.tensor == cfg.parallel.pipeline == 1:
-            self.preflight(model)
+            check_largest_micro_batch_fits(model, cfg, env.world_size, env.local_rank)
         first = stage_at(self.stages, found.step if found and found.step < self.total else 0)
         self.stage_index = first.index
         self.engine, self.runner = build_parallel_engine(
@@ -207,33 +208,6 @@ class Trainer:
             self.source_evaluators[e.name] = Evaluator(cfg, e.shards, training_shares=shares, shared=self.evaluator,
                                                        batches=e.batches)
             self.evaluator = self.evaluator or self.source_evaluators[e.name]
-
-    def preflight(self, model) -> None:
-        """On GPU: one forward/backward at the largest micro-batch of the curriculum, before DeepSpeed.
-
-        A micro-batch that does not fit then fails at start-up, naming the stage, not hours later
-        when a long stage begins."""
-        if not torch.cuda.is_available():
-            return
-        worst = max(self.stages, key=lambda s: micro_batch_size(self.cfg, s, self.env.world_size) * s.seq_len
-                    * (1 + s.seq_len / 1024))
-        mbs = micro_batch_size(self.cfg, worst, self.env.world_size)
-        dev = torch.device("cuda", self.env.local_rank)
-        model.to(dev)
-        ids = torch.randint(5, self.cfg.model.vocab_size, (mbs, worst.seq_len), device=dev)
-        labels = torch.where(torch.rand(ids.shape, device=dev) < self.cfg.data.mlm_probability, ids,
-                             torch.full_like(ids, IGNORE_INDEX))
-        try:
-            model(ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()
-        except torch.cuda.OutOfMemoryError:
-            raise RuntimeError(
-                f"curriculum stage {worst.name!r} (seq_len {worst.seq_len}, micro_batch_size {mbs}) does not fit "
-                "in GPU memory: lower curriculum.tokens_per_micro_batch or the stage's micro_batch_size "
-                "(gradient accumulation keeps the global batch)") from None
-        finally:
-            model.zero_grad(set_to_none=True)
-        model.cpu()
-        torch.cuda.empty_cache()
 
     def resume(self, found: ckpt.Found, resumed: TrainerState) -> None:
         env = self.env
