@@ -81,7 +81,9 @@ def sig_ignored(pid) -> set[int]:
 @pytest.mark.slow
 def test_every_stop_saves_and_the_run_ends_as_if_uninterrupted(small_shards, tmp_path, reference):
     run = tmp_path / "run"
-    over = cli_overrides(small_shards, run, "trainer.save_every=4")
+    # log_every=1: a step's record is written as the step ends (the losses are read at log steps only), so that
+    # waiting for a step's record means the run is there
+    over = cli_overrides(small_shards, run, "trainer.save_every=4", "trainer.log_every=1")
 
     # 1. a second launch on the same run directory is refused naming the holder (while the first starts);
     #    then SIGTERM to the first launcher alone

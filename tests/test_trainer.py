@@ -101,8 +101,8 @@ def test_tensorboard_has_contract_tags_and_continuous_steps(small_shards, tmp_pa
 def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_path, reference):
     run = tmp_path / "run"
     # slow each step a little so that the signal lands mid-run
-    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"),
-                    env={"ROFORMER_STEP_DELAY_S": "0.3"})
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4", "trainer.log_every=1"),
+                    env={"ROFORMER_STEP_DELAY_S": "0.3"})  # log_every=1: each step's record as it ends
     _wait_for_step(run, 2, proc)
     os.kill(_rank_pids(proc)[1], signal.SIGUSR2)   # one rank only: the ranks must agree
     out, _ = proc.communicate(timeout=240)
@@ -119,8 +119,8 @@ def test_sigusr2_saves_and_requeue_status_then_resume_exact(small_shards, tmp_pa
 
 def test_kill_9_between_checkpoints_resumes_from_last_complete(small_shards, tmp_path, reference):
     run = tmp_path / "run"
-    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4"),
-                    env={"ROFORMER_STEP_DELAY_S": "0.3"})
+    proc = _run_cli(_cli_overrides(small_shards, run, "trainer.save_every=4", "trainer.log_every=1"),
+                    env={"ROFORMER_STEP_DELAY_S": "0.3"})  # log_every=1: each step's record as it ends
     _wait_for_step(run, 9, proc)
     os.kill(_rank_pids(proc)[1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)

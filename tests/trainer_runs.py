@@ -102,7 +102,8 @@ def steps_done(run_dir) -> int:
 
 def wait_for_step(run_dir, step, proc, timeout=240, newer_than: float = 0.0):
     """Wait until metrics.jsonl records ``step`` (written after ``newer_than``, a time.time(): lines a
-    killed run left behind do not count until the resumed run has rewritten the file)."""
+    killed run left behind do not count until the resumed run has rewritten the file). Records are written
+    when the steps' losses are read, at log steps: a run watched step by step sets trainer.log_every=1."""
     deadline = time.monotonic() + timeout
     path = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
