@@ -251,12 +251,11 @@ class ParallelRunner:
         stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)
-            host = self._host_sum(stats)
-            device = stats.keep_only(loss=self._reporting("loss"), data=False)
-            summed = torch.tensor([getattr(device, name) for name in DEVICE_FIELDS], dtype=torch.float64)
+            # DeepSpeed's pipeline engine hands the loss records to the host: every field is summed at once
+            t = stats.keep_only(loss=self._reporting("loss"), data=self._reporting("data")).to_tensor()
             if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(summed, group=self.host_group)  # the pipeline's loss records are on the host
-            return host.filled(summed.tolist())
+                dist.all_reduce(t, group=self.host_group)
+            return StepStats.from_tensor(t)
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         engine.train()
