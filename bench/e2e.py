@@ -420,6 +420,7 @@ def bare_worker(a) -> None:
 
     from data_pipeline.loader import ShardLoader
     from roformer_dist.train.curriculum import lr_at
+    from roformer_dist.config import stage_plans
     from roformer_dist.parallel.engine import build_engine, param_groups
     from roformer_dist.nn.model import RoFormerForMaskedLM
 
@@ -456,7 +457,7 @@ def bare_worker(a) -> None:
         import torch.distributed as dist
 
         C.init_single_rank()
-        engine = build_engine(cfg, model, stages[0], 1)
+        engine = build_engine(cfg, model, stage_plans(cfg, 1)[0])
         for step, batch in enumerate(batches):
             for g in engine.optimizer.param_groups:
                 g["lr"] = lr_at(cfg.optim, stages, step)

@@ -65,17 +65,18 @@ def build(cfg, which: str):
     import deepspeed
 
     from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.config import stage_plans
     from roformer_dist.parallel.engine import build_engine, deepspeed_config, param_groups
 
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(cfg.model).train()
-    stage = cfg.curriculum.stages[0]
+    stage = stage_plans(cfg, 1)[0]
     t0 = time.perf_counter()
     if which == "ours":
-        engine = build_engine(cfg, model, stage, 1)
+        engine = build_engine(cfg, model, stage)
     else:
         o = cfg.optim
-        ds = deepspeed_config(cfg, stage, 1)
+        ds = deepspeed_config(cfg, stage)
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
                                                         "weight_decay": o.weight_decay}}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, o.weight_decay),

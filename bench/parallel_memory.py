@@ -75,6 +75,7 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 def run_layout(rank: int, world_size: int, a, tensor: int, pipeline: int) -> dict:
     from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.config import stage_plans
     from roformer_dist.parallel.runner import build_parallel_engine
 
     C.init_rank(a.threads)
@@ -82,7 +83,7 @@ def run_layout(rank: int, world_size: int, a, tensor: int, pipeline: int) -> dic
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(cfg.model)
     full_bytes = param_bytes(model)
-    engine, runner = build_parallel_engine(cfg, model, cfg.curriculum.stages[0], world_size)
+    engine, runner = build_parallel_engine(cfg, model, stage_plans(cfg, world_size)[0], world_size)
     del model
     it = batches(a, runner.dp_rank, runner.dp_size) if runner.reads_data else None
     times, losses = [], []

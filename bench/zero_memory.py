@@ -170,6 +170,7 @@ def make_config(a, zero_stage: int):
 
 
 def run_stage(rank: int, world_size: int, a, zero_stage: int) -> dict:
+    from roformer_dist.config import stage_plans
     from roformer_dist.parallel.engine import build_engine
     from roformer_dist.nn.model import RoFormerForMaskedLM
 
@@ -178,7 +179,7 @@ def run_stage(rank: int, world_size: int, a, zero_stage: int) -> dict:
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(cfg.model)
     num_params = model.num_parameters()
-    engine = build_engine(cfg, model, cfg.curriculum.stages[0], world_size)
+    engine = build_engine(cfg, model, stage_plans(cfg, world_size)[0])
     gas = engine.gradient_accumulation_steps()
     losses, times, mem = [], [], None
     for step in range(a.steps):

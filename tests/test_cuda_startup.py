@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from roformer_dist.config import load_config
+from roformer_dist.config import load_config, stage_plans
 from roformer_dist.errors import EXIT_ENVIRONMENT, EXIT_STATUS_HELP, EnvironmentSetupError, exit_status
 from roformer_dist.parallel.engine import CPU_ADAM, FUSED_LAMB, OptimizerChoice, build_failure, choose_optimizer, \
     deepspeed_config
@@ -181,8 +181,8 @@ def test_the_optimizer_on_cuda_is_torchs_fused_adamw_and_deepspeeds_ops_only_whe
         assert choose_optimizer(lamb, cuda) == OptimizerChoice(FUSED_LAMB, False)
     assert choose_optimizer(_cfg("optim.name=lamb", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"),
                             True).op == FUSED_LAMB  # what the JSON's "Lamb" makes DeepSpeed build
-    assert "optimizer" not in deepspeed_config(default, default.curriculum.stages[0], 1)  # on this CPU machine
-    assert deepspeed_config(offload, offload.curriculum.stages[0], 1)["optimizer"]["type"] == "AdamW"
+    assert "optimizer" not in deepspeed_config(default, stage_plans(default, 1)[0])  # on this CPU machine
+    assert deepspeed_config(offload, stage_plans(offload, 1)[0])["optimizer"]["type"] == "AdamW"
     assert choose_optimizer(default, True).describe() == "torch AdamW (fused)"
 
 
@@ -202,7 +202,7 @@ def _zero_steps(rank, world_size, fused):
         model = RoFormerForMaskedLM(cfg.model)
         optimizer = torch_optimizer(cfg, param_groups(model, cfg.optim.weight_decay), fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                          config=deepspeed_config(cfg, cfg.curriculum.stages[0], 1))
+                                          config=deepspeed_config(cfg, stage_plans(cfg, 1)[0]))
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(5, 512, (2, 32), generator=g)
         losses = []

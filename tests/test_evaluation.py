@@ -256,7 +256,7 @@ def test_eval_cli_sweeps_rope_settings_past_max_position_embeddings(small_shards
     for row in sweep["rows"][1:]:
         model = RoFormerForMaskedLM(dataclasses.replace(cfg.model, **row["rope"]))
         model.load_state_dict(weights)
-        assert rope_settings(model.config) == row["rope"]
+        assert rope_settings(model.config).to_dict() == row["rope"]
         want = evaluate_model(model, cfg, [128, 1024], evaluator)
         assert row["loss"] == pytest.approx([want[128]["loss"], want[1024]["loss"]], rel=1e-6)
         assert sweep["unigram_loss"] == pytest.approx([want[128]["unigram_loss"], want[1024]["unigram_loss"]])

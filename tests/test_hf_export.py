@@ -272,7 +272,7 @@ def test_rope_settings_survive_export_and_from_pretrained(tmp_path, rope):
     save_weights(tmp_path / "w.pt", cfg, ours.state_dict())
     assert convert_main(["to-hf", "--checkpoint", str(tmp_path / "w.pt"), "--out", str(tmp_path / "hf"),
                          "--no-tokenizer"]) == 0
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())[HF_ROPE_KEY] == rope_settings(cfg)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())[HF_ROPE_KEY] == rope_settings(cfg).to_dict()
     hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf")).eval()
     ids = torch.randint(1, 50, (2, 64), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -280,14 +280,14 @@ def test_rope_settings_survive_export_and_from_pretrained(tmp_path, rope):
     with torch.no_grad():
         want = ours(ids, mask).logits
         torch.testing.assert_close(hf(input_ids=ids, attention_mask=mask).logits, want, atol=1e-5, rtol=1e-5)
-        default = RoFormerForMaskedLM(dataclasses.replace(cfg, **rope_settings(ModelConfig()))).eval()
+        default = RoFormerForMaskedLM(dataclasses.replace(cfg, **rope_settings(ModelConfig()).to_dict())).eval()
         default.load_state_dict(ours.state_dict())
         assert (default(ids, mask).logits - want).abs().max() > 1e-2  # the settings matter to these logits
         back = from_hf_pretrained(tmp_path / "hf")
         assert rope_settings(back.config) == rope_settings(cfg)
         torch.testing.assert_close(back.eval()(ids, mask).logits, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="embed_positions.weight is not the rotary table of model.rope_theta=10000"):
-        from_hf_pretrained(tmp_path / "hf", **rope_settings(ModelConfig()))
+        from_hf_pretrained(tmp_path / "hf", **rope_settings(ModelConfig()).to_dict())
 
 
 def test_jieba_style_tokenizer_is_exported_with_a_warning(trained, small_shards, tmp_path, capsys):

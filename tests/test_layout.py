@@ -111,7 +111,7 @@ def test_package_modules_are_small():
 
 NOT_RUN_DIRECTORIES = {"launcher/prepare.py": "logs of roformer-data's staging directory, not of a run"}
 RUN_DIR_NAMES = ("checkpoints", "latest", "metrics.jsonl", "tb", "config.yaml", "logs", "jobs.jsonl", "parent.json",
-                 "profile", "compile_cache", "rotary_backend.json")
+                 "profile", "compile_cache", "rotary_backend.json", "resolved_run.json")
 
 
 def test_run_directory_paths_are_built_only_by_rundir():
@@ -127,3 +127,28 @@ def test_run_directory_paths_are_built_only_by_rundir():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: / {node.right.value!r}")
     assert not found, "run-directory paths spelled out (use RunDir):\n" + "\n".join(found)
 
+
+
+RANK_MODULES = ("train/trainer.py", "train/entry.py", "train/spawn.py", "parallel")
+"""The code a rank runs once its launch is resolved (``train/resolved.py``). ``train/evaluation.py`` plans the
+mixture's shares for a caller that gives none (``roformer-eval``); the trainer gives them (the spy test)."""
+RE_DERIVING = {"resolve_data", "source_manifests", "plan_mixture", "choose_resume", "check_compatible", "validate",
+               "micro_batch_size", "stage_plans", "data_parallel_size"}
+FIELDS = {"micro_batch_size"}
+"""Also a field of a StagePlan (``plan.micro_batch_size``): not looked for after a dot."""
+
+
+def test_ranks_do_not_derive_what_the_resolved_run_holds():
+    """The ranks take the manifests, the mixture plan, the stage plans and the resume decision from the
+    ResolvedRun: their modules neither import nor name the functions that derive them (a rank started under
+    torchrun resolves only through ``train.resolved``, on rank 0). tests/test_resolved_run.py runs two ranks
+    with these functions replaced by ones that fail."""
+    found = []
+    paths = [p for m in RANK_MODULES for p in ([PACKAGE / m] if m.endswith(".py") else sorted((PACKAGE / m).glob("*.py")))]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.asname or a.name for a in node.names] if isinstance(node, ast.ImportFrom) else \
+                [node.id] if isinstance(node, ast.Name) else \
+                [node.attr] if isinstance(node, ast.Attribute) and node.attr not in FIELDS else []
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in RE_DERIVING]
+    assert not found, "a rank derives what the resolved run holds:\n" + "\n".join(sorted(set(found)))

@@ -65,6 +65,7 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
     import deepspeed
 
     from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.config import stage_plans
     from roformer_dist.parallel.runner import build_parallel_engine
 
     torch.set_num_threads(1)
@@ -72,8 +73,9 @@ def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None
     cfg = make_cfg(*layout, world_size, zero)
     torch.manual_seed(0)
     model = RoFormerForMaskedLM(cfg.model)
-    engine, runner = build_parallel_engine(cfg, model, cfg.curriculum.stages[0], world_size)
-    runner.set_stage(cfg.curriculum.stages[0], world_size)
+    first = stage_plans(cfg, world_size)[0]
+    engine, runner = build_parallel_engine(cfg, model, first, world_size)
+    runner.set_stage(first)
     if resume_dir is not None:
         engine.load_checkpoint(str(resume_dir), tag="t")
     it = batches(first_step, runner.dp_rank, runner.dp_size) if runner.reads_data else None

@@ -379,7 +379,7 @@ def formula_tables(S: int, d: int, theta: float, scaling: str, factor: float, L:
 def test_scaled_tables_equal_their_formula(scaling, factor):
     """Through the cache, as the model builds it: yarn's original length is max_len / factor."""
     S, d, theta, max_len = 64, 16, 10000.0, 8192
-    rope = {**R.DEFAULT_ROPE, "rope_theta": theta, "rope_scaling": scaling, "rope_scaling_factor": factor}
+    rope = R.DEFAULT_ROPE.replace(rope_theta=theta, rope_scaling=scaling, rope_scaling_factor=factor)
     cos, sin = R.RotaryCache(d, max_len, rope).get(S)
     want_cos, want_sin = formula_tables(S, d, theta, scaling, factor, max_len / factor)
     torch.testing.assert_close(cos, torch.from_numpy(want_cos).float(), atol=2e-7, rtol=0)
@@ -390,8 +390,8 @@ def test_default_settings_give_the_roformer_tables_bit_for_bit():
     cos, sin = R.RotaryCache(64, 300, R.DEFAULT_ROPE).get(300)
     ref_cos, ref_sin = R.rotary_tables(300, 64)
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
-    assert R.DEFAULT_ROPE == {"rope_theta": 10000.0, "rope_scaling": "none", "rope_scaling_factor": 1.0,
-                              "rope_original_max_position": None}
+    assert R.DEFAULT_ROPE.to_dict() == {"rope_theta": 10000.0, "rope_scaling": "none", "rope_scaling_factor": 1.0,
+                                        "rope_original_max_position": None}
 
 
 def test_yarn_equals_hf_and_the_papers_limits():
@@ -469,9 +469,9 @@ def test_set_rope_changes_a_built_model_and_restores_it():
                                              PipeLayer(_tiny_model(), 1, 0, 1, None)])
         assert R.set_rope(engine, rope_settings(configured.config), max_len=64) == 3
         caches = [engine.module[0].rotary, engine.module[1].rotary, engine.module[2].rotary]
-        assert all(c.rope["rope_scaling"] == "yarn" and c.max_len == 64 and c.original_len == 32.0 for c in caches)
+        assert all(c.rope.rope_scaling == "yarn" and c.max_len == 64 and c.original_len == 32.0 for c in caches)
         forked = _tiny_model(max_position_embeddings=64, **yarn)  # a fork that raised the length
         torch.testing.assert_close(engine.module[0](ids).logits, forked(ids).logits, atol=0, rtol=0)
     assert R.set_rope(_tiny_model(position_embedding="absolute"), R.DEFAULT_ROPE) == 0
-    with pytest.raises(ValueError, match="rope_theta, rope_scaling"):
+    with pytest.raises(TypeError, match="expected a config.RopeSettings, got dict"):
         R.set_rope(model, {"rope_theta": 500.0})

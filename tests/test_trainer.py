@@ -154,8 +154,8 @@ def test_crash_inside_a_save_keeps_previous_latest(small_shards, tmp_path, refer
 # --------------------------------------------------------------------------- elastic
 
 
-def _loaded_weights(rank, world_size, cfg):
-    """Set up a trainer (which resumes) and return the full fp32 weights it loaded."""
+def _loaded_weights(rank, world_size, run):
+    """Set up a trainer (which resumes ``run``, resolved by the test) and return the full fp32 weights it loaded."""
     import deepspeed
 
     from roformer_dist.runtime.process_group import DistEnv
@@ -163,8 +163,9 @@ def _loaded_weights(rank, world_size, cfg):
     from roformer_dist.train.trainer import Trainer
 
     env = DistEnv.from_environ()
+    cfg = run.cfg
     init_distributed(cfg, env)
-    tr = Trainer(cfg, env)
+    tr = Trainer(run, env)
     tr.setup()
     params = dict(tr.engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=cfg.deepspeed.zero_stage == 3):
@@ -183,7 +184,10 @@ def test_elastic_resume_other_world_size(small_shards, tmp_path, stage, before, 
     train(cfg)
     _, saved = load_checkpoint_weights(run / "checkpoints" / "step_00000003")
     resumed = make_cfg(small_shards, run, STAGES_1, f"deepspeed.zero_stage={stage}", world_size=after)
-    weights, step, elastic = run_distributed(_loaded_weights, world_size=after, args=(resumed,), timeout=300)[0]
+    from roformer_dist.train.resolved import resolve_run
+
+    weights, step, elastic = run_distributed(_loaded_weights, world_size=after, args=(resolve_run(resumed),),
+                                             timeout=300)[0]
     assert step == 3 and elastic
     for name, w in weights.items():
         torch.testing.assert_close(w, saved[name], rtol=0, atol=0, msg=f"{name} changed across the conversion")

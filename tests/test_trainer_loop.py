@@ -25,6 +25,17 @@ def cfg_with(*overrides):
     return load_config(DEBUG, ["data.shards=/nowhere", "model.vocab_size=100", *overrides])
 
 
+def run_of(cfg):
+    """A ResolvedRun of ``cfg`` for one rank without data (the loop's tests give the trainer fakes of it)."""
+    from roformer_dist.config import stage_plans
+    from roformer_dist.runtime.rundir import RunDir
+    from roformer_dist.train.mixture import MixturePlan
+    from roformer_dist.train.resolved import ResolvedRun, Resume
+
+    return ResolvedRun(cfg, 1, "", {"main": {}}, MixturePlan((), (), ()), stage_plans(cfg, 1), Resume(),
+                       RunDir(cfg.run_dir))
+
+
 # --------------------------------------------------------------------------- policies
 
 
@@ -78,7 +89,7 @@ class FakeRunner:
     def set_lr(self, lr):
         self.lr = lr
 
-    def set_stage(self, stage, world_size, choose_kernel=None):
+    def set_stage(self, stage, choose_kernel=None):
         self.events.append(("stage", stage.seq_len))
 
     def train_step(self, batches, stop=False, inject_nan=False):
@@ -150,7 +161,7 @@ def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_
                 raise CorruptShardError("shard-000001.tar: sha256 mismatch")
             return {}
 
-    t = T(cfg_with("trainer.log_every=100", *overrides), DistEnv(0, 1, 0), faults=faults)
+    t = T(run_of(cfg_with("trainer.log_every=100", *overrides)), DistEnv(0, 1, 0), faults=faults)
     t.runner, t.loader, t.metrics = FakeRunner(events, stop_at, nonfinite_at), FakeLoader(), FakeMetrics(events)
     t.stage_index = 0
     try:
@@ -226,7 +237,7 @@ def test_loop_nothing_to_do_when_already_at_the_end():
     from roformer_dist.runtime.process_group import DistEnv
     from roformer_dist.train.trainer import Trainer
 
-    t = Trainer(cfg_with("trainer.stop_at_step=4"), DistEnv(0, 1, 0))
+    t = Trainer(run_of(cfg_with("trainer.stop_at_step=4")), DistEnv(0, 1, 0))
     t.state.step = 4
     assert t.fit() == EXIT_DONE
 

@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from roformer_dist.config import ModelConfig, Packing, choices, parse_lengths, rope_settings, validate_rope
+from roformer_dist.config import ModelConfig, Packing, RopeSettings, choices, parse_lengths, rope_settings, \
+    validate_rope
 from roformer_dist.errors import ConfigError, run_command
 from roformer_dist.runtime.rundir import RunDir
 
@@ -49,7 +50,7 @@ Scaling = tuple[str, Optional[float]]
 def _check_rope(text: str, **rope) -> None:
     """ArgumentTypeError with config.validate_rope's message unless ``rope`` (over the defaults) is valid."""
     try:
-        validate_rope({**rope_settings(ModelConfig()), **rope}, ModelConfig(), "model")
+        validate_rope(RopeSettings(**rope), ModelConfig(), "model")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
@@ -154,36 +155,34 @@ def _main(args) -> int:
 
 
 def rope_rows(model_cfg: ModelConfig, thetas: Optional[list[float]], scalings: Optional[list[Scaling]],
-              original: int, longest: int) -> list[dict]:
-    """The sweep's settings (``config.rope_settings`` dicts): the model's own first, then every base of
+              original: int, longest: int) -> list[RopeSettings]:
+    """The sweep's settings: the model's own first, then every base of
     ``thetas`` with every item of ``scalings`` (either None: the model's); ``original``: the length L the
     scalings extend (see the module docstring), ``longest``: the longest eval length."""
     own = rope_settings(model_cfg)
     rows = [own]
-    for theta in thetas or [own["rope_theta"]]:
+    for theta in thetas or [own.rope_theta]:
         for mode, factor in scalings or [(None, None)]:
             if mode is None:
-                rope = {**own, "rope_theta": theta}
+                rope = own.replace(rope_theta=theta)
             elif mode == "none":
-                rope = {"rope_theta": theta, "rope_scaling": "none", "rope_scaling_factor": 1.0,
-                        "rope_original_max_position": None}
+                rope = RopeSettings(rope_theta=theta)
             else:
-                rope = {"rope_theta": theta, "rope_scaling": mode,
-                        "rope_scaling_factor": factor if factor is not None else max(1.0, longest / original),
-                        "rope_original_max_position": original}
+                rope = RopeSettings(theta, mode, factor if factor is not None else max(1.0, longest / original),
+                                    original)
             validate_rope(rope, model_cfg, "model")
             if rope not in rows:
                 rows.append(rope)
     return rows
 
 
-def rope_label(rope: dict, max_positions: int) -> str:
+def rope_label(rope: RopeSettings, max_positions: int) -> str:
     """``theta 10000, yarn x4 (L 512)``: a sweep row's settings in a few words."""
-    text = f"theta {rope['rope_theta']:g}"
-    if rope["rope_scaling"] != "none":
-        text += f", {rope['rope_scaling']} x{rope['rope_scaling_factor']:g}"
-        if rope["rope_scaling"] == "yarn":
-            original = rope["rope_original_max_position"] or max_positions / rope["rope_scaling_factor"]
+    text = f"theta {rope.rope_theta:g}"
+    if rope.rope_scaling != "none":
+        text += f", {rope.rope_scaling} x{rope.rope_scaling_factor:g}"
+        if rope.rope_scaling == "yarn":
+            original = rope.rope_original_max_position or max_positions / rope.rope_scaling_factor
             text += f" (L {original:g})"
     return text
 
@@ -219,7 +218,7 @@ def _sweep(path: str, args) -> dict:
     return {"checkpoint": str(c.found.dir), "step": c.found.step, "trained_max_len": c.trained,
             "max_position_embeddings": mc.max_position_embeddings, "packing": c.cfg.data.packing,
             "lengths": c.lengths, "unigram_loss": unigram,
-            "rows": [{"rope": rope, "label": label, "loss": [result[n]["loss"] for n in c.lengths],
+            "rows": [{"rope": rope.to_dict(), "label": label, "loss": [result[n]["loss"] for n in c.lengths],
                       "mlm_acc": [result[n]["mlm_acc"] for n in c.lengths]}
                      for rope, label, result in zip(rows, labels, results)]}
 

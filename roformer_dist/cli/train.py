@@ -88,24 +88,20 @@ def _run(args, stop: StopFlag) -> int:
         return 0
     # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
     from roformer_dist.checkpoint.store import check_writable
-    from roformer_dist.train.data import resolve_data
-    from roformer_dist.train.mixture import plan_mixture
     from roformer_dist.train.entry import run_rank
     from roformer_dist.train.metrics import run_sinks
-    from roformer_dist.train.spawn import check_resume, check_warm_start, spawn_local
+    from roformer_dist.train.resolved import resolve_run
+    from roformer_dist.train.spawn import spawn_local
 
     run_sinks(cfg)  # an unknown sink is refused before anything starts
-    resolved, manifests = resolve_data(cfg)  # manifests vs model config, before any process starts
-    plan_mixture(resolved, manifests)  # caps the budget cannot keep: refused here
     if as_rank:
-        return run_rank(cfg, stop=stop)
+        return run_rank(cfg, stop=stop)  # global rank 0 resolves the run; the others read it
     with RunLock(cfg.run_dir, mode=cfg.run_dir_mode) as lock:
         stop.on_abort(lock.release)
-        first = next(iter(manifests.values()))
-        check_warm_start(resolved, first)
         check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
-        check_resume(resolved, first)
-        return spawn_local(cfg, stop)
+        run = resolve_run(cfg)  # manifests, mixture, stage plans, resume decision: once, before any rank starts
+        run.write()
+        return spawn_local(run, stop)
 
 
 if __name__ == "__main__":

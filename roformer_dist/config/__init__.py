@@ -5,8 +5,9 @@ choice types and ``choices``), ``load.py`` (defaults <- YAML file <- ``key.sub=v
 ``CONFIGS_DIR``; type coercion; ``build``, the one dict -> dataclass builder; ``from_dict``, ``to_dict``,
 ``dump_yaml``, ``save_config``, ``replace``), ``validate.py`` (one validator per section and ``validate``;
 every user error is a :class:`~roformer_dist.errors.ConfigError` naming the key), ``derived.py`` (values
-computed from a config in one place: micro-batch and data-parallel sizes, the rotary settings in force, the
-training sources, the metric sinks in force, the run directory mode).
+computed from a config in one place: micro-batch and data-parallel sizes, the rotary settings in force
+(``RopeSettings``), each stage's plan (``StagePlan``), the training sources, the metric sinks in force, the run
+directory mode).
 
 The SLURM section's schema is here; what of it may be written into a batch script is the launcher's rule
 (``launcher/slurm_settings.py``), since only the launcher writes one.
@@ -18,8 +19,9 @@ Start reading at ``schema.py``; ``load.load_config`` is the entry point. This mo
 import from ``roformer_dist.config``, not from its modules.
 """
 
-from roformer_dist.config.derived import (ROPE_KEYS, data_parallel_size, effective_sinks, micro_batch_size,
-                                          parse_lengths, parse_mode, rope_settings, training_sources)
+from roformer_dist.config.derived import (ROPE_KEYS, RopeSettings, StagePlan, data_parallel_size, effective_sinks,
+                                          micro_batch_size, parse_lengths, parse_mode, rope_settings, stage_plans,
+                                          training_sources)
 from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yaml, from_dict, load_config,
                                        parse_overrides, replace, save_config, to_dict)
 from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, CheckpointConfig, Config,
@@ -47,6 +49,6 @@ __all__ = [
     # validation
     "validate", "validate_model", "validate_rope", "validate_layout", "check_tensor_split", "ConfigError",
     # derived values
-    "data_parallel_size", "micro_batch_size", "ROPE_KEYS", "rope_settings", "training_sources", "effective_sinks",
-    "parse_mode", "parse_lengths",
+    "data_parallel_size", "micro_batch_size", "ROPE_KEYS", "RopeSettings", "rope_settings", "StagePlan", "stage_plans",
+    "training_sources", "effective_sinks", "parse_mode", "parse_lengths",
 ]

@@ -1,5 +1,7 @@
 """Values computed from a config, each in one place: the data-parallel size, a stage's micro-batch, the
-rotary settings in force, the training mixture, the metric sinks in force, the run directory mode.
+rotary settings in force (:class:`RopeSettings`), each stage's plan (:class:`StagePlan`: micro-batch,
+accumulation, rotary settings, masking rate), the training mixture, the metric sinks in force, the run
+directory mode.
 
 Code that needs one of these calls the function here rather than recomputing it; ``validate.py`` checks the
 config with the same functions.
@@ -7,11 +9,14 @@ config with the same functions.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from data_pipeline.mixture import DEFAULT_NAME
-from roformer_dist.config.schema import Config, DataConfig, LoggingConfig, ModelConfig, SourceConfig, StageConfig
+from roformer_dist.config.schema import Config, DataConfig, LoggingConfig, ModelConfig, RopeScaling, SourceConfig, \
+    StageConfig
 from roformer_dist.errors import ConfigError
 
 
@@ -32,16 +37,79 @@ def micro_batch_size(cfg: Config, stage: StageConfig, world_size: Optional[int] 
     return mbs
 
 
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_position")
-"""The rotary settings (no parameters): a model's, overridden per curriculum stage."""
+@dataclass(frozen=True)
+class RopeSettings:
+    """The rotary settings in force (no parameters): the model's, overridden per curriculum stage. The fields
+    carry the config's key names, so ``dataclasses.replace(model_cfg, **rope.to_dict())`` puts them into a
+    ModelConfig; ``config.validate_rope`` checks them."""
+    rope_theta: float = ModelConfig.rope_theta
+    rope_scaling: RopeScaling = ModelConfig.rope_scaling
+    rope_scaling_factor: float = ModelConfig.rope_scaling_factor
+    rope_original_max_position: Optional[int] = ModelConfig.rope_original_max_position
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "rotary settings") -> "RopeSettings":
+        """From a mapping of the config's keys (a missing key takes the default); an unknown key is a
+        ValueError naming ``where``."""
+        unknown = sorted(set(data) - set(ROPE_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(ROPE_KEYS)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "RopeSettings":
+        return dataclasses.replace(self, **changes)
 
 
-def rope_settings(m: ModelConfig, stage: Optional[StageConfig] = None) -> dict[str, Any]:
+ROPE_KEYS = tuple(f.name for f in dataclasses.fields(RopeSettings))
+"""The config keys of the rotary settings, in a ModelConfig and (as overrides) in a StageConfig."""
+
+
+def rope_settings(m: ModelConfig, stage: Optional[StageConfig] = None) -> RopeSettings:
     """The rotary settings in force: the model's, with a stage's own values (not None) over them."""
     out = {k: getattr(m, k) for k in ROPE_KEYS}
     if stage is not None:
         out.update({k: getattr(stage, k) for k in ROPE_KEYS if getattr(stage, k) is not None})
-    return out
+    return RopeSettings(**out)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One curriculum stage as the ranks run it: its config and the values derived from it at the run's
+    world size, computed once (:func:`stage_plans`)."""
+    index: int
+    stage: StageConfig
+    micro_batch_size: int
+    accumulation: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    rope: RopeSettings
+    mlm_probability: float
+    """The masking rate of the stage's batches."""
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    @property
+    def seq_len(self) -> int:
+        return self.stage.seq_len
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.stage.global_batch_size
+
+
+def stage_plans(cfg: Config, world_size: Optional[int] = None) -> tuple[StagePlan, ...]:
+    """Every curriculum stage's :class:`StagePlan` at ``world_size`` (default dist.world_size)."""
+    dp = max(1, data_parallel_size(cfg, world_size))
+    out = []
+    for i, st in enumerate(cfg.curriculum.stages):
+        mbs = micro_batch_size(cfg, st, world_size)
+        out.append(StagePlan(i, st, mbs, max(1, st.global_batch_size // (mbs * dp)), rope_settings(cfg.model, st),
+                             cfg.data.mlm_probability))
+    return tuple(out)
 
 
 def training_sources(d: DataConfig) -> tuple[SourceConfig, ...]:

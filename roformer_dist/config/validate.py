@@ -15,7 +15,7 @@ import typing
 from typing import Any, Literal, Optional
 
 from data_pipeline.mixture import SOURCE_NAME
-from roformer_dist.config.derived import (ROPE_KEYS, data_parallel_size, micro_batch_size, parse_mode, rope_settings,
+from roformer_dist.config.derived import (RopeSettings, data_parallel_size, micro_batch_size, parse_mode, rope_settings,
                                           training_sources)
 from roformer_dist.config.schema import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig, InitConfig,
                                          LoggingConfig, LogLevel, ModelConfig, OptimConfig, RopeScaling, SlurmConfig,
@@ -67,9 +67,10 @@ def validate_model(m: ModelConfig) -> None:
     validate_rope(rope_settings(m), m, "model")
 
 
-def validate_rope(rope: dict[str, Any], m: ModelConfig, where: str) -> None:
+def validate_rope(rope: RopeSettings, m: ModelConfig, where: str) -> None:
     """``rope`` (:func:`rope_settings`) makes sense for model ``m``; errors name ``where`` (model or a stage)."""
-    theta, kind, factor, original = (rope[k] for k in ROPE_KEYS)
+    theta, kind, factor = rope.rope_theta, rope.rope_scaling, rope.rope_scaling_factor
+    original = rope.rope_original_max_position
     if kind not in choices(RopeScaling):
         raise ConfigError(f"{where}.rope_scaling: expected one of {', '.join(choices(RopeScaling))}, got {kind!r}")
     if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 1.0):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from roformer_dist.checkpoint.weights import model_from_state_dict
-from roformer_dist.config import ROPE_KEYS, ModelConfig, build, rope_settings
+from roformer_dist.config import ModelConfig, RopeSettings, build, rope_settings
 from roformer_dist.errors import ConfigError
 from roformer_dist.nn.model import RoFormerForMaskedLM, rotary_cache
 from roformer_dist.nn.rotary import DEFAULT_ROPE
@@ -120,7 +120,7 @@ def sinusoidal_table(cfg: ModelConfig) -> torch.Tensor:
 def _check_table(table: torch.Tensor, cfg: ModelConfig) -> None:
     want = sinusoidal_table(cfg)
     if table.shape != want.shape or not torch.allclose(table.float(), want, atol=TABLE_TOLERANCE, rtol=0):
-        settings = ", ".join(f"model.{k}={v}" for k, v in rope_settings(cfg).items())
+        settings = ", ".join(f"model.{k}={v}" for k, v in rope_settings(cfg).to_dict().items())
         raise ValueError(f"HF state dict: {_TABLE} is not the rotary table of {settings} (max_position_embeddings "
                          f"{cfg.max_position_embeddings}); give the rope settings the model was trained with")
 
@@ -179,7 +179,7 @@ def hf_config_from(cfg: ModelConfig):
     kwargs = {name: getattr(cfg, name) for name in _SHARED_FIELDS}
     rope = rope_settings(cfg)
     if rope != DEFAULT_ROPE:
-        kwargs[HF_ROPE_KEY] = rope
+        kwargs[HF_ROPE_KEY] = rope.to_dict()
     return RoFormerConfig(embedding_size=cfg.embedding_size or cfg.hidden_size, **kwargs)
 
 
@@ -195,8 +195,7 @@ def model_config_from_hf(hf_cfg: Any, **overrides: Any) -> ModelConfig:
     kwargs["embedding_size"] = None if emb in (None, kwargs["hidden_size"]) else int(emb)
     if kwargs["pad_token_id"] is None:
         kwargs["pad_token_id"] = 0
-    rope = get(HF_ROPE_KEY) or {}
-    kwargs.update({k: rope[k] for k in ROPE_KEYS if k in rope})
+    kwargs.update(RopeSettings.from_dict(get(HF_ROPE_KEY) or {}, f"HF config: {HF_ROPE_KEY}").to_dict())
     kwargs.update(position_embedding="rotary", **overrides)
     return build(ModelConfig, kwargs)
 

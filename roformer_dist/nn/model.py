@@ -302,7 +302,7 @@ def layer_inputs(cfg: ModelConfig, rotary: Optional[RotaryCache], attention_mask
 
 
 def rotary_cache(cfg: ModelConfig) -> Optional[RotaryCache]:
-    """The cos/sin cache of a rotary model with its rope settings (``config.rope_settings(cfg)``; None
+    """The cos/sin cache of a rotary model with its own rope settings (``config.rope_settings(cfg)``; None
     with absolute positions). ``rotary.set_rope`` changes them on a built model."""
     if cfg.position_embedding != "rotary":
         return None

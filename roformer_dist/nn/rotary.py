@@ -58,11 +58,11 @@ import functools
 import importlib.util
 import math
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 
-from roformer_dist.config import ROPE_KEYS, ModelConfig, RopeScaling, RotaryBackend, choices, rope_settings
+from roformer_dist.config import RopeScaling, RopeSettings, RotaryBackend, choices
 
 BACKENDS: tuple[str, ...] = choices(RotaryBackend)
 """The values of ``model.rotary_backend``."""
@@ -75,8 +75,8 @@ see :func:`half_layout_weights`): apex's kernel applies directly, no permutation
 # --------------------------------------------------------------------------- cos/sin cache
 
 
-DEFAULT_ROPE: dict[str, Any] = rope_settings(ModelConfig())
-"""RoFormer's rotary settings (base 10000, no scaling), keyed by ``config.ROPE_KEYS``."""
+DEFAULT_ROPE = RopeSettings()
+"""RoFormer's rotary settings (base 10000, no scaling)."""
 
 YARN_BETA_FAST = 32.0
 """YaRN: pairs that turn more often than this over the original length keep their frequency."""
@@ -142,18 +142,11 @@ def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0, device: Op
     return cos.float(), sin.float()
 
 
-def _checked_rope(rope: Mapping[str, Any]) -> dict[str, Any]:
-    if set(rope) != set(ROPE_KEYS):
-        raise ValueError(f"rotary settings: expected the keys {', '.join(ROPE_KEYS)} (config.rope_settings), "
-                         f"got {', '.join(sorted(rope)) or 'none'}")
-    return {k: rope[k] for k in ROPE_KEYS}
-
-
 class RotaryCache:
     """float32 cos/sin tables per device, built for ``max_len`` and extended on demand.
 
-    ``rope``: the settings (``config.rope_settings``: rope_theta, rope_scaling, rope_scaling_factor,
-    rope_original_max_position); None = :data:`DEFAULT_ROPE`. ``max_len``: the longest length expected
+    ``rope``: the settings (``config.RopeSettings``, e.g. ``config.rope_settings(model_cfg)``); None =
+    :data:`DEFAULT_ROPE`. ``max_len``: the longest length expected
     (model.max_position_embeddings): the tables' first size and, with rope_original_max_position None,
     the original length is ``max_len / rope_scaling_factor``. Any longer length is served on demand.
 
@@ -161,13 +154,15 @@ class RotaryCache:
     round the angles, and :func:`set_rope` may change the settings of a built model.
     """
 
-    def __init__(self, head_dim: int, max_len: int, rope: Optional[Mapping[str, Any]] = None):
+    def __init__(self, head_dim: int, max_len: int, rope: Optional[RopeSettings] = None):
         self.head_dim = head_dim
         self.configure(DEFAULT_ROPE if rope is None else rope, max_len)
 
-    def configure(self, rope: Mapping[str, Any], max_len: Optional[int] = None) -> None:
+    def configure(self, rope: RopeSettings, max_len: Optional[int] = None) -> None:
         """New settings (and ``max_len``, if given); the cached tables are dropped."""
-        self.rope = _checked_rope(rope)
+        if not isinstance(rope, RopeSettings):
+            raise TypeError(f"rotary settings: expected a config.RopeSettings, got {type(rope).__name__}")
+        self.rope = rope
         if max_len is not None:
             self.max_len = max_len
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -175,8 +170,8 @@ class RotaryCache:
     @property
     def original_len(self) -> float:
         """yarn's original length L: rope_original_max_position, or max_len / rope_scaling_factor."""
-        original = self.rope["rope_original_max_position"]
-        return original if original is not None else self.max_len / self.rope["rope_scaling_factor"]
+        original = self.rope.rope_original_max_position
+        return original if original is not None else self.max_len / self.rope.rope_scaling_factor
 
     def get(self, seq_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (seq_len, head_dim/2) float32 on ``device``."""
@@ -186,17 +181,17 @@ class RotaryCache:
             length = max(seq_len, self.max_len)
             if tables is not None:  # extending: grow geometrically so a slowly growing S rebuilds rarely
                 length = max(length, 2 * tables[0].shape[0])
-            tables = rotary_tables(length, self.head_dim, self.rope["rope_theta"], device,
-                                   scaling=self.rope["rope_scaling"], factor=self.rope["rope_scaling_factor"],
+            tables = rotary_tables(length, self.head_dim, self.rope.rope_theta, device,
+                                   scaling=self.rope.rope_scaling, factor=self.rope.rope_scaling_factor,
                                    original_len=self.original_len)
             self._tables[device] = tables
         cos, sin = tables
         return cos[:seq_len], sin[:seq_len]
 
 
-def set_rope(module: torch.nn.Module, rope: Mapping[str, Any], max_len: Optional[int] = None) -> int:
+def set_rope(module: torch.nn.Module, rope: RopeSettings, max_len: Optional[int] = None) -> int:
     """Give every :class:`RotaryCache` reachable from ``module`` the settings ``rope``
-    (``config.rope_settings(cfg.model, stage)``) and, if given, ``max_len`` (the model.max_position_embeddings
+    (a stage plan's ``rope``, ``config.rope_settings(cfg.model)``) and, if given, ``max_len`` (the model.max_position_embeddings
     in force, e.g. raised by a fork: yarn's default original length is ``max_len / factor``); their tables
     are rebuilt on next use. Returns how many caches changed (0 for absolute positions or a pipeline stage
     without layers).

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from roformer_dist.config import Config, StageConfig, data_parallel_size, micro_batch_size
+from roformer_dist.config import Config, StagePlan
 from roformer_dist.errors import ConfigError, EnvironmentSetupError
 from roformer_dist.runtime.cuda_arch import VARIABLE as ARCH_LIST, prepare_for_deepspeed, unreadable_entries
 from roformer_dist.runtime.jit_builds import extensions_root
@@ -34,10 +34,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 log = logging.getLogger(__name__)
 
 
-def deepspeed_config(cfg: Config, stage: StageConfig, world_size: int, load_universal: bool = False) -> dict:
-    """The DeepSpeed JSON for ``cfg`` at curriculum stage ``stage``."""
-    dp = data_parallel_size(cfg, world_size)
-    mbs = micro_batch_size(cfg, stage, world_size)
+def deepspeed_config(cfg: Config, stage: StagePlan, load_universal: bool = False) -> dict:
+    """The DeepSpeed JSON for ``cfg`` at curriculum stage ``stage`` (its plan at the run's world size)."""
     d = cfg.deepspeed
     zero: dict = {"stage": d.zero_stage}
     if d.zero_stage >= 1:
@@ -49,8 +47,8 @@ def deepspeed_config(cfg: Config, stage: StageConfig, world_size: int, load_univ
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=int(5e7))
     ds: dict = {
         "train_batch_size": stage.global_batch_size,
-        "train_micro_batch_size_per_gpu": mbs,
-        "gradient_accumulation_steps": stage.global_batch_size // (mbs * dp),
+        "train_micro_batch_size_per_gpu": stage.micro_batch_size,
+        "gradient_accumulation_steps": stage.accumulation,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
         "steps_per_print": 10**9,
@@ -247,8 +245,8 @@ def maybe_use_apex(model: torch.nn.Module) -> int:
     return swapped
 
 
-def build_engine(cfg: Config, module: torch.nn.Module, stage: StageConfig, world_size: int,
-                 load_universal: bool = False, mpu=None, extra_config: dict | None = None):
+def build_engine(cfg: Config, module: torch.nn.Module, stage: StagePlan, load_universal: bool = False, mpu=None,
+                 extra_config: dict | None = None):
     """Wrap ``module`` (our model, its tensor-parallel form, or a pipeline module) in DeepSpeed for
     ``stage``; ``mpu`` gives DeepSpeed the model-parallel groups. Returns the engine."""
     import deepspeed
@@ -261,7 +259,7 @@ def build_engine(cfg: Config, module: torch.nn.Module, stage: StageConfig, world
         log.info("using apex FusedLayerNorm")
     if hasattr(module, "gradient_checkpointing"):
         module.gradient_checkpointing = cfg.deepspeed.activation_checkpointing
-    ds_config = deepspeed_config(cfg, stage, world_size, load_universal)
+    ds_config = deepspeed_config(cfg, stage, load_universal)
     for key, value in (extra_config or {}).items():
         ds_config[key] = {**ds_config.get(key, {}), **value}
     groups = param_groups(module, cfg.optim.weight_decay)

@@ -1,6 +1,6 @@
 """One engine + step API for every layout (data, tensor x data, pipeline x tensor x data).
 
-    engine, runner = build_parallel_engine(cfg, model, stage, world_size)
+    engine, runner = build_parallel_engine(cfg, model, stage_plans(cfg, world_size)[0], world_size)
     loader = ShardLoader(..., dp_rank=runner.dp_rank, dp_size=runner.dp_size)
     torch.manual_seed(cfg.trainer.seed + 1 + runner.seed_offset)    # dropout streams
     stats = runner.train_step(iter(loader), stop=..., inject_nan=...)  # a StepStats
@@ -43,7 +43,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from roformer_dist.config import Config, StageConfig, micro_batch_size, rope_settings
+from roformer_dist.config import Config, StagePlan
 from roformer_dist.errors import CheckpointError
 from roformer_dist.nn.model import set_rotary_kernel
 from roformer_dist.nn.rotary import model_kernel, set_rope
@@ -135,10 +135,11 @@ class StepStats:
         return self.num_stop_requests > 0
 
 
-def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfig, world_size: int,
+def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StagePlan, world_size: int,
                           load_universal: bool = False, partition_method: str = "type:PipeLayer"):
     """Shard ``model`` (a freshly initialised, identical-on-every-rank ``RoFormerForMaskedLM``) for
-    ``cfg.parallel`` and wrap it in DeepSpeed. Returns ``(engine, runner)``.
+    ``cfg.parallel`` and wrap it in DeepSpeed for the first stage's plan (``config.stage_plans`` at
+    ``world_size``). Returns ``(engine, runner)``.
 
     ``torch.distributed`` and ``deepspeed.init_distributed`` must be initialised. ``model`` must not
     be used afterwards (its modules are sharded in place or copied into pipeline stages)."""
@@ -158,7 +159,7 @@ def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StageConfi
         module, mpu = parallelize(model, dims), dims
     else:
         module = model
-    engine = build_engine(cfg, module, stage, world_size, load_universal, mpu=mpu, extra_config=extra)
+    engine = build_engine(cfg, module, stage, load_universal, mpu=mpu, extra_config=extra)
     return engine, ParallelRunner(engine, dims, cfg, loss_fn)
 
 
@@ -336,15 +337,15 @@ class ParallelRunner:
             sums.zero_()
         return sums
 
-    def set_stage(self, stage: StageConfig, world_size: int,
+    def set_stage(self, stage: StagePlan,
                   choose_kernel: Optional[Callable[[tuple[int, int, int, int], torch.device], str]] = None) -> None:
-        """New curriculum stage: micro-batch and accumulation (and the pipeline's activation shapes), the
-        stage's rotary settings (``config.rope_settings``: they may differ from the model's) and its rotary
+        """New curriculum stage (its plan): micro-batch and accumulation (and the pipeline's activation shapes),
+        the stage's rotary settings (they may differ from the model's) and its rotary
         kernel, all before the stage's first forward (and its compilation). ``choose_kernel``: the rotary
         backend for the stage's (micro-batch, S, heads per rank, head_dim) on the engine's device (the
         trainer's measured choice for ``auto``); None: ``model.rotary_backend`` as configured."""
-        set_rope(self.engine, rope_settings(self.cfg.model, stage), self.cfg.model.max_position_embeddings)
-        mbs = micro_batch_size(self.cfg, stage, world_size)
+        set_rope(self.engine, stage.rope, self.cfg.model.max_position_embeddings)
+        mbs = stage.micro_batch_size
         self._set_rotary_kernel(mbs, stage.seq_len, choose_kernel)
         self.engine.set_train_micro_batch_size(mbs)
         self.engine.set_train_batch_size(stage.global_batch_size)

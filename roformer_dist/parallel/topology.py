@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from roformer_dist.config import Config, validate, validate_layout
+from roformer_dist.config import Config, validate_layout
 
 
 class Coord(NamedTuple):
@@ -73,9 +73,9 @@ class Layout:
 
 
 def check_layout(cfg: Config, world_size: int) -> Layout:
-    """``config.validate`` at this world size (the layout rules are ``config.validate_layout``; every
-    error names its key); returns the layout."""
-    validate(cfg, world_size)
+    """``config.validate_layout`` at this world size (every error names its key); returns the layout. The
+    rest of the config was validated where the run was resolved."""
+    validate_layout(cfg, world_size)
     t, p = cfg.parallel.tensor, cfg.parallel.pipeline
     return Layout(t, p, world_size // (t * p))
 

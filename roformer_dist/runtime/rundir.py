@@ -46,6 +46,7 @@ class RunDir:
         <run_dir>/profile/                  trainer.profile's traces              (train.profiling)
         <run_dir>/compile_cache/            trainer.compile's kernels             (parallel.compiled)
         <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (train.trainer)
+        <run_dir>/resolved_run.json         what this launch resolved             (train.resolved)
     """
 
     root: Path
@@ -101,6 +102,10 @@ class RunDir:
     @property
     def rotary_choices(self) -> Path:
         return self.root / "rotary_backend.json"
+
+    @property
+    def resolved_run(self) -> Path:
+        return self.root / "resolved_run.json"
 
 
 SUBDIRS = tuple(p.name for p in (RunDir("").checkpoints, RunDir("").logs, RunDir("").tb))

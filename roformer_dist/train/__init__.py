@@ -1,7 +1,9 @@
 """Pretraining: the rank entry point, the loop and what it decides, measures and evaluates.
 
-Owns: ``entry.py`` (``run_rank``: process group, run lock, logging, the trainer), ``spawn.py`` (the
-ranks of a job on this machine), ``trainer.py`` (``Trainer``: load -> step -> log -> save -> eval ->
+Owns: ``resolved.py`` (``ResolvedRun``: a launch resolved once by the command that starts it: manifests,
+mixture, stage plans, resume decision; written to the run directory and handed to the ranks), ``entry.py``
+(``run_rank``: process group, run lock, logging, the trainer), ``spawn.py`` (the ranks of a job on this
+machine), ``trainer.py`` (``Trainer``: load -> step -> log -> save -> eval ->
 stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
 learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
 ``mixture.py`` (the corpus mixture's plan: shares per stage, draws, epochs, repetition caps),
@@ -17,5 +19,6 @@ checkpoint's loss at any length: ``roformer-eval``'s work), ``logs.py`` (a rank'
 May import: ``roformer_dist.hf`` (its weight conversion, for warm starts), ``checkpoint``, ``parallel``, ``nn``, ``runtime``, ``config``, ``errors``,
 ``data_pipeline``.
 
-Start reading at ``trainer.py`` (the loop), then ``entry.py``.
+Start reading at ``resolved.py`` (what a launch decides before its first step), then ``trainer.py`` (the
+loop), then ``entry.py``.
 """

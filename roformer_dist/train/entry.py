@@ -1,4 +1,9 @@
-"""The rank entry point: ``run_rank(cfg)`` runs this process as one rank of a training job.
+"""The rank entry point: ``run_rank(run)`` runs this process as one rank of a training job.
+
+``run``: the :class:`~roformer_dist.train.resolved.ResolvedRun` its launcher resolved (``roformer-train``'s
+spawner, which holds the run lock), or this rank's ``Config`` (torchrun, the SLURM launcher): then global rank
+0 takes the run lock and resolves, and the other ranks read what it resolved
+(:func:`~roformer_dist.train.resolved.hand_down`).
 
 The torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) must be set
 by whoever started it (``roformer-train``'s spawner, torchrun, or the SLURM launcher). It returns
@@ -13,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
-from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, ConfigError, RunLockedError, StorageError
+from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
 from roformer_dist.parallel.engine import SHM_COMM, load_op
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
@@ -29,6 +34,7 @@ from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
 from roformer_dist.train.logs import setup_logging
+from roformer_dist.train.resolved import ResolvedRun, hand_down, resolve_run
 from roformer_dist.train.trainer import Trainer
 
 __all__ = ["run_rank", "init_distributed"]
@@ -60,35 +66,37 @@ def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None)
     return True
 
 
-def _take_run_lock(cfg: Config, env: DistEnv, stop: StopFlag):
-    """Global rank 0 takes the run lock and checks that the checkpoint directory is writable; every
-    rank learns the outcome (collective), so a refused launch ends on every rank with the same error."""
-    lock, error = None, None
-    if env.rank == 0:
-        try:
-            lock = RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire()
-            check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
-        except (RunLockedError, StorageError, ConfigError) as e:
-            error = e
-    error = TorchComm().broadcast(error)
-    if error is not None:
-        if lock is not None:
+def _resolve_as_rank(cfg: Config, env: DistEnv, stop: StopFlag) -> tuple[ResolvedRun, Optional[RunLock]]:
+    """torchrun / SLURM: global rank 0 takes the run lock, checks that the checkpoint directory is writable and
+    resolves the run; every rank gets it or the same error (collective). Returns the run and the lock (rank 0)."""
+    held: list[RunLock] = []
+
+    def resolve() -> ResolvedRun:
+        held.append(RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire())
+        check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
+        return resolve_run(cfg, env.world_size)
+
+    try:
+        run = hand_down(cfg, env.rank, env.world_size, TorchComm(), resolve)
+    except BaseException:
+        for lock in held:
             lock.release()
-        raise error
+        raise
+    lock = held[0] if held else None
     if lock is not None:
         stop.on_abort(lock.release)
-    return lock
+    return run, lock
 
 
-def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[Faults] = None,
-             hold_lock: bool = True) -> int:
-    """Run this process as one rank of the job described by ``cfg``; see the module docstring.
+def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None, faults: Optional[Faults] = None
+             ) -> int:
+    """Run this process as one rank of the job ``run`` (resolved, or this rank's config); see the module docstring.
 
     ``stop``: the stop flag the caller installed (``roformer-train`` does it first thing, in its launcher
     and in each rank it spawns, and under torchrun or srun); None installs it here (the submitit job of
     ``roformer-submit``, a direct call). ``faults``: None reads the test fault
-    variables of the environment, once. ``hold_lock``: global rank 0 holds the run lock (torchrun,
-    SLURM); the local spawner holds it itself and passes False."""
+    variables of the environment, once."""
+    cfg = run.cfg if isinstance(run, ResolvedRun) else run
     env = DistEnv.from_environ()
     if stop is None:
         stop = StopFlag.install()
@@ -105,10 +113,12 @@ def run_rank(cfg: Config, *, stop: Optional[StopFlag] = None, faults: Optional[F
         if own_group:
             dist.destroy_process_group()
         return EXIT_REQUEUE
-    lock = _take_run_lock(cfg, env, stop) if hold_lock else None
+    lock = None
+    if not isinstance(run, ResolvedRun):
+        run, lock = _resolve_as_rank(cfg, env, stop)
     try:
-        setup_logging(cfg, env.rank)
-        trainer = Trainer(cfg, env, stop=stop, faults=faults)
+        setup_logging(run.cfg, env.rank)
+        trainer = Trainer(run, env, stop=stop, faults=faults)
         try:
             trainer.setup()
             code = trainer.fit()

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from roformer_dist.config import Config, StageConfig, rope_settings, training_sources
+from roformer_dist.config import Config, RopeSettings, StageConfig, rope_settings, training_sources
 from roformer_dist.nn.rotary import set_rope
 from roformer_dist.train.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_mixture
 
@@ -157,10 +157,10 @@ def evaluate_model(model: torch.nn.Module, cfg: Config, lengths: Sequence[int], 
         model.train(was_training)
 
 
-def evaluate_rope_settings(model: torch.nn.Module, cfg: Config, lengths: Sequence[int], settings: Sequence[dict],
+def evaluate_rope_settings(model: torch.nn.Module, cfg: Config, lengths: Sequence[int], settings: Sequence[RopeSettings],
                            evaluator: Optional[Evaluator] = None, device: torch.device | str = "cpu"
                            ) -> list[dict[int, dict]]:
-    """A plain rotary model under each of ``settings`` (``config.rope_settings`` dicts, applied with
+    """A plain rotary model under each of ``settings`` (applied with
     :func:`~roformer_dist.nn.rotary.set_rope`) at each length: one :func:`evaluate_model` result per
     settings, on the same batches (one evaluator: the baselines are computed once per length). The
     model's own settings are restored afterwards."""

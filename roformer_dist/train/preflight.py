@@ -4,25 +4,27 @@ naming the stage, not hours later when a long stage begins."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from roformer_dist.config import Config, micro_batch_size
+from roformer_dist.config import Config, StagePlan
 from roformer_dist.nn.model import IGNORE_INDEX
 
 __all__ = ["check_largest_micro_batch_fits"]
 
 
-def check_largest_micro_batch_fits(model: torch.nn.Module, cfg: Config, world_size: int, local_rank: int) -> None:
+def check_largest_micro_batch_fits(model: torch.nn.Module, cfg: Config, stages: Sequence[StagePlan],
+                                   local_rank: int) -> None:
     """No-op without CUDA. The model goes back to the CPU afterwards, its gradients cleared."""
     if not torch.cuda.is_available():
         return
-    stages = cfg.curriculum.stages
-    worst = max(stages, key=lambda s: micro_batch_size(cfg, s, world_size) * s.seq_len * (1 + s.seq_len / 1024))
-    mbs = micro_batch_size(cfg, worst, world_size)
+    worst = max(stages, key=lambda s: s.micro_batch_size * s.seq_len * (1 + s.seq_len / 1024))
+    mbs = worst.micro_batch_size
     dev = torch.device("cuda", local_rank)
     model.to(dev)
     ids = torch.randint(5, cfg.model.vocab_size, (mbs, worst.seq_len), device=dev)
-    labels = torch.where(torch.rand(ids.shape, device=dev) < cfg.data.mlm_probability, ids,
+    labels = torch.where(torch.rand(ids.shape, device=dev) < worst.mlm_probability, ids,
                          torch.full_like(ids, IGNORE_INDEX))
     try:
         model(ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()

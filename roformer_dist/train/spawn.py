@@ -3,8 +3,8 @@
 :func:`spawn_local` starts ``dist.world_size`` rank processes (``spawn``; gloo on CPU, nccl on GPUs)
 while the caller holds the run lock. Stop signals reaching the launcher go on to the ranks; the ranks
 die with it (SIGKILL included); a failing rank stops the others and its status is the job's. Our
-errors' messages are printed once, not once per rank. :func:`check_resume` checks the checkpoint the
-ranks will resume from before any of them starts.
+errors' messages are printed once, not once per rank. The ranks are handed the run the launcher resolved
+(:class:`~roformer_dist.train.resolved.ResolvedRun`).
 """
 
 from __future__ import annotations
@@ -19,28 +19,28 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_BUG, EXIT_REQUEUE, exit_status
 from roformer_dist.runtime.process_group import free_port, peer_lost
-from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.stop import StopFlag, adopt_orphans, blocked_stop_signals, children, die_with_parent, exit_now, \
     kill_tree
 from roformer_dist.train.entry import run_rank
+from roformer_dist.train.resolved import ResolvedRun
 
-__all__ = ["spawn_local", "check_resume"]
+__all__ = ["spawn_local"]
 
 PEER_LOSS_GRACE_S = 10.0
 """How long a rank whose collective failed because another rank died waits for the launcher to end it."""
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg: Config, status, launcher_pid: int, errors_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, run: ResolvedRun, status, launcher_pid: int, errors_dir: str
+               ) -> None:
     """Entry point of a rank started by :func:`spawn_local`."""
     die_with_parent(launcher_pid)
     stop = StopFlag.install(quiet_abort=True)  # the launcher says it once
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        code = status[rank] = run_rank(cfg, stop=stop, hold_lock=False)
+        code = status[rank] = run_rank(run, stop=stop)
     except Exception as e:
         code = exit_status(e)
         if code is None and peer_lost(e):
@@ -61,13 +61,14 @@ def _rank_messages(errors_dir: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def spawn_local(cfg: Config, stop: StopFlag) -> int:
-    """Start dist.world_size ranks on this machine and wait; returns the job's exit status.
+def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
+    """Start the run's ranks on this machine and wait; returns the job's exit status. The caller holds the
+    run lock.
 
     Stop signals reaching this process go on to the ranks (a Ctrl-C as SIGTERM, so that a rank that
     got the group's SIGINT too does not count a second one). If a rank fails, the others are stopped
     and the status of the first failure is returned; our errors' messages are printed once."""
-    world = cfg.dist.world_size
+    world = run.world_size
     port = free_port()
     ctx = mp.get_context("spawn")
     status = ctx.Array("i", [-1] * world, lock=False)
@@ -90,7 +91,7 @@ def spawn_local(cfg: Config, stop: StopFlag) -> int:
     adopt_orphans()
     with tempfile.TemporaryDirectory(prefix="roformer-train-") as errors_dir:
         with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
-            procs.extend(ctx.Process(target=_rank_main, args=(r, world, port, cfg, status, os.getpid(), errors_dir))
+            procs.extend(ctx.Process(target=_rank_main, args=(r, world, port, run, status, os.getpid(), errors_dir))
                          for r in range(world))
             for p in procs:
                 p.start()
@@ -144,30 +145,3 @@ def _end_adopted(keep: set[int]) -> None:
             kill_tree(pid)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-
-
-def check_warm_start(cfg: Config, manifest: dict) -> None:
-    """``init.from`` read and fitted to the model here first, when the run has no checkpoint of its own
-    (then the ranks start from it): every mismatch is one ConfigError before any rank starts."""
-    if not cfg.init.from_:
-        return
-    from roformer_dist.checkpoint import store as ckpt
-    from roformer_dist.train.warm_start import warm_start
-
-    if cfg.checkpoint.resume and ckpt.find_resume(RunDir.of(cfg).checkpoints) is not None:
-        return
-    warm_start(cfg, manifest["tokenizer"]["sha256"])
-
-
-def check_resume(cfg: Config, manifest: dict) -> None:
-    """The checkpoint the ranks will resume from, checked here first: a damaged one is marked and
-    skipped, one written for another model or layout is refused (CheckpointError) before any rank
-    starts. The ranks check again (the same functions; under torchrun or SLURM only they do)."""
-    if not cfg.checkpoint.resume:
-        return
-    from roformer_dist.checkpoint import store as ckpt
-    from roformer_dist.checkpoint.compat import check_compatible
-
-    found = ckpt.choose_resume(RunDir.of(cfg).checkpoints, 0, 1)
-    if found is not None:
-        check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, cfg.dist.world_size, manifest)

@@ -22,12 +22,12 @@ from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.async_save import AsyncSaver
-from roformer_dist.checkpoint.compat import changed_settings, check_compatible
+from roformer_dist.checkpoint.compat import changed_settings
 from roformer_dist.checkpoint.lineage import Parent, write_parent
 from roformer_dist.checkpoint.safe_load import weights_only_loads
 from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState, rng_state, set_rng_state
 from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
-from roformer_dist.config import Config, dump_yaml, micro_batch_size, rope_settings, save_config, to_dict, validate
+from roformer_dist.config import Config, dump_yaml, rope_settings, save_config, to_dict
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
 from roformer_dist.nn.model import RoFormerForMaskedLM, batch_plan
 from roformer_dist.nn.rotary_tune import RotaryChoices, timings_to_json
@@ -37,13 +37,14 @@ from roformer_dist.runtime.process_group import DistEnv, TorchComm
 from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import StageAt, lr_at, stage_at, total_steps
-from roformer_dist.train.data import data_error, resolve_data
+from roformer_dist.train.data import data_error
 from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops, run_sinks
-from roformer_dist.train.mixture import MixturePlan, loader_sources, plan_mixture
+from roformer_dist.train.mixture import loader_sources
 from roformer_dist.train.policies import LoopPolicy, Stop
 from roformer_dist.train.preflight import check_largest_micro_batch_fits
 from roformer_dist.train.profiling import ProfileWindow
+from roformer_dist.train.resolved import ResolvedRun
 from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 
 __all__ = ["Trainer"]
@@ -69,15 +70,21 @@ class Unread(NamedTuple):
 class Trainer:
     """One rank's training run; see the module docstring.
 
-    ``stop``: the process's stop flag, installed by its entry point (the default is inert: a trainer
+    ``run``: the launch resolved by its launcher (config, manifests, mixture plan, stage plans, resume decision);
+    the trainer derives none of it again. ``stop``: the process's stop flag, installed by its entry point (the default is inert: a trainer
     built in a test or a notebook never stops on a signal); ``faults``: fault injection for tests."""
 
-    def __init__(self, cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None, faults: Faults = NO_FAULTS):
-        self.cfg = cfg
+    def __init__(self, run: ResolvedRun, env: DistEnv, stop: Optional[StopFlag] = None, faults: Faults = NO_FAULTS):
+        if run.world_size != env.world_size:
+            raise ValueError(f"Trainer: the run was resolved for {run.world_size} rank(s), this rank is one of "
+                             f"{env.world_size}")
+        self.run = run
+        cfg = self.cfg = run.cfg
         self.env = env
-        self.run_dir = Path(cfg.run_dir)
-        self.paths = RunDir(cfg.run_dir)
+        self.run_dir = run.run_dir.root
+        self.paths = run.run_dir
         self.ckpt_root = self.paths.checkpoints
+        self.manifest = run.manifest
         self.stages = cfg.curriculum.stages
         self.total = total_steps(self.stages)
         self.policy = LoopPolicy.from_config(cfg)
@@ -99,9 +106,9 @@ class Trainer:
         """The eval of the current step is scheduled but was not run (a stop skipped it)."""
         self._resumed_dir: Optional[Path] = None
         """The checkpoint this launch resumed from."""
-        self.plan: Optional[MixturePlan] = None
-        """The corpus mixture's plan (read in setup): each stage's shares of the sources."""
-        self._rope: Optional[dict] = None
+        self.plan = run.mixture
+        """The corpus mixture's plan: each stage's shares of the sources."""
+        self._rope = None
         """The rotary settings in force (a stage may change them)."""
         self.parent: Optional[Parent] = None
         """What this run's weights were initialised from (``init.from``), when it started so in this process."""
@@ -121,29 +128,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Read the data manifests, choose and check the checkpoint, build model (from ``init.from``'s weights
-        when there is no checkpoint to resume), engine and loader, load the checkpoint. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not touched
-        before the checks passed: config.yaml is written last (a damaged checkpoint may be marked BAD)."""
-        cfg, env = self.cfg, self.env
-        cfg, manifests = resolve_data(cfg, None)  # the tokenizer vs checkpoint check is check_compatible's
-        self.manifest = next(iter(manifests.values()))
-        validate(cfg, env.world_size)
-        self.plan = plan_mixture(cfg, manifests)
+        """Build the model (from ``init.from``'s weights when the run resolved a warm start), engine and loader,
+        load the checkpoint the run resolved. The run's record (config.yaml, metrics.jsonl, TensorBoard) is not
+        touched before the checkpoint loaded: config.yaml is written last."""
+        cfg, env, run = self.cfg, self.env, self.run
         self._build_evaluators(cfg)
-        found = ckpt.choose_resume(self.ckpt_root, env.rank, env.world_size, self.comm) \
-            if cfg.checkpoint.resume else None
+        found = run.resume.checkpoint
         resumed = ckpt.read_trainer_state(found.dir, 0) if found else None
-        if found:
-            check_compatible(found, resumed, cfg, env.world_size, self.manifest)
-        self.cfg = cfg
-        self.policy = LoopPolicy.from_config(cfg)
         if env.rank == 0:
             log.info("resolved config:\n%s", dump_yaml(cfg))
+            run.log_notes()
+            log.info("%s", run.summary())
             log.info("%s", self.plan.table())
             for warning in self.plan.warnings():
                 log.warning("%s", warning)
 
-        self.elastic = bool(found) and found.world_size != env.world_size
+        self.elastic = run.elastic
         if self.elastic and cfg.deepspeed.zero_stage > 0:
             if env.rank == 0:
                 to_universal(found.dir, cfg.deepspeed.zero_stage)
@@ -153,7 +153,7 @@ class Trainer:
         model = RoFormerForMaskedLM(cfg.model)
         if found and cfg.init.from_ and env.rank == 0:
             log.info("init.from %s not read: resuming this run's own checkpoint", cfg.init.from_)
-        if not found and cfg.init.from_:
+        if run.resume.warm_start is not None:
             self.parent, weights = warm_start(cfg, self.manifest["tokenizer"]["sha256"])
             model.load_state_dict(weights)
             if env.rank == 0:
@@ -161,17 +161,17 @@ class Trainer:
                          f" (step {self.parent.step})" if self.parent.step is not None else "")
         self.flops_per_token = model.flops_per_token
         if cfg.parallel.tensor == cfg.parallel.pipeline == 1:
-            check_largest_micro_batch_fits(model, cfg, env.world_size, env.local_rank)
+            check_largest_micro_batch_fits(model, cfg, run.stages, env.local_rank)
         first = stage_at(self.stages, found.step if found and found.step < self.total else 0)
         self.stage_index = first.index
+        plan = run.stages[first.index]
         self.engine, self.runner = build_parallel_engine(
-            cfg, model, first.stage, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
+            cfg, model, plan, env.world_size, load_universal=self.elastic and cfg.deepspeed.zero_stage > 0)
         self.dp_rank, self.dp_size = self.runner.dp_rank, self.runner.dp_size
         self.rotary_choices = RotaryChoices.load(self.paths.rotary_choices) if env.rank == 0 else None
-        mbs = micro_batch_size(cfg, first.stage, env.world_size)
-        self.loader = ShardLoader(loader_sources(cfg), seq_len=first.stage.seq_len, micro_batch_size=mbs,
+        self.loader = ShardLoader(loader_sources(cfg), seq_len=plan.seq_len, micro_batch_size=plan.micro_batch_size,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
-                                  seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
+                                  seed=cfg.trainer.seed, mlm_probability=plan.mlm_probability,
                                   whole_word_mask=cfg.data.whole_word_mask, skip_bad_shards=cfg.data.skip_bad_shards,
                                   pin_memory=torch.cuda.is_available(), packing=cfg.data.packing,
                                   weights=self.plan.stage_weights(first.index),
@@ -243,18 +243,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def switch_stage(self, index: int) -> None:
-        st = self.stages[index]
-        mbs = micro_batch_size(self.cfg, st, self.env.world_size)
-        self.loader.set_stage(st.seq_len, mbs, weights=self.plan.stage_weights(index) if self.plan else None)
+        st = self.run.stages[index]
+        self.loader.set_stage(st.seq_len, st.micro_batch_size, weights=self.plan.stage_weights(index))
         self.faults.point("stage.switch")
-        self.runner.set_stage(st, self.env.world_size, choose_kernel=self.choose_rotary_backend)
-        rope = rope_settings(self.cfg.model, st)  # the runner puts them in force
-        if rope != self._rope and (rope != rope_settings(self.cfg.model) or self._rope is not None):
-            log.info("stage %r: rotary %s", st.name, ", ".join(f"{k} {v}" for k, v in rope.items()))
-        self._rope = rope
+        self.runner.set_stage(st, choose_kernel=self.choose_rotary_backend)  # the stage's rotary settings too
+        if st.rope != self._rope and (st.rope != rope_settings(self.cfg.model) or self._rope is not None):
+            log.info("stage %r: rotary %s", st.name, ", ".join(f"{k} {v}" for k, v in st.rope.to_dict().items()))
+        self._rope = st.rope
         self.stage_index = index
         log.info("stage %d/%d %r: seq_len %d, global batch %d, micro-batch %d, accumulation %d",
-                 index + 1, len(self.stages), st.name, st.seq_len, st.global_batch_size, mbs,
+                 index + 1, len(self.stages), st.name, st.seq_len, st.global_batch_size, st.micro_batch_size,
                  self.runner.accumulation_steps)
 
     def choose_rotary_backend(self, shape: tuple[int, int, int, int], device: torch.device) -> str:
@@ -538,7 +536,7 @@ class Trainer:
                    "perf/samples_per_s": samples / seconds if seconds > 0 else 0.0, "perf/step_time_s": step_time,
                    "perf/max_mem_gb": max_mem_gb(), **mixture}
         if self.peak_flops:
-            fpt = self.flops_per_token(st.seq_len, self.cfg.data.mlm_probability)
+            fpt = self.flops_per_token(st.seq_len, self.run.stages[u.at.index].mlm_probability)
             scalars["perf/mfu"] = toks_per_s * fpt / (self.peak_flops * self.env.world_size)
         self.metrics.scalars(u.step, scalars)
         if self.env.rank == 0:
