@@ -298,12 +298,12 @@ def test_read_only_checkpoints_and_bad_config_paths_are_messages(small_shards, t
 def test_a_bug_is_a_traceback_not_bad_config(monkeypatch, small_shards, tmp_path):
     """Only our error classes become messages and statuses; any other exception propagates (exit 1)."""
     from roformer_dist.cli import train as train_cli
-    from roformer_dist.train import data as train_data
+    from roformer_dist.train import resolved
 
     def broken(cfg, resumed=None):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(train_data, "resolve_data", broken)
+    monkeypatch.setattr(resolved, "resolve_data", broken)  # where the launch is resolved
     with pytest.raises(ValueError, match="an internal bug"):
         train_cli.main(["--config", str(Path(__file__).parent.parent / "configs/experiments/debug.yaml"),
                         *cli_overrides(small_shards, tmp_path / "run")])

@@ -30,7 +30,6 @@ from roformer_dist.parallel.engine import SHM_COMM, load_op
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
-from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
 from roformer_dist.train.logs import setup_logging
@@ -67,14 +66,15 @@ def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None)
 
 
 def _resolve_as_rank(cfg: Config, env: DistEnv, stop: StopFlag) -> tuple[ResolvedRun, Optional[RunLock]]:
-    """torchrun / SLURM: global rank 0 takes the run lock, checks that the checkpoint directory is writable and
-    resolves the run; every rank gets it or the same error (collective). Returns the run and the lock (rank 0)."""
+    """torchrun / SLURM: global rank 0 resolves the run (taking the run lock once the data checked out) and checks
+    that the checkpoint directory is writable; every rank gets it or the same error (collective). Returns the run and the lock (rank 0)."""
     held: list[RunLock] = []
 
     def resolve() -> ResolvedRun:
-        held.append(RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire())
-        check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
-        return resolve_run(cfg, env.world_size)
+        run = resolve_run(cfg, env.world_size,
+                          take_lock=lambda: held.append(RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire()))
+        check_writable(run.run_dir.checkpoints, "the checkpoint directory")  # made here: after the data's checks
+        return run
 
     try:
         run = hand_down(cfg, env.rank, env.world_size, TorchComm(), resolve)

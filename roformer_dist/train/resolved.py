@@ -29,7 +29,7 @@ import logging
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from data_pipeline.atomic import atomic_write_text
 from roformer_dist.checkpoint import store as ckpt
@@ -181,11 +181,11 @@ class ResolvedRun:
         return cls.from_json(data, str(path))
 
 
-def _resume(cfg: Config, world_size: int, manifest: dict) -> Resume:
+def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir) -> Resume:
     """The newest usable checkpoint (damaged ones marked BAD and skipped), checked against this config; else
     ``init.from``'s parent, read and fitted to the model once here (every mismatch a ConfigError)."""
     if cfg.checkpoint.resume:
-        found = ckpt.choose_resume(RunDir.of(cfg).checkpoints, 0, 1)
+        found = ckpt.choose_resume(run_dir.checkpoints, 0, 1)
         if found is not None:
             check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, world_size, manifest)
             return Resume(checkpoint=found)
@@ -197,18 +197,23 @@ def _resume(cfg: Config, world_size: int, manifest: dict) -> Resume:
     return Resume()
 
 
-def resolve_run(cfg: Config, world_size: Optional[int] = None) -> ResolvedRun:
+def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Optional[Callable[[], None]] = None
+                ) -> ResolvedRun:
     """Resolve ``cfg`` (as loaded) for a launch of ``world_size`` ranks (default dist.world_size); see the module
-    docstring. Reads the checkpoint directory (and may mark a damaged checkpoint BAD and point ``latest`` at the
-    one chosen): call it while holding the run lock."""
+    docstring. The data and the config are checked first, reading only; then ``take_lock()`` takes the run lock
+    (which makes the run directory: a run refused for its data leaves none) and the checkpoint directory is read
+    (a damaged checkpoint may be marked BAD and ``latest`` pointed at the one chosen)."""
     world_size = cfg.dist.world_size if world_size is None else world_size
+    run_dir = RunDir.of(cfg)
     with _recorded() as notes:
         resolved, manifests = resolve_data(cfg)
         validate(resolved, world_size)
         mixture = plan_mixture(resolved, manifests)
-        resume = _resume(resolved, world_size, next(iter(manifests.values())))
+        if take_lock is not None:
+            take_lock()
+        resume = _resume(resolved, world_size, next(iter(manifests.values())), run_dir)
     return ResolvedRun(resolved, world_size, config_sha256(cfg), manifests, mixture, stage_plans(resolved, world_size),
-                       resume, RunDir.of(cfg), secrets.token_hex(8), tuple(notes))
+                       resume, run_dir, secrets.token_hex(8), tuple(notes))
 
 
 @contextlib.contextmanager
@@ -227,17 +232,16 @@ def _recorded() -> Iterator[list[tuple[str, int, str]]]:
     keep, propagate = Keep(logging.INFO), package.propagate
     package.addHandler(keep)
     package.propagate = False
+    completed = False
     try:
         yield notes
-    except BaseException:
-        package.propagate = propagate
-        package.removeHandler(keep)
-        for record in records:
-            logging.getLogger(record.name).handle(record)
-        raise
+        completed = True
     finally:
         package.propagate = propagate
         package.removeHandler(keep)
+        if not completed:
+            for record in records:
+                logging.getLogger(record.name).handle(record)
 
 
 def hand_down(cfg: Config, rank: int, world_size: int, comm, resolve) -> ResolvedRun:
