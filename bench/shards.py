@@ -4,6 +4,9 @@
                                               # each written --scale (4) times over (21 MB: fixed costs amortised)
     python bench/shards.py --corpus FILE ...  # your own corpus files (each measured on its own)
     python bench/shards.py --tiny             # 400 lines of People's Daily, once over, one repeat, vocabulary 3000
+    python bench/shards.py --formats          # the first corpus' documents as plain text, Parquet, JSON lines
+                                              # and zstd JSON lines, read and built side by side (needs pyarrow,
+                                              # zstandard)
 
 baseline = ``SentencePieceProcessor.Encode`` of the corpus' *already normalised* documents (ids as Python
            lists), in batches of 1024, one thread, in this process; nothing else (no reading, no writing).
@@ -27,10 +30,19 @@ byte of token ids + marks. The tokenizer:
 SentencePiece unigram, 8000 pieces (--vocab), trained on the first 6000 documents. Ends with one JSON
 line (the first corpus): {"bench": "shards", "ours": MB/s per worker (1 worker, CPU), "baseline": MB/s
 (CPU), "unit": "MB/s", "ratio": ..., "workers_2": {...}, "scaling_1_to_2_wall": ..., "corpora": {...}}.
+
+--formats measures the input formats instead: the normalised documents of the first corpus written as plain
+text (a document per line), as Parquet (pyarrow's defaults: snappy, its row groups), as JSON lines and as the
+same JSON lines compressed with zstandard (level 3, zstd's default; beside the plain JSON lines, the cost of
+the decompression shows), then, per repeat and one after the other, each read
+alone (``iter_record_chunks``: the reader, no normalisation) and built into shards with 1 worker (``write_shards``).
+Prints MB of text per CPU second (and wall) of each, medians of --repeats, and each one's ratio to plain text
+(> 1: faster than plain text); ends with one JSON line {"bench": "shards_formats", "formats": {...}}.
 """
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import statistics
@@ -158,6 +170,64 @@ def measure(name: str, src: Path, tmp: Path, repeats: int, vocab_size: int = 800
     return out
 
 
+def formats(src: Path, tmp: Path, repeats: int, vocab_size: int) -> dict:
+    """The documents of ``src`` as plain text, Parquet and zstd JSON lines, read and built side by side (the module
+    docstring); {format: {"read": {cpu, wall, ratio_cpu, ratio_wall}, "build": {...}}} in MB/s."""
+    C.require("pyarrow", "--formats (Parquet)")
+    C.require("zstandard", "--formats (.jsonl.zst)")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from data_pipeline.corpus import iter_record_chunks
+
+    texts = [d.text for d in read_documents(src)]
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    files = {"txt": tmp / "docs.txt", "parquet": tmp / "docs.parquet", "jsonl": tmp / "docs.jsonl",
+             "jsonl.zst": tmp / "docs.jsonl.zst"}
+    files["txt"].write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    pq.write_table(pa.table({"text": texts}), files["parquet"])
+    files["jsonl"].write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
+                              encoding="utf-8")
+    files["jsonl.zst"].write_bytes(zstandard.ZstdCompressor(level=3).compress(files["jsonl"].read_bytes()))
+    model = train_tokenizer(texts[:6000], tmp / "tok" / "sp", vocab_size=vocab_size, num_threads=2)
+    runs: dict[str, dict[str, list]] = {k: {"read": [], "build": []} for k in files}
+    tokens = {}
+    for _ in range(repeats):
+        for name, path in files.items():
+            c, w = cpu_now(), time.perf_counter()
+            for _chunk in iter_record_chunks(path):
+                pass
+            runs[name]["read"].append((cpu_now() - c, time.perf_counter() - w))
+            c, wall, m = build(path, model, tmp / "out", 1)
+            runs[name]["build"].append((c, wall))
+            tokens[name] = m["num_tokens"]
+    assert len(set(tokens.values())) == 1, tokens             # the same documents, whatever the format
+    out = {}
+    for name in files:
+        out[name] = {"bytes": files[name].stat().st_size}
+        for stage in ("read", "build"):
+            cpu_s = statistics.median(c for c, _ in runs[name][stage])
+            wall_s = statistics.median(w for _, w in runs[name][stage])
+            base = runs["txt"][stage]
+            out[name][stage] = {"cpu": round(mb / cpu_s, 2), "wall": round(mb / wall_s, 2),
+                                "ratio_cpu": round(statistics.median(c for c, _ in base) / cpu_s, 3),
+                                "ratio_wall": round(statistics.median(w for _, w in base) / wall_s, 3)}
+    return {"mb": round(mb, 2), "docs": len(texts), "tokens": tokens["txt"], "formats": out}
+
+
+def print_formats(name: str, r: dict) -> None:
+    print(f"the documents of {name} ({r['mb']} MB of text, {r['docs']} docs) in each format, MB of text/s "
+          "(medians); ratio = format / plain text")
+    print(f"{'format':<12}{'file MB':>9}{'read cpu':>10}{'wall':>8}{'ratio cpu':>11}{'wall':>7}"
+          f"{'build cpu':>11}{'wall':>8}{'ratio cpu':>11}{'wall':>7}")
+    for fmt, x in r["formats"].items():
+        rd, bd = x["read"], x["build"]
+        print(f"{fmt:<12}{x['bytes'] / 1e6:>9.2f}{rd['cpu']:>10.2f}{rd['wall']:>8.2f}{rd['ratio_cpu']:>11.3f}"
+              f"{rd['ratio_wall']:>7.3f}{bd['cpu']:>11.2f}{bd['wall']:>8.2f}{bd['ratio_cpu']:>11.3f}"
+              f"{bd['ratio_wall']:>7.3f}")
+
+
 def main(argv=None) -> int:
     ap = C.parser(__doc__)
     ap.add_argument("--corpus", type=Path, nargs="*", default=[], help="corpus files (default: People's Daily)")
@@ -165,8 +235,17 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=int, default=4, help="People's Daily written this many times over")
     ap.add_argument("--lines", type=int, default=None, help="the first N non-empty lines of People's Daily only")
     ap.add_argument("--vocab", type=int, default=8000, help="SentencePiece vocabulary")
+    ap.add_argument("--formats", action="store_true",
+                    help="measure the input formats instead (plain text, Parquet, zstd JSON lines: see below)")
     C.tiny_defaults(ap, argv, lines=400, scale=1, repeats=1, vocab=C.TINY_VOCAB)
     args = ap.parse_args(argv)
+    if args.formats:
+        with tempfile.TemporaryDirectory(prefix="bench-shards-") as d:
+            name, src = corpora(Path(d), args.corpus, args.scale, args.lines)[0]
+            r = formats(src, Path(d), args.repeats, args.vocab)
+        print_formats(name, r)
+        C.result("shards_formats", corpus=name, **r)
+        return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as d:
         tmp = Path(d)

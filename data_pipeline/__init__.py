@@ -1,8 +1,9 @@
 """roformer-dist data pipeline: corpus -> SentencePiece -> webdataset shards -> resumable MLM loader.
 
 Stages (see each module): :mod:`.corpus` (input files -> documents, through the format table of
-:mod:`.formats`: one reader per format, ``txt.py``, ``jsonl.py``, ``pd.py``; :mod:`.lines`: files read
-as lines, ``.gz``, :class:`~.lines.CorpusStats`; :mod:`.normalization`: what every document goes
+:mod:`.formats`: one reader per format, ``txt.py``, ``jsonl.py``, ``pd.py``, ``parquet.py``, ``arrow.py``
+(Arrow files, ``datasets`` ``save_to_disk`` directories); :mod:`.lines`: files read as lines, ``.gz``,
+``.zst``, :class:`~.lines.CorpusStats`; :mod:`.normalization`: what every document goes
 through), :mod:`.tokenizer` (SentencePiece training/loading, word-start marks), :mod:`.imported` (an
 existing HF tokenizer.json or WordPiece vocab.txt with its own special ids), :mod:`.tario` (the shard
 tar format), :mod:`.manifest` (the manifest and its checks), :mod:`.source` (shard sets in directories
@@ -13,14 +14,15 @@ mixtures: sources, token shares, the interleaving), :mod:`.batches` (a slot's pa
 :mod:`.cli` (the flags, ``main``), :mod:`.cli_prepare` (``prepare``, ``--source`` mixtures),
 :mod:`.cli_commands` (``tokenizer``, ``shards``, ``inspect``, ``--tasks``, the steps they share);
 :mod:`.pd_ner` (named entities from People's Daily's tags, for the demo's NER task); :mod:`.atomic`
-(atomic writes, staged directories); :mod:`.errors` (below).
+(atomic writes, staged directories); :mod:`.errors` (below); :mod:`.command_line` (the argument parser of
+every command of the project: options and positionals in any order, ``--version``).
 
 Layers, top to bottom (``|``: modules that may not import each other; a module imports only from the
 layers below its own), a checked contract (``lint-imports``, ``pyproject.toml``)::
 
     cli > cli_prepare > cli_commands > cluster | loader > batches > shards > manifest > imported
       > tokenizer | tario | source | corpus | mixture | masking | slots | pd_ner > formats
-      > lines | normalization > atomic | errors
+      > lines | normalization > atomic | errors | command_line
 
 The pipeline imports nothing of roformer_dist or launcher (checked too), and knows none of their
 config keys: an error about one of several inputs says which in a structured field (``DataError.input``,

@@ -39,6 +39,7 @@ import textwrap
 
 from .cli_commands import cmd_inspect, cmd_shards, cmd_tokenizer
 from .cli_prepare import TOKENIZER_FILES, cmd_prepare, sources_yaml, weighted_interleave
+from .command_line import CommandParser
 from .errors import OUTPUT, TOKENIZER, DataError, UsageError, run_command
 from .formats import AUTO, FORMATS
 
@@ -52,13 +53,13 @@ FLAGS = {TOKENIZER: "--tokenizer", OUTPUT: "--out"}
 def _corpus_args(p: argparse.ArgumentParser, input_required: bool = True) -> None:
     g = p.add_argument_group("corpus")
     g.add_argument("--input", "-i", nargs="+", required=input_required,
-                   help=f"files, directories or globs ({' / '.join(FORMATS)}: see --format), optionally .gz")
+                   help=f"files, directories or globs ({' / '.join(FORMATS)}: see --format), optionally .gz or .zst")
     g.add_argument("--format", default=AUTO, choices=(AUTO, *FORMATS),
                    help=f"input format: {AUTO} (recognised file by file), or "
                         + " | ".join(f"{name}: {reader.help}" for name, reader in FORMATS.items()))
     g.add_argument("--doc-boundary", default="line", choices=("line", "blank"),
                    help="txt: one document per line, or documents separated by blank lines")
-    g.add_argument("--jsonl-field", default="text", help="jsonl: the field holding the text")
+    g.add_argument("--jsonl-field", default="text", help="jsonl: the field holding the text; parquet, arrow: the column holding it")
     g.add_argument("--strict", action="store_true",
                    help="stop at the first invalid UTF-8 / JSON line instead of skipping and counting it")
     g.add_argument("--jieba", action="store_true",
@@ -153,9 +154,9 @@ TOKENIZER_HELP = ("an existing tokenizer, copied into the shard set: a SentenceP
                   "its special ids (those of [PAD] [UNK] [CLS] [SEP] [MASK]), recorded in the manifest")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="roformer-data", description="Chinese corpus -> SentencePiece tokenizer -> "
-                                 "webdataset shards for roformer-dist pretraining.", epilog=EPILOG)
+def build_parser() -> CommandParser:
+    ap = CommandParser(prog="roformer-data", description="Chinese corpus -> SentencePiece tokenizer -> "
+                       "webdataset shards for roformer-dist pretraining.", epilog=EPILOG)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tokenizer,shards,prepare,inspect}")
 

@@ -1,12 +1,13 @@
 """The corpus: input files -> raw records -> normalised :class:`Document` s.
 
-Inputs may be files, directories (every file below them, sorted) or glob patterns (:func:`expand_inputs`),
-and :class:`~data_pipeline.lines.InputRange` s (part of a file, for ``--tasks``). Each file is read by
-the reader of its format, from the table :data:`~data_pipeline.formats.FORMATS` (``txt``: a document per
-line or blank-line separated; ``jsonl``: JSON lines; ``pd``: People's Daily tagged text, with gold words),
-chosen per file in ``auto`` mode (:func:`detect_format`: a format's suffixes, then the first non-empty
-line; else ``txt``). Every format may be gzip-compressed (``.gz``); a format adds nothing here (see
-:mod:`.formats`).
+Inputs may be files, directories (every file below them, sorted; a directory written by ``datasets``'
+``save_to_disk``, :data:`~data_pipeline.formats.LAYOUTS`, is its data files, in its order) or glob patterns
+(:func:`expand_inputs`), and :class:`~data_pipeline.lines.InputRange` s (part of a file, for ``--tasks``).
+Each file is read by the reader of its format, from the table :data:`~data_pipeline.formats.FORMATS`
+(``txt``: a document per line or blank-line separated; ``jsonl``: JSON lines; ``pd``: People's Daily tagged
+text, with gold words; ``parquet``, ``arrow``: a text column, read with pyarrow), chosen per file in ``auto``
+mode (:func:`detect_format`: a format's suffixes, then the first non-empty line; else ``txt``). Every
+line-based format may be compressed (``.gz``, ``.zst``); a format adds nothing here (see :mod:`.formats`).
 
 Reading (:mod:`.lines`): lines that are not valid UTF-8, and lines longer than ``max_line_bytes`` (default
 ``MAX_LINE_BYTES``, 1 MiB; ``--max-line-bytes``), are skipped and counted, never read whole (``strict=True``:
@@ -14,8 +15,8 @@ a :class:`~data_pipeline.errors.DataError` naming the file and line instead); so
 document whose lines add up to more. A JSON line nested too deeply for the parser counts as invalid JSON.
 :class:`CorpusStats` holds the counts and the warnings: a file that looks binary (NUL bytes, or more than
 10% of its lines not UTF-8) and a corpus of which more than 1% of the lines were skipped. A file that
-cannot be read (a truncated or damaged ``.gz``, an I/O error) is a DataError naming it; :func:`check_inputs`
-opens every input before any expensive work.
+cannot be read (a truncated or damaged ``.gz`` / ``.zst`` / Parquet / Arrow file, an I/O error) is a DataError
+naming it; :func:`check_inputs` opens every input before any expensive work.
 
 Normalisation (:mod:`.normalization`), applied to every document: NFKC (full-width ASCII to half-width, the
 ideographic space to a space), control and format characters removed, whitespace collapsed to one space and
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 from .errors import DataError, UsageError
-from .formats import AUTO, FALLBACK, FORMATS, TEXT, ReadOptions, WordReader
+from .formats import AUTO, FALLBACK, FORMATS, LAYOUTS, TEXT, ReadOptions, WordReader
 from .formats.pd import pd_documents_batch
 from .formats.pd import pd_words as _pd_words  # noqa: F401 - tests and bench/shards.py import it from here
 from .lines import (BLOCK_BYTES, MAX_LINE_BYTES, READ_ERRORS, CorpusStats, InputRange, Lines, base_suffix,
@@ -69,7 +70,8 @@ class Document:
 
 
 def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Path]:
-    """Files named by paths, directories (recursively, sorted) and glob patterns (InputRange s as they are)."""
+    """Files named by paths, directories (recursively, sorted: :func:`_files_below`) and glob patterns
+    (InputRange s as they are)."""
     if isinstance(inputs, (str, os.PathLike, InputRange)):
         inputs = [inputs]
     files: list[Path] = []
@@ -80,7 +82,7 @@ def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> li
         s = str(item)
         p = Path(s)
         if p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")))
+            files.extend(_files_below(p))
         elif p.is_file():
             files.append(p)
         elif any(ch in s for ch in "*?["):
@@ -95,9 +97,31 @@ def expand_inputs(inputs: Iterable[str | os.PathLike] | str | os.PathLike) -> li
     return files
 
 
+def _files_below(top: Path) -> list[Path]:
+    """The files below ``top`` (not hidden), sorted; but a directory of one of :data:`~.formats.LAYOUTS` (``top``
+    itself or one below it) is its layout's data files, in the layout's order, where its first file sorts."""
+    layouts: dict[Path, Optional[list[Path]]] = {}
+
+    def layout(d: Path) -> Optional[list[Path]]:
+        if d not in layouts:
+            layouts[d] = next((files for files in (find(d) for find in LAYOUTS) if files is not None), None)
+        return layouts[d]
+
+    out: list[Path] = []
+    done: set[Path] = set()
+    for f in sorted(f for f in top.rglob("*") if f.is_file() and not f.name.startswith(".")):
+        root = next((top / d for d in reversed(f.relative_to(top).parents) if layout(top / d) is not None), None)
+        if root is None:
+            out.append(f)
+        elif root not in done:
+            done.add(root)
+            out.extend(layouts[root])
+    return out
+
+
 def check_inputs(inputs) -> list[Path]:
-    """The input files, each opened and its first block read (decompressed for ``.gz``), so that a
-    missing, unreadable or non-gzip input fails before any expensive work; DataError naming it."""
+    """The input files, each opened and its first block read (decompressed for ``.gz`` / ``.zst``), so that a
+    missing, unreadable or wrongly compressed input fails before any expensive work; DataError naming it."""
     files = expand_inputs(inputs)
     for path in files:
         path = path.path if isinstance(path, InputRange) else path
@@ -131,7 +155,8 @@ def detect_format(path: Path) -> str:
 
 
 def splittable(path: Path, fmt: str, doc_boundary: str) -> bool:
-    """Whether a file can be read in byte ranges (InputRange): uncompressed, one document per line."""
+    """Whether a file can be read in byte ranges (InputRange): uncompressed, one document per line (or Parquet:
+    at row groups)."""
     return not compressed(path) and FORMATS[fmt].splittable(ReadOptions(doc_boundary=doc_boundary))
 
 

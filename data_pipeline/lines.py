@@ -2,20 +2,23 @@
 blocks (:class:`Lines`), and the counts kept while reading (:class:`CorpusStats`).
 
 Every format reads its files through :class:`Lines` (:mod:`.formats`). A file ending in ``.gz`` is read
-through gzip (:func:`open_input`, the one place compression is handled): every format takes it, and it is
-never cut into byte ranges. Lines that are not valid UTF-8 are skipped and counted (``strict``: a
+through gzip, one ending in ``.zst`` through zstandard (:func:`open_input`, the one place compression is
+handled; :data:`COMPRESSIONS`): every line-based format takes them, and they are never cut into byte ranges.
+Columnar formats (Parquet, Arrow) read ``Lines.path`` themselves, with pyarrow, and count rows as lines.
+Lines that are not valid UTF-8 are skipped and counted (``strict``: a
 :class:`~data_pipeline.errors.DataError` naming the file and line instead). A line is never read whole
 when it is longer than ``max_line_bytes`` (default :data:`MAX_LINE_BYTES`, 1 MiB, newline excluded): at
 most that many bytes of it (plus one read block, :data:`BLOCK_BYTES`: 1 MiB) are held in memory, the
 rest is read past in pieces, and the line is skipped and counted (``long_lines``), or, with ``strict``,
 is a DataError naming the file and line. A file that looks binary (NUL bytes, or more than 10% of its
 lines not UTF-8) gets a warning in :class:`CorpusStats`. A file that cannot be read (a truncated or
-damaged ``.gz``, an I/O error) is a DataError naming it.
+damaged ``.gz`` or ``.zst``, an I/O error) is a DataError naming it.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +26,10 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, UsageError
 
 __all__ = ["InputRange", "CorpusStats", "Lines", "LineAt", "MAX_LINE_BYTES", "BLOCK_BYTES", "READ_ERRORS",
-           "read_line", "bounded_lines", "open_input", "base_suffix", "compressed", "reason"]
+           "COMPRESSIONS", "read_line", "bounded_lines", "open_input", "base_suffix", "compressed", "reason"]
 
 BINARY_LINE_FRACTION = 0.10
 """A file with more than this share of lines that are not UTF-8 (or with NUL bytes) looks binary."""
@@ -39,7 +42,14 @@ _SKIP_CHUNK = 1 << 20
 BLOCK_BYTES = 1 << 20
 """Lines are read in blocks of this many bytes (1 MiB), decoded and split a block at a time."""
 READ_ERRORS = (OSError, EOFError, zlib.error)
-"""What reading a (possibly compressed) input raises when it cannot be read: named as a DataError."""
+"""What reading a (possibly compressed) input raises when it cannot be read: named as a DataError (damaged
+``.zst`` data comes as an OSError, a truncated ``.zst`` as an EOFError: :class:`_ZstdReader`)."""
+COMPRESSIONS = (".gz", ".zst")
+"""The suffixes of compressed inputs (gzip, zstandard): read decompressed, as a stream, never in byte ranges; the
+suffix before them names the format (``a.jsonl.zst`` is JSON lines)."""
+ZSTD_PIECE_BYTES = 1 << 12
+"""Compressed bytes decompressed at a time from a ``.zst``: 4 KiB, which zstandard's largest ratio (a 4-byte
+block of 128 KiB) turns into at most 128 MiB, whatever the file holds."""
 
 LineAt = tuple[int, int]
 """Where a line is, for messages (:meth:`Lines.where`): (its line number, its byte offset in a range)."""
@@ -48,8 +58,9 @@ LineAt = tuple[int, int]
 @dataclass(frozen=True)
 class InputRange:
     """Part of an uncompressed, line-based input file: the lines that *start* at a byte in
-    ``[start, end)`` (so consecutive ranges of a file split it at line boundaries, each line once).
-    How cluster preparation spreads one large file over several tasks; accepted wherever inputs are."""
+    ``[start, end)`` (so consecutive ranges of a file split it at line boundaries, each line once); of a
+    Parquet file, the row groups that start there (:mod:`.formats.parquet`). How cluster preparation
+    spreads one large file over several tasks; accepted wherever inputs are."""
     path: Path
     start: int
     end: int
@@ -68,9 +79,10 @@ class CorpusStats:
     empty_docs: int = 0
     invalid_json_lines: int = 0
     lines: int = 0
-    """Raw lines read (all files)."""
+    """Raw lines (and rows of columnar files) read (all files)."""
     long_lines: int = 0
-    """Lines (and blank-line separated documents) skipped for being longer than ``max_line_bytes``."""
+    """Lines (blank-line separated documents, texts of columnar rows) skipped for being longer than
+    ``max_line_bytes``."""
     max_line_bytes: int = MAX_LINE_BYTES
     """The limit they were over (for the warning)."""
     file_warnings: list = field(default_factory=list)
@@ -129,27 +141,86 @@ class CorpusStats:
 
 def reason(e: BaseException) -> str:
     """Why an input could not be read, in a few words (one of :data:`READ_ERRORS`)."""
-    if isinstance(e, EOFError) or "end-of-stream" in str(e):
+    if "end-of-stream" in str(e):                      # gzip's EOFError
         return "the compressed file ends early: truncated .gz?"
+    if isinstance(e, EOFError):
+        return str(e) or "the compressed file ends early"
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return str(e) or type(e).__name__
 
 
 def compressed(path: Path) -> bool:
-    """Whether ``path`` is read through gzip (``.gz``)."""
-    return path.suffix == ".gz"
+    """Whether ``path`` is read decompressed (its suffix is one of :data:`COMPRESSIONS`)."""
+    return path.suffix in COMPRESSIONS
 
 
 def open_input(path: Path):
-    """``path`` opened for binary reading, decompressed when it is :func:`compressed`."""
-    return gzip.open(path, "rb") if compressed(path) else open(path, "rb")
+    """``path`` opened for binary reading, decompressed when it is :func:`compressed`; UsageError naming the
+    ``pip install`` line when a ``.zst`` input meets an environment without zstandard."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix == ".zst":
+        try:
+            import zstandard  # noqa: PLC0415 - optional: only .zst inputs need it
+        except ImportError:
+            raise UsageError(f"input {path}: reading .zst (zstandard-compressed) files needs the zstandard "
+                             "package: pip install zstandard  (or pip install 'roformer-dist[data]')") from None
+        return io.BufferedReader(_ZstdReader(path, zstandard), BLOCK_BYTES)
+    return open(path, "rb")
 
 
 def base_suffix(path: Path) -> str:
     """The suffix of ``path`` without a compression suffix, lower case (``a.JSONL.gz`` -> ``.jsonl``)."""
-    name = path.name[:-3] if compressed(path) else path.name
+    name = path.stem if compressed(path) else path.name
     return Path(name).suffix.lower()
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a ``.zst`` file of any number of frames, :data:`ZSTD_PIECE_BYTES` of input at a
+    time. zstandard's own ``stream_reader`` takes a file that ends inside a frame for a complete one; this
+    reader raises an EOFError there (and an OSError for damaged data), as gzip does."""
+
+    def __init__(self, path: Path, zstandard):
+        self._file = open(path, "rb")
+        self._zstd = zstandard
+        self._frame = None                 # the decompressor of the current frame
+        self._next = b""                   # input after the end of a frame: the next frame's start
+        self._out, self._at = b"", 0       # decompressed, not yet read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self._at == len(self._out):             # a piece may decompress to nothing (a frame's header)
+            if not self._decompress():
+                return 0
+        k = min(len(buf), len(self._out) - self._at)
+        buf[:k] = self._out[self._at:self._at + k]
+        self._at += k
+        return k
+
+    def _decompress(self) -> bool:
+        """The next piece of input decompressed into ``_out``; False at the end of the file."""
+        data = self._next or self._file.read(ZSTD_PIECE_BYTES)
+        self._next = b""
+        if not data:
+            if self._frame is not None and not self._frame.eof:
+                raise EOFError("the compressed file ends inside a zstd frame: truncated .zst?")
+            return False
+        if self._frame is None or self._frame.eof:
+            self._frame = self._zstd.ZstdDecompressor().decompressobj()
+        try:
+            self._out, self._at = self._frame.decompress(data), 0
+        except self._zstd.ZstdError as e:
+            raise OSError(f"damaged .zst data ({e})") from None
+        if self._frame.eof:
+            self._next = self._frame.unused_data
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def read_line(f, limit: int) -> tuple[Optional[bytes], int]:

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from data_pipeline.atomic import atomic_write_text
+from data_pipeline.command_line import CommandParser
 from launcher import profiles, slurm
 from launcher.profiles import JobFlags
 from roformer_dist.config import parse_mode, save_config
@@ -68,8 +69,8 @@ EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 6
 SUBCOMMANDS = ("status", "cancel", "logs")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="roformer-submit",
         description="Submit a RoFormer pretraining run to SLURM through submitit (requeued on time limits and "
                     "preemption, resumed from its checkpoints), or run it on this machine. "
@@ -408,7 +409,7 @@ def logs(run_dir: Path, rank: int, lines: int) -> int:
 
 
 def run_subcommand(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog=f"roformer-submit {argv[0]}")
+    p = CommandParser(prog=f"roformer-submit {argv[0]}", add_version=False)
     p.add_argument("run_dir", type=Path)
     if argv[0] == "logs":
         p.add_argument("--rank", type=int, default=0, help="whose log (default 0)")
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         return run_command(f"roformer-submit {argv[0]}", lambda: run_subcommand(argv))
-    args = build_parser().parse_intermixed_args(argv)
+    args = build_parser().parse_args(argv)
     return run_command("roformer-submit", lambda: submit(args))
 
 

@@ -2,7 +2,8 @@
 after a resumed step, and holds every event of a checkpoint's steps once that checkpoint commits, even when
 the launch is killed right after (the fault campaign's guarantee, per sink).
 
-A new sink adds its entry to ``VIEWS``: what of its read-back must equal an uninterrupted run's.
+A new sink adds its entry to ``VIEWS``: what of its read-back must equal an uninterrupted run's. A sink whose
+optional package (``SINKS[name].package``) is not installed is skipped, with the ``pip install`` line.
 
 The killed-launch test guards the outcome, not the mechanism: TensorBoard's writer thread often has its
 events on disk within a second on its own (the test passed here with ``TensorBoardSink.flush`` disabled);
@@ -11,6 +12,8 @@ caught the missing flush once.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
@@ -24,12 +27,22 @@ def _jsonl_view(read, upto):
     return {step: (r["loss"], r["mlm_acc"]) for step, r in read.items() if step <= upto}
 
 
-def _tensorboard_view(read, upto):
-    # perf/* are measurements (their values differ between runs); every other tag must match step for step
+def _tags_view(read, upto):
+    # tag -> [(step, value)]; perf/* are measurements (their values differ between runs); every other tag must
+    # match step for step
     return {tag: [(s, v) for s, v in events if s <= upto] for tag, events in read.items() if not tag.startswith("perf/")}
 
 
-VIEWS = {"jsonl": _jsonl_view, "tensorboard": _tensorboard_view}
+VIEWS = {"jsonl": _jsonl_view, "tensorboard": _tags_view, "wandb": _tags_view, "mlflow": _tags_view}
+
+OPTIONAL = [n for n in SINKS if getattr(SINKS[n], "package", None)]
+INSTALLED = [n for n in SINKS if n not in OPTIONAL or importlib.util.find_spec(SINKS[n].package)]
+
+
+def _needs_package(name):
+    if name not in INSTALLED:
+        package, extra = SINKS[name].package, SINKS[name].extra
+        pytest.skip(f"the {package} package is not installed: pip install 'roformer-dist[{extra}]'")
 
 
 def test_every_sink_has_a_view_for_these_tests():
@@ -38,6 +51,7 @@ def test_every_sink_has_a_view_for_these_tests():
 
 @pytest.mark.parametrize("name", list(SINKS))
 def test_a_sink_gives_back_what_it_was_given_and_a_resume_drops_what_came_after(name, tmp_path):
+    _needs_package(name)
     sink = SINKS[name](SinkContext(tmp_path))
     for step in range(1, 5):
         sink.log_record({"step": step, "loss": 1.0 / step, "mlm_acc": step / 10})
@@ -60,8 +74,8 @@ def test_a_sink_gives_back_what_it_was_given_and_a_resume_drops_what_came_after(
 
 def test_sinks_are_chosen_by_name_and_unknown_ones_are_refused_by_the_key():
     assert check_sinks(["tensorboard", "jsonl", "tensorboard"]) == ("tensorboard", "jsonl")
-    with pytest.raises(ConfigError, match="logging.sinks: unknown sink.*'wandb'.*known: jsonl, tensorboard"):
-        check_sinks(["wandb"])
+    with pytest.raises(ConfigError, match="logging.sinks: unknown sink.*'neptune'.*known: jsonl, tensorboard, wandb"):
+        check_sinks(["neptune"])
     with pytest.raises(ConfigError, match="logging.sinks"):
         open_sinks(["nowhere"], SinkContext("."))
 
@@ -72,8 +86,8 @@ def test_a_run_always_keeps_its_record_and_tensorboard_can_be_left_out(tmp_path)
     assert run_sinks(load_config(overrides=["logging.tensorboard=false"])) == ("jsonl",)
     assert run_sinks(load_config()) == ("jsonl", "tensorboard")
     assert run_sinks(load_config(overrides=["logging.sinks=[tensorboard]"])) == ("jsonl", "tensorboard")
-    with pytest.raises(ConfigError, match="logging.sinks: unknown sink.*'mlflow'"):
-        run_sinks(load_config(overrides=["logging.sinks=[jsonl, mlflow]"]))
+    with pytest.raises(ConfigError, match="logging.sinks: unknown sink.*'comet'"):
+        run_sinks(load_config(overrides=["logging.sinks=[jsonl, comet]"]))
     for bad in ("[jsonl, jsonl]", "['']"):
         with pytest.raises(ConfigError, match=r"logging\.sinks"):
             load_config(overrides=[f"logging.sinks={bad}"])
@@ -85,14 +99,51 @@ def test_a_run_always_keeps_its_record_and_tensorboard_can_be_left_out(tmp_path)
     assert MetricsWriter(tmp_path, 1, 0).sinks == []  # other ranks write nothing
 
 
+@pytest.mark.parametrize("name", OPTIONAL)
+def test_a_sink_whose_package_is_missing_is_refused_when_the_config_is_checked(name, monkeypatch):
+    from roformer_dist.config import load_config
+
+    cfg = load_config(overrides=[f"logging.sinks=[tensorboard, {name}]"])
+    monkeypatch.setattr(SINKS[name], "package", "roformer_dist_no_such_package")
+    # run_sinks is what roformer-train checks before any rank starts; opening the sink checks again
+    refused = rf"logging\.sinks: the '{name}' sink needs .*: pip install 'roformer-dist\[{name}\]'"
+    with pytest.raises(ConfigError, match=refused):
+        run_sinks(cfg)
+    with pytest.raises(ConfigError, match=r"logging\.sinks: .*pip install"):
+        open_sinks([name], SinkContext("."))
+
+
+def test_wandb_sync_uploads_only_the_segments_read_gives_back(tmp_path):
+    import json
+
+    _needs_package("wandb")
+    sink = SINKS["wandb"](SinkContext(tmp_path))
+    for step in (1, 2):
+        sink.log_scalars(step, {"train/loss": float(step)})
+    sink.flush()  # the checkpoint of step 2
+    sink.log_scalars(3, {"train/loss": 3.0})
+    sink.run.finish()  # stands in for the kill: step 3's segment is on disk but was never listed
+    resumed = SINKS["wandb"](SinkContext(tmp_path, resume_step=2))
+    resumed.log_scalars(3, {"train/loss": 30.0})
+    resumed.close()
+    assert type(resumed).read(tmp_path) == {"train/loss": [(1, 1.0), (2, 2.0), (3, 30.0)]}
+    listed = {s["dir"] for s in json.loads((tmp_path / "wandb_run.json").read_text())["segments"]}
+    # what `wandb sync <dir>/wandb` picks up (its latest-run link aside)
+    synced = {p.parent.name for p in (tmp_path / "wandb").glob("*/*.wandb") if not p.parent.is_symlink()}
+    assert synced == listed and len(listed) == 2
+
+
 @pytest.fixture(scope="module")
 def killed_after_a_checkpoint(small_shards, tmp_path_factory):
-    """(run killed right after `latest` names step 4, the same run stopped at step 4)."""
+    """(run killed right after `latest` names step 4, the same run stopped at step 4), with every installed sink."""
     base = tmp_path_factory.mktemp("sinks")
-    common = ("trainer.save_every=4", "trainer.log_every=2", "trainer.eval_every=4")
+    common = ("trainer.save_every=4", "trainer.log_every=2", "trainer.eval_every=4",
+              f"logging.sinks=[{', '.join(INSTALLED)}]")
+    # W&B offline and MLflow's file store in the run directory, whatever the environment says
+    quiet = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": ""}
     out = {}
-    for name, extra, env in (("killed", (), {"ROFORMER_FAULT_AT": "save.after_latest@1:kill-group@0"}),
-                             ("reference", ("trainer.stop_at_step=4",), None)):
+    for name, extra, env in (("killed", (), {**quiet, "ROFORMER_FAULT_AT": "save.after_latest@1:kill-group@0"}),
+                             ("reference", ("trainer.stop_at_step=4",), quiet)):
         proc = run_cli(cli_overrides(small_shards, base / name, *common, *extra), env)
         text, _ = proc.communicate(timeout=300)
         assert wait_for_group_gone(proc.pid) == []
@@ -105,6 +156,7 @@ def killed_after_a_checkpoint(small_shards, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SINKS))
 def test_every_sink_holds_a_checkpoints_steps_when_the_launch_is_killed_right_after(name, killed_after_a_checkpoint):
+    _needs_package(name)
     runs, read, view = killed_after_a_checkpoint, SINKS[name].read, VIEWS[name]
     want = view(read(runs["reference"]), 4)
     assert want, "the reference run wrote nothing to this sink"

@@ -1,11 +1,14 @@
 """What a corpus format is: the :class:`Reader` protocol, the options a reader takes, the record kinds.
 
 A reader turns the lines of one input file (:class:`~data_pipeline.lines.Lines`: valid UTF-8, over-long
-lines already skipped, ``.gz`` already decompressed) into raw records, one per document, not yet
-normalised, a batch at a time. What the records are decides how they are normalised, by their *kind*:
+lines already skipped, ``.gz`` / ``.zst`` already decompressed) into raw records, one per document, not yet
+normalised, a batch at a time. A columnar format (``parquet``, ``arrow``) reads ``lines.path`` itself with its
+library, counting into ``lines.stats``, and for a byte range (``lines.start``, ``lines.end``) the units of
+its file that start there (Parquet's row groups). What the records are decides how they are normalised, by
+their *kind*:
 
 - :data:`TEXT`: plain text, normalised by :func:`~data_pipeline.normalization.normalize` (``txt``,
-  ``jsonl``);
+  ``jsonl``, ``parquet``, ``arrow``);
 - any other kind: records that carry gold word boundaries (People's Daily's ``word/tag``); the reader of
   that kind parses them (:class:`WordReader`), and the words become whole-word-masking marks.
 
@@ -38,7 +41,7 @@ class ReadOptions:
     doc_boundary: str = "line"
     """txt: ``line`` (a document per line) or ``blank`` (documents separated by blank lines)."""
     jsonl_field: str = "text"
-    """jsonl: the field holding the text."""
+    """jsonl: the field holding the text; parquet, arrow: the column holding it."""
     strict: bool = False
     """Stop at the first invalid line (a DataError naming it) instead of skipping and counting it."""
     max_line_bytes: int = MAX_LINE_BYTES
@@ -51,7 +54,7 @@ class Reader(Protocol):
     help: str
     """One line for ``roformer-data --format``'s help: what it reads, and how ``auto`` recognises it."""
     suffixes: tuple[str, ...]
-    """File name suffixes (lower case, before ``.gz``) that make ``auto`` take a file for this format."""
+    """File name suffixes (lower case, before ``.gz`` / ``.zst``) that make ``auto`` take a file for this format."""
     kind: str
     """The kind of its records: :data:`TEXT`, or its own kind when they carry gold words (a WordReader)."""
 
@@ -61,7 +64,8 @@ class Reader(Protocol):
 
     def splittable(self, options: ReadOptions) -> bool:
         """Whether a file of this format can be read in byte ranges (one document per line, so a range of
-        whole lines holds whole documents; ``--tasks`` cuts large files so). Compressed files never are."""
+        whole lines holds whole documents; Parquet: the row groups starting in the range; ``--tasks`` cuts
+        large files so). Compressed files never are."""
 
     def records(self, lines: Lines, options: ReadOptions) -> Iterator[list[str]]:
         """The raw records of one file (or range), in batches (a batch may be empty)."""

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.command_line import CommandParser
 from roformer_dist.config import load_config
 from roformer_dist.errors import CheckpointError, ConfigError, DataError, run_command
 
@@ -124,8 +125,8 @@ def cmd_to_hf(args) -> None:
           + " ".join(res.files))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="roformer-convert",
         description="Convert RoFormer weights between roformer-dist and HF transformers "
                     "(RoFormerForMaskedLM, save_pretrained directories).",

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from data_pipeline.atomic import atomic_write_text
+from data_pipeline.command_line import CommandParser
 from roformer_dist.config import load_config
 from roformer_dist.demo.data import DEMO_CONFIG, DataSettings, DemoError, check_run_matches_data, console_script, \
     data_paths, prepare, prepare_ner, run
@@ -97,10 +98,10 @@ def summarize(summary: dict) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m roformer_dist.cli.demo", description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CommandParser:
+    p = CommandParser(prog="python -m roformer_dist.cli.demo", description=__doc__.split("\n\n")[0],
+                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     data = DataSettings()
     p.add_argument("--config", default=str(DEMO_CONFIG))
     p.add_argument("--vocab-size", type=int, default=data.vocab_size,

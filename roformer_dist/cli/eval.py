@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from data_pipeline.command_line import CommandParser
 from roformer_dist.config import ModelConfig, Packing, RopeSettings, choices, parse_lengths, rope_settings, \
     validate_rope
 from roformer_dist.errors import ConfigError, run_command
@@ -92,10 +93,10 @@ def parse_scalings(text: str) -> list[Scaling]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="roformer-eval", description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> CommandParser:
+    p = CommandParser(prog="roformer-eval", description=__doc__.split("\n\n")[0],
+                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
                    help="run directory, checkpoints/ directory or checkpoints/step_XXXXXXXX directory")
     p.add_argument("--lengths", type=parse_lengths, default=None, metavar="L1,L2,...",

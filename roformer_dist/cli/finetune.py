@@ -9,11 +9,15 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from data_pipeline.command_line import CommandParser
 from roformer_dist.errors import run_command
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from roformer_dist.finetune.run import run  # torch and transformers: not needed for a usage error
+    from roformer_dist.finetune.run import build_parser, run  # torch and transformers: not needed to import this module
+
+    # the library's parser as a command's: --version, usage errors and --help here; run() parses argv again
+    CommandParser.from_parser(build_parser()).parse_args(argv)
 
     def body() -> int:
         run(argv)

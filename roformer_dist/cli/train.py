@@ -18,15 +18,15 @@ import os
 import sys
 from pathlib import Path
 
+from data_pipeline.command_line import CommandParser
 from roformer_dist.config import Config, dump_yaml, load_config
 from roformer_dist.errors import EXIT_STATUS_HELP, ConfigError, run_command
-from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, exit_now
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="roformer-train",
         description="Pretrain RoFormer on this machine: starts dist.world_size ranks (or runs as one rank when "
                     "RANK/WORLD_SIZE are set by torchrun or SLURM). Resumes from the newest complete checkpoint in <run_dir>/checkpoints. "
@@ -96,12 +96,20 @@ def _run(args, stop: StopFlag) -> int:
     run_sinks(cfg)  # an unknown sink is refused before anything starts
     if as_rank:
         return run_rank(cfg, stop=stop)  # global rank 0 resolves the run; the others read it
-    with RunLock(cfg.run_dir, mode=cfg.run_dir_mode) as lock:
-        stop.on_abort(lock.release)
-        check_writable(RunDir.of(cfg).checkpoints, "the checkpoint directory")
-        run = resolve_run(cfg)  # manifests, mixture, stage plans, resume decision: once, before any rank starts
+    locks: list[RunLock] = []
+
+    def take_lock() -> None:  # once the data and the config checked out: a refused run leaves no run directory
+        locks.append(RunLock(cfg.run_dir, mode=cfg.run_dir_mode).acquire())
+        stop.on_abort(locks[0].release)
+
+    try:
+        run = resolve_run(cfg, take_lock=take_lock)  # manifests, mixture, stage plans, resume decision: once
+        check_writable(run.run_dir.checkpoints, "the checkpoint directory")
         run.write()
         return spawn_local(run, stop)
+    finally:
+        for lock in locks:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -344,8 +344,9 @@ class LoggingConfig:
     level: str = "INFO"
     """Python logging level."""
     sinks: tuple[str, ...] = ("jsonl", "tensorboard")
-    """Where metrics and text go: jsonl (metrics.jsonl, the run's record: always on), tensorboard, and any
-    other registered sink; validated against the sink table at start. Without ``tensorboard`` here (or with
+    """Where metrics and text go: jsonl (metrics.jsonl, the run's record: always on), tensorboard, wandb
+    (offline by default, under the run directory), mlflow (a file store in the run directory by default), and
+    any other registered sink; validated against the sink table (and the sinks' packages) at start. Without ``tensorboard`` here (or with
     ``tensorboard: false``) no TensorBoard events are written."""
 
 

@@ -47,6 +47,8 @@ class RunDir:
         <run_dir>/compile_cache/            trainer.compile's kernels             (parallel.compiled)
         <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (train.trainer)
         <run_dir>/resolved_run.json         what this launch resolved             (train.resolved)
+        <run_dir>/wandb/, wandb_run.json    W&B's offline files, the run's id     (train.sinks.wandb_sink)
+        <run_dir>/mlruns/, mlflow_run.json  MLflow's file store, the run's id     (train.sinks.mlflow_sink)
     """
 
     root: Path
@@ -106,6 +108,22 @@ class RunDir:
     @property
     def resolved_run(self) -> Path:
         return self.root / "resolved_run.json"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    @property
+    def wandb_run(self) -> Path:
+        return self.root / "wandb_run.json"
+
+    @property
+    def mlruns(self) -> Path:
+        return self.root / "mlruns"
+
+    @property
+    def mlflow_run(self) -> Path:
+        return self.root / "mlflow_run.json"
 
 
 SUBDIRS = tuple(p.name for p in (RunDir("").checkpoints, RunDir("").logs, RunDir("").tb))

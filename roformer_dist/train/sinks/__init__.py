@@ -21,18 +21,22 @@ holds after that step (a fresh start, 0, drops everything), so its view equals a
 
 A new sink is one module here with a class taking a :class:`SinkContext` (and a ``read(dir)`` class method
 giving back what it wrote, for the tests), plus its name in :data:`SINKS`. A sink whose package is missing
-raises ``ConfigError`` naming ``logging.sinks`` and the ``pip install`` line when it is opened.
+raises ``ConfigError`` naming ``logging.sinks`` and the ``pip install`` line when the config is checked
+(:func:`check_sinks`, before any rank starts) and when it is opened.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from roformer_dist.errors import ConfigError
 from roformer_dist.train.sinks.jsonl import JsonlSink
+from roformer_dist.train.sinks.mlflow_sink import MlflowSink
 from roformer_dist.train.sinks.tensorboard import TensorBoardSink
+from roformer_dist.train.sinks.wandb_sink import WandbSink
 
 __all__ = ["Sink", "SinkContext", "SINKS", "check_sinks", "open_sinks"]
 
@@ -62,15 +66,24 @@ class Sink(Protocol):
 SINKS: dict[str, Callable[[SinkContext], Sink]] = {
     "jsonl": JsonlSink,
     "tensorboard": TensorBoardSink,
+    "wandb": WandbSink,
+    "mlflow": MlflowSink,
 }
-"""``logging.sinks`` name -> the sink's class."""
+"""``logging.sinks`` name -> the sink's class. A class needing an optional package names it (``package``,
+imported in its ``__init__``) and the extra that installs it (``extra``): :func:`check_sinks` looks for it."""
 
 def check_sinks(names: Iterable[str], key: str = "logging.sinks") -> tuple[str, ...]:
-    """The names, without repeats; ConfigError naming ``key`` for a name not in :data:`SINKS`."""
+    """The names, without repeats; ConfigError naming ``key`` for a name not in :data:`SINKS` or one whose
+    package is not installed (looked up, not imported: this runs when the config is read)."""
     names = tuple(dict.fromkeys(names))
     unknown = [n for n in names if n not in SINKS]
     if unknown:
         raise ConfigError(f"{key}: unknown sink(s) {', '.join(map(repr, unknown))}; known: {', '.join(SINKS)}")
+    for n in names:
+        package = getattr(SINKS[n], "package", None)
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key}: the {n!r} sink needs the {package} package, which is not installed: "
+                              f"pip install 'roformer-dist[{SINKS[n].extra}]'")
     return names
 
 
