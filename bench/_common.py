@@ -247,7 +247,8 @@ def load_average() -> str:
 
 def init_single_rank(device: str = "cpu") -> None:
     """This process as the one rank of a torch.distributed group (gloo; nccl for ``cuda``), DeepSpeed's comm on it."""
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
     import torch
 
     from roformer_dist.runtime.process_group import DistEnv, free_port, init_process_group
@@ -262,7 +263,8 @@ def init_single_rank(device: str = "cpu") -> None:
 
 def init_rank(threads: int) -> None:
     """In a rank started by :func:`run_distributed`: quiet warnings, torch threads, DeepSpeed's comm."""
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
 
     torch_setup("cpu", threads)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -39,7 +39,8 @@ def parse_args(argv=None):
 
 
 def check(name: str, width: int, zero: dict, **top: object) -> dict:
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
 
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
     config = {"train_batch_size": 1, "zero_optimization": {"stage": 3, **zero}, "steps_per_print": 10**9, **top}
@@ -58,7 +59,8 @@ def check(name: str, width: int, zero: dict, **top: object) -> dict:
 
 
 def main(argv=None) -> int:
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
     import torch.distributed as dist
 
     a = parse_args(argv)

@@ -62,7 +62,8 @@ def config(a, zero_stage: int, dtype: str):
 
 def build(cfg, which: str):
     """(engine, init seconds): ours through ``build_engine``, DeepSpeed's FusedAdam from the same JSON."""
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
 
     from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.config import stage_plans

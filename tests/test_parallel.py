@@ -62,7 +62,8 @@ def batches(first_step: int, dp_rank: int, dp_size: int):
 
 def _train(rank, world_size, layout, zero, steps, save_dir=None, resume_dir=None, first_step=0):
     """Train ``steps`` steps in ``layout`` = (tensor, pipeline); returns (losses, accuracies)."""
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
 
     from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.config import stage_plans

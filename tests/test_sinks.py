@@ -14,6 +14,8 @@ caught the missing flush once.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
@@ -161,3 +163,14 @@ def test_every_sink_holds_a_checkpoints_steps_when_the_launch_is_killed_right_af
     want = view(read(runs["reference"]), 4)
     assert want, "the reference run wrote nothing to this sink"
     assert view(read(runs["killed"]), 4) == want
+
+
+def test_deepspeed_is_imported_without_mlflow_which_still_imports_afterwards():
+    """DeepSpeed's autotuner imports mlflow when it is installed (a second in every rank); the project's one
+    way of importing DeepSpeed hides it for that import only."""
+    pytest.importorskip("mlflow")
+    code = ("import sys; from roformer_dist.runtime.deepspeed_import import import_deepspeed; import_deepspeed(); "
+            "print('mlflow' in sys.modules); import mlflow; print(mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "mlflow"]

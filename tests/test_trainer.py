@@ -156,7 +156,8 @@ def test_crash_inside_a_save_keeps_previous_latest(small_shards, tmp_path, refer
 
 def _loaded_weights(rank, world_size, run):
     """Set up a trainer (which resumes ``run``, resolved by the test) and return the full fp32 weights it loaded."""
-    import deepspeed
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
 
     from roformer_dist.runtime.process_group import DistEnv
     from roformer_dist.train.entry import init_distributed

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from data_pipeline.atomic import StagedDir, atomic_write_text
 from roformer_dist.checkpoint.safe_load import weights_only_loads
+from roformer_dist.runtime.deepspeed_import import import_deepspeed
 
 __all__ = ["UNIVERSAL", "to_universal"]
 
@@ -27,6 +28,7 @@ def to_universal(ckpt_dir: Path, zero_stage: int) -> Path:
         return out
     from argparse import Namespace
 
+    import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
 
     with StagedDir(out) as stage:  # a half-done conversion (no DONE) is replaced as a whole

@@ -39,6 +39,7 @@ from roformer_dist.nn.model import RoFormerForMaskedLM
 from roformer_dist.parallel.consolidate import merge_model_shards
 from roformer_dist.parallel.pipeline import to_plain_names
 from roformer_dist.parallel.topology import Layout
+from roformer_dist.runtime.deepspeed_import import import_deepspeed
 
 __all__ = ["WEIGHTS_FORMAT", "WEIGHTS_VERSION", "WEIGHTS_NAME", "CONFIG_NAME", "save_weights", "load_weights",
            "with_vocab_size", "model_from_state_dict", "read_model_shards", "consolidate_state_dict",
@@ -177,6 +178,7 @@ def load_checkpoint_weights(found: Found | str | os.PathLike) -> tuple[ModelConf
             raise CheckpointError(f"{ckpt_dir}: no mp_rank_*_model_states.pt")
         sd = _torch_load(files[0])["module"]
     else:
+        import_deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:

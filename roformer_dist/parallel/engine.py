@@ -26,6 +26,7 @@ import torch
 from roformer_dist.config import Config, StagePlan
 from roformer_dist.errors import ConfigError, EnvironmentSetupError
 from roformer_dist.runtime.cuda_arch import VARIABLE as ARCH_LIST, prepare_for_deepspeed, unreadable_entries
+from roformer_dist.runtime.deepspeed_import import import_deepspeed
 from roformer_dist.runtime.jit_builds import extensions_root
 from roformer_dist.runtime.process_group import TorchComm
 
@@ -140,6 +141,7 @@ def load_op(op: DeepSpeedOp, local_rank: int) -> None:
     alike: a failure raises ``EnvironmentSetupError`` on every rank with the same one-line message (the op,
     the variables, the fix; the whole output is written beside the builds). ``TORCH_CUDA_ARCH_LIST`` is
     normalised for the build (``runtime.cuda_arch``). Every rank must call it (a collective)."""
+    import_deepspeed()
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
@@ -249,7 +251,7 @@ def build_engine(cfg: Config, module: torch.nn.Module, stage: StagePlan, load_un
                  extra_config: dict | None = None):
     """Wrap ``module`` (our model, its tensor-parallel form, or a pipeline module) in DeepSpeed for
     ``stage``; ``mpu`` gives DeepSpeed the model-parallel groups. Returns the engine."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()

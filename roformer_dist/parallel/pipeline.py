@@ -37,6 +37,7 @@ from roformer_dist.nn.model import (RoFormerForMaskedLM, RoFormerMLMHead, layer_
                                     select_predicted)
 from roformer_dist.parallel.tensor import (VocabParallelEmbedding, parallelize_layer, vocab_parallel_bias,
                                            vocab_parallel_decode, vocab_parallel_loss, vocab_range)
+from roformer_dist.runtime.deepspeed_import import import_deepspeed
 
 CHECKPOINTABLE = ["PipeLayer"]
 
@@ -139,6 +140,7 @@ def build_pipeline_module(model: RoFormerForMaskedLM, dims, partition_method: st
 
     ``partition_method``: ``type:PipeLayer`` balances the transformer layers (embeddings go to the first
     stage, the head to the last), ``parameters`` balances parameter counts, ``uniform`` list entries."""
+    import_deepspeed()
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 

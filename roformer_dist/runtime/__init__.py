@@ -8,7 +8,8 @@ their launcher), ``runlock.py`` (one writer per run directory; stale locks detec
 through the environment), ``events.py`` (a run's TensorBoard scalars read back), ``jit_builds.py``
 (torch's JIT extension builds before DeepSpeed loads its ops: a directory per Python environment, locks
 left by killed builds removed, live builds waited for), ``cuda_arch.py`` (``TORCH_CUDA_ARCH_LIST`` as
-DeepSpeed's op builder reads it, set only while a DeepSpeed op builds), ``host_reads.py`` (what a piece of code reads back
+DeepSpeed's op builder reads it, set only while a DeepSpeed op builds), ``deepspeed_import.py``
+(``import deepspeed`` without the mlflow import of its autotuner: a second per process), ``host_reads.py`` (what a piece of code reads back
 from the device: the syncs of a GPU step, found on any device).
 
 May import: ``roformer_dist.errors``, ``roformer_dist.config`` (the run directory mode), ``data_pipeline.atomic``

@@ -27,6 +27,7 @@ from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
 from roformer_dist.parallel.engine import SHM_COMM, load_op
+from roformer_dist.runtime.deepspeed_import import import_deepspeed
 from roformer_dist.runtime.faults import Faults
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wait_for_build_locks
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
@@ -53,7 +54,7 @@ def init_distributed(cfg: Config, env: DistEnv, stop: Optional[StopFlag] = None)
     use_environment_extensions_dir()
     if not wait_for_build_locks(should_stop=lambda: stop is not None and stop.requested):
         return False
-    import deepspeed  # heavy: only a training rank needs it
+    deepspeed = import_deepspeed()  # heavy: only a training rank needs it
 
     try:
         load_op(SHM_COMM, env.local_rank)  # here, so that a failing build is one line, not DeepSpeed's traceback
