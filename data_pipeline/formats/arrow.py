@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 from ..errors import DataError
 from ..lines import Lines, compressed
 from .base import TEXT, ReadOptions
-from .columnar import column_of, import_pyarrow, texts, unreadable
+from .columnar import column_of, column_records, import_pyarrow, unreadable
 
 __all__ = ["ArrowIpc", "READER", "saved_dataset_files"]
 
@@ -55,13 +55,8 @@ class ArrowIpc:
         except (pa.ArrowException, OSError) as e:
             raise unreadable(path, "as Arrow IPC", e) from None
         try:
-            row = 0
-            for batch in _batches(pa, source, path):
-                column = batch.column(column_of(batch.schema, path, options))
-                records = texts(pa, column, path, row, options, stats)
-                row += len(column)
-                stats.lines += len(column)
-                yield records
+            columns = (b.column(column_of(b.schema, path, options)) for b in _batches(pa, source, path))
+            yield from column_records(pa, columns, path, 0, options, stats)
         finally:
             source.close()
 

@@ -11,7 +11,7 @@ in ``long_lines``, as an over-long line is (``strict``: a DataError naming its r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import DataError, UsageError
 from ..lines import CorpusStats
@@ -20,7 +20,7 @@ from .base import ReadOptions
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["BATCH_ROWS", "import_pyarrow", "column_of", "texts", "unreadable"]
+__all__ = ["BATCH_ROWS", "import_pyarrow", "column_of", "texts", "column_records", "unreadable"]
 
 BATCH_ROWS = 1024
 """Rows read at a time where the format lets the reader choose (Parquet); Arrow streams come in the batches
@@ -77,6 +77,18 @@ def texts(pa, column: pa.Array | pa.ChunkedArray, path: Path, first_row: int, op
     except UnicodeDecodeError as e:                    # a writer that did not check its strings
         raise DataError(f"{path}: rows {first_row}-{first_row + len(sizes) - 1}: column {field!r} holds invalid "
                         f"UTF-8 ({e.reason})") from None
+
+
+def column_records(pa, columns, path: Path, first_row: int, options: ReadOptions,
+                   stats: CorpusStats) -> Iterator[list[str]]:
+    """The texts of each column of ``columns`` (consecutive pieces of the text column, rows ``first_row ...`` of
+    ``path``) as one record list each, every row counted in ``stats.lines``."""
+    row = first_row
+    for column in columns:
+        records = texts(pa, column, path, row, options, stats)
+        row += len(column)
+        stats.lines += len(column)
+        yield records
 
 
 def unreadable(path: Path, where: str, e: BaseException) -> DataError:

@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 from ..errors import DataError
 from ..lines import Lines, compressed
 from .base import TEXT, ReadOptions
-from .columnar import BATCH_ROWS, column_of, import_pyarrow, texts, unreadable
+from .columnar import BATCH_ROWS, column_of, column_records, import_pyarrow, unreadable
 
 __all__ = ["Parquet", "READER", "row_groups"]
 
@@ -50,12 +50,8 @@ class Parquet:
         try:
             column_of(pf.schema_arrow, path, options)
             for group, first_row in row_groups(pf.metadata, lines.start, lines.end):
-                row = first_row
-                for column in _group_batches(pa, pf, path, group, first_row, options.jsonl_field):
-                    records = texts(pa, column, path, row, options, stats)
-                    row += len(column)
-                    stats.lines += len(column)
-                    yield records
+                columns = _group_batches(pa, pf, path, group, first_row, options.jsonl_field)
+                yield from column_records(pa, columns, path, first_row, options, stats)
         finally:
             pf.close()
 
