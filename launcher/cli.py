@@ -100,7 +100,11 @@ def build_parser() -> CommandParser:
     p.add_argument("--constraint", help="slurm.constraint")
     p.add_argument("--time", type=int, metavar="MINUTES", help="time limit per attempt (slurm.time_min)")
     p.add_argument("--wait", action="store_true", help="follow the job through requeues; exit 0 iff it COMPLETED")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the sbatch script, then the run's plan and each stage's memory per GPU (as "
+                        "roformer-train --dry-run); submit nothing; exit 2 naming a stage that does not fit")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="with --dry-run: the memory of one GPU of the job, e.g. 80GB (default: the visible GPU's)")
     return p
 
 
@@ -124,12 +128,20 @@ def submit(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.run_dir)
     logs = RunDir(run_dir).logs
     s = cfg.slurm
+    if args.gpu_memory and not args.dry_run:
+        raise ConfigError("--gpu-memory: only with --dry-run (the estimate's budget)")
     if args.dry_run:
         if cluster == "slurm":
             print(profiles.sbatch_script(cfg, logs), end="")
         else:
             print(f"# --cluster local: {cfg.dist.world_size} task(s) on this machine (submitit LocalExecutor), "
                   f"time limit {s.time_min} min, logs in {logs}")
+        from roformer_dist.train.dry_run import dry_run
+        from roformer_dist.train.memory_estimate import parse_bytes
+
+        # the plan as comments: the output stays a batch script (--dry-run > job.sh)
+        dry_run(cfg, cfg.dist.world_size, parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+                print_fn=lambda text: print("\n".join(f"# {line}" for line in text.splitlines())))
         return EXIT_OK
     if cluster == "slurm" and not shutil.which("sbatch"):
         print("roformer-submit: no sbatch on PATH (no SLURM here); use --cluster local", file=sys.stderr)

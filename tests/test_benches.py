@@ -31,6 +31,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "curriculum": ("curriculum", "the 0.7x goal"),
     "context_extension": ("context_extension", "(d) fork, yarn x3"),
     "ds_zero3_fp32_master": ("ds_zero3_fp32_master", "duplicated"),
+    "dry_run_memory": ("dry_run_memory", '"ok": true'),  # the estimate within 15 % of the measured peaks
     "e2e": ("e2e", "roformer-train / bare step"),
     "finetune_ner": ("finetune_ner", "labelled examples  dictionary F1"),
     "finetune_reviews": ("finetune_reviews", "labelled examples"),

@@ -235,3 +235,18 @@ def test_a_trainer_state_is_read_once_per_version_and_its_config_comes_back_type
     assert cfg.model.vocab_size == 100 and cfg == load_config(DEBUG, ["model.vocab_size=100"])
     ckpt.atomic_torch_save(payload(8).to_dict(), ckpt.state_file(d, 0))  # another version of the file
     assert ckpt.read_trainer_state(d, 0).trainer.step == 8 and len(loads) == 2
+
+
+def test_a_dry_run_chooses_the_same_checkpoint_and_writes_nothing(tmp_path, caplog):
+    for step in (4, 8):
+        save(tmp_path, step)
+    state = tmp_path / "step_00000008" / "trainer_state_rank0.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    with caplog.at_level(logging.WARNING):
+        found = ckpt.choose_resume(tmp_path, 0, 1, read_only=True)
+    assert found.tag == "step_00000004" and "a run would mark it BAD" in caplog.text
+    assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+    assert ckpt.read_latest(tmp_path) == "step_00000008"  # left as it was
+    assert choose(tmp_path).tag == "step_00000004"  # the run's own choice: the same one, now marked
+    assert (tmp_path / "step_00000008" / ckpt.BAD).exists()

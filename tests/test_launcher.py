@@ -105,18 +105,9 @@ def run_submit(args: list[str], env: dict, timeout: int = 120) -> subprocess.Com
 
 
 @pytest.fixture(scope="module")
-def shard_stub(tmp_path_factory):
-    """Directories that pass the launcher's shard-set check (a manifest); enough for everything but training."""
-    root = tmp_path_factory.mktemp("stub_shards")
-    for name in ("train", "eval"):
-        (root / name).mkdir()
-        (root / name / "manifest.json").write_text("{}")
-
-    class Stub:
-        dir = root / "train"
-        eval_dir = root / "eval"
-
-    return Stub
+def shard_stub(small_shards):
+    """Shard sets for everything but training: the session's small real ones (``--dry-run`` resolves them)."""
+    return small_shards
 
 
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(shard_stub, tmp_path, fake_slurm):

@@ -316,13 +316,15 @@ class SavesCheckpoint(Protocol):
     def save_checkpoint(self, root: str, tag: str) -> None: ...
 
 
-def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = LocalComm()) -> Optional[Found]:
+def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = LocalComm(), read_only: bool = False
+                  ) -> Optional[Found]:
     """The newest complete checkpoint whose files all check out, the same on every rank (collective).
 
     Rank 0's list of candidates is used by all; each rank checks a share of the files; the problems
     are gathered, so every rank takes the same decision. A damaged checkpoint is logged with the
     files and reasons and marked BAD (rank 0); the next older one is tried. Raises CheckpointError when
-    complete checkpoints exist but none is usable."""
+    complete checkpoints exist but none is usable. ``read_only`` (a dry run): the same choice, logged, with
+    nothing marked and ``latest`` left as it is."""
     found = comm.broadcast(candidates(ckpt_root) if rank == 0 else None)
     rejected = []
     for f in found:
@@ -330,11 +332,14 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
         if not problems:
             if rejected:
                 log.warning("resuming from %s instead (the newest usable checkpoint)", f.tag)
-            if rank == 0:
+            if rank == 0 and not read_only:
                 _point_latest_at(ckpt_root, f.tag)
             return f
         rejected.append(f"{f.tag}: " + "; ".join(problems))
-        if rank == 0:
+        if rank == 0 and read_only:
+            log.error("checkpoint %s is damaged (a run would mark it %s and fall back): %s", f.dir, BAD,
+                      "; ".join(problems))
+        elif rank == 0:
             log.error("checkpoint %s is damaged, marking it %s and falling back: %s", f.dir, BAD, "; ".join(problems))
             mark_bad(f.dir, problems)
     if rejected:

@@ -33,6 +33,7 @@ def build_parser() -> CommandParser:
                     "SIGTERM, SIGUSR2 or Ctrl-C: save at the next step and exit 75; Ctrl-C twice: abort.",
         epilog="examples:\n  roformer-train --config configs/experiments/debug.yaml\n"
                "  roformer-train --config configs/experiments/demo.yaml deepspeed.zero_stage=3 trainer.stop_at_step=50\n"
+               "  roformer-train --config configs/experiments/demo.yaml --dry-run --gpu-memory 80GB\n"
                + "\n" + EXIT_STATUS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="experiment YAML (configs/experiments/*.yaml)")
@@ -43,6 +44,12 @@ def build_parser() -> CommandParser:
                         "directory. The parent is evaluated on this run's eval sets before the first step and "
                         "recorded in <run_dir>/parent.json; a restart resumes the fork itself")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve everything a launch would (data, mixture, stages, warm start, resume decision), "
+                        "write nothing, print the plan and each stage's memory per GPU; exit 2 naming the first "
+                        "stage that does not fit")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="with --dry-run: the memory of one GPU, e.g. 80GB or 141GiB (default: the visible GPU's)")
     return p
 
 
@@ -85,6 +92,15 @@ def _run(args, stop: StopFlag) -> int:
     cfg = _load(args.config, args.overrides + fork)
     if args.print_config:
         print(dump_yaml(cfg), end="")
+        return 0
+    if args.gpu_memory and not args.dry_run:
+        raise ConfigError("--gpu-memory: only with --dry-run (the estimate's budget)")
+    if args.dry_run:
+        from roformer_dist.train.dry_run import dry_run
+        from roformer_dist.train.memory_estimate import parse_bytes
+
+        gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        dry_run(cfg, int(os.environ["WORLD_SIZE"]) if as_rank else None, gpu_memory)
         return 0
     # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
     from roformer_dist.checkpoint.store import check_writable

@@ -181,11 +181,12 @@ class ResolvedRun:
         return cls.from_json(data, str(path))
 
 
-def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir) -> Resume:
-    """The newest usable checkpoint (damaged ones marked BAD and skipped), checked against this config; else
-    ``init.from``'s parent, read and fitted to the model once here (every mismatch a ConfigError)."""
+def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir, read_only: bool) -> Resume:
+    """The newest usable checkpoint (damaged ones marked BAD, unless ``read_only``, and skipped), checked against
+    this config; else ``init.from``'s parent, read and fitted to the model once here (every mismatch a
+    ConfigError)."""
     if cfg.checkpoint.resume:
-        found = ckpt.choose_resume(run_dir.checkpoints, 0, 1)
+        found = ckpt.choose_resume(run_dir.checkpoints, 0, 1, read_only=read_only)
         if found is not None:
             check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, world_size, manifest)
             return Resume(checkpoint=found)
@@ -197,12 +198,13 @@ def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir) -> Re
     return Resume()
 
 
-def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Optional[Callable[[], None]] = None
-                ) -> ResolvedRun:
+def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Optional[Callable[[], None]] = None,
+                read_only: bool = False) -> ResolvedRun:
     """Resolve ``cfg`` (as loaded) for a launch of ``world_size`` ranks (default dist.world_size); see the module
     docstring. The data and the config are checked first, reading only; then ``take_lock()`` takes the run lock
     (which makes the run directory: a run refused for its data leaves none) and the checkpoint directory is read
-    (a damaged checkpoint may be marked BAD and ``latest`` pointed at the one chosen)."""
+    (a damaged checkpoint may be marked BAD and ``latest`` pointed at the one chosen). ``read_only`` (a dry run,
+    no lock): the same decisions, nothing written anywhere."""
     world_size = cfg.dist.world_size if world_size is None else world_size
     run_dir = RunDir.of(cfg)
     with _recorded() as notes:
@@ -211,7 +213,7 @@ def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Option
         mixture = plan_mixture(resolved, manifests)
         if take_lock is not None:
             take_lock()
-        resume = _resume(resolved, world_size, next(iter(manifests.values())), run_dir)
+        resume = _resume(resolved, world_size, next(iter(manifests.values())), run_dir, read_only)
     return ResolvedRun(resolved, world_size, config_sha256(cfg), manifests, mixture, stage_plans(resolved, world_size),
                        resume, run_dir, secrets.token_hex(8), tuple(notes))
 
