@@ -9,7 +9,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo debug test test-fast slurm-up slurm-down bench clean
+.PHONY: venv demo debug test test-fast slurm-up slurm-down bench clean docs docs-serve
 
 venv: $(STAMP)
 
@@ -56,6 +56,13 @@ slurm-down:
 bench: venv
 	for b in bench/*.py; do case $$b in bench/_*.py|bench/hf_trainer_mlm.py) continue;; esac; \
 	  $(BIN)/python $$b || exit 1; done   # _*.py: the harness and parts of benches; hf_trainer_mlm.py: e2e's worker
+
+## the documentation site (mkdocs.yml: Material theme, search, the API reference from the docstrings):
+## built with --strict into site/ (ignored by git), any warning fails it; docs-serve: http://127.0.0.1:8000
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
 
 clean:
 	rm -rf runs data .pytest_cache

@@ -20,7 +20,7 @@ data/demo/eval_long with the demo's tokenizer.
                                                        # debug model on tiny shards, a 2-step yarn fork at 256, lengths
                                                        # up to 512 (temporary directory)
 
-Writes runs/extend/report.json and prints the table (README "Longer context from a fork").
+Writes runs/extend/report.json and prints the table (docs/guides/new-phases.md, "Longer context from a fork").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ warm-up step the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``) and
 is the peak RSS during the measured step minus the RSS before it (gradients are freed between steps,
 so they count). On CUDA: ``torch.cuda.max_memory_allocated`` over the step minus allocated before.
 
-    python bench/step.py                      # the CPU figures of README's Performance table (2 threads, fp32)
+    python bench/step.py                      # the CPU figures of the Performance guide's table (2 threads, fp32)
     python bench/step.py --device cuda --dtype bf16 --seq 1536
     python bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 --batch 32 \
         --ours-only                               # tokens/s and MFU of the base preset

@@ -12,7 +12,7 @@
 
 The launcher knows the trainer only through ``roformer_dist.train.entry.run_rank`` and the config.
 
-Untrusted inputs (README "Trust and security"): what reaches the batch script is validated and quoted
+Untrusted inputs (docs/guides/security.md): what reaches the batch script is validated and quoted
 (``launcher.slurm_settings``, applied by ``launcher.profiles``); secrets are given by reference (``slurm.env_from``: only the names are written
 anywhere); what the launcher and its job write is closed to others (umask 027, ``SLURM_UMASK``); job ids
 and pids read back from ``logs/jobs.jsonl`` are checked before they reach ``scancel`` or a signal

@@ -15,7 +15,7 @@ folder (sbatch script, pickles, per-task stdout/stderr) is ``<run_dir>/logs/``, 
 ``rank<r>.log``. ``--cluster local`` (the default when there is no ``sbatch``) runs the same job on this
 machine with submitit's local executor, in the foreground.
 
-Trust (README "Trust and security"):
+Trust (docs/guides/security.md):
 
 - What reaches the batch script is validated and quoted (``launcher.profiles``): no line of a config
   value becomes a script line, and ``slurm.env`` values expand only ``$NAME`` / ``${NAME}``.

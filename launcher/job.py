@@ -1,6 +1,7 @@
 """The submitit job: one trainer rank per task; requeue after a stop signal.
 
-Stop protocol (README "Failures and what is guaranteed"). SLURM signals every task: SIGUSR2 before the time
+Stop protocol (docs/guides/checkpoints.md, "Failures and what is guaranteed").
+SLURM signals every task: SIGUSR2 before the time
 limit (``--signal=USR2@<slurm.signal_delay_s>``), SIGUSR2/SIGTERM on preemption (the local cluster's
 ``preempt_send_user_signal``), or ``scancel --signal=USR2 --full``. The trainer's own handlers (installed by
 ``run_rank``, replacing submitit's) only set a flag; at the next step boundary the ranks agree, save one

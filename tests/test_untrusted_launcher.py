@@ -1,6 +1,6 @@
 """roformer-submit with untrusted inputs: config strings that would inject batch-script lines, secrets
 given by reference, job ids read back from ``logs/jobs.jsonl``, the local cluster's root directory, and
-the modes of what the launcher writes (README "Trust and security").
+the modes of what the launcher writes (docs/guides/security.md).
 
 No cluster needed: stand-in ``sbatch``/``scancel``/``squeue``/``sacct`` record their arguments (as in
 test_launcher.py); the local cluster's scripts are checked up to the point where they would start

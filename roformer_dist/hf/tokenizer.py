@@ -27,7 +27,7 @@ segmentation as long as no normal piece contains the two characters around it
 Where the two can still disagree: SentencePiece accumulates path scores in float32, ``tokenizers`` in
 float64, so two segmentations whose scores differ by less than float32's resolution of the running
 path score (e.g. 及其|他 vs 及|其他: -15.6152978 vs -15.6152997) may be resolved differently. Measured
-in ``bench/hf_tokenizer.py`` and reported in README. Literal special-token strings (``[MASK]``) in the
+in ``bench/hf_tokenizer.py`` and reported in docs/guides/export.md. Literal special-token strings (``[MASK]``) in the
 input become the special ids (HF's convention, which fill-mask needs); ``split_special_tokens=True``
 tokenises them as text, as our pipeline does. Tokenizers trained with jieba word pre-segmentation
 cannot be expressed (jieba is a program, not a ``tokenizers`` component): the export writes the plain

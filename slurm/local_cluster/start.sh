@@ -12,7 +12,7 @@
 # `short` (MaxTime 2 minutes: a job asking for more can never start; used by the unschedulable-job test).
 # Env: ROFORMER_SLURM_ROOT (default ${TMPDIR:-/tmp}/roformer-slurm-<uid>) holds state, logs and the
 # accounting DB; created 0711, refused when it is a symlink, another user's, or writable by others
-# (common.sh). Stop with slurm/local_cluster/stop.sh. Facts behind the settings: README.md, "Running on SLURM".
+# (common.sh). Stop with slurm/local_cluster/stop.sh. Facts behind the settings: docs/guides/slurm.md.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$HERE/common.sh"
