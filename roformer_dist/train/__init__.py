@@ -1,7 +1,9 @@
 """Pretraining: the rank entry point, the loop and what it decides, measures and evaluates.
 
 Owns: ``resolved.py`` (``ResolvedRun``: a launch resolved once by the command that starts it: manifests,
-mixture, stage plans, resume decision; written to the run directory and handed to the ranks), ``entry.py``
+mixture, stage plans, resume decision; written to the run directory and handed to the ranks), ``dry_run.py``
+(``--dry-run``: a run resolved read-only, its plan and memory per stage against a GPU), ``memory_estimate.py``
+(the memory one rank needs per stage, from the config alone), ``entry.py``
 (``run_rank``: process group, run lock, logging, the trainer), ``spawn.py`` (the ranks of a job on this
 machine), ``trainer.py`` (``Trainer``: load -> step -> log -> save -> eval ->
 stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
