@@ -174,3 +174,30 @@ def test_deepspeed_is_imported_without_mlflow_which_still_imports_afterwards():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "mlflow"]
+
+
+def test_the_sinks_settings_come_from_the_config_before_the_environment(tmp_path, monkeypatch):
+    from roformer_dist.config import load_config
+
+    cfg = load_config(overrides=[f"logging.mlflow.tracking_uri={tmp_path / 'store'}", "logging.mlflow.experiment=cfg",
+                                 "logging.wandb.project=from-config"])
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    if "mlflow" in INSTALLED:
+        from mlflow.tracking import MlflowClient
+
+        sink = SINKS["mlflow"](SinkContext(tmp_path / "run", 0, cfg.logging))
+        sink.log_scalars(1, {"train/loss": 1.5})
+        sink.close()
+        client = MlflowClient(tracking_uri=str(tmp_path / "store"))  # MLflow's own reader, on the configured store
+        run = client.get_run(sink.run_id)
+        assert client.get_experiment(run.info.experiment_id).name == "cfg"
+        assert [m.value for m in client.get_metric_history(sink.run_id, "train/loss")] == [1.5]
+        assert not (tmp_path / "run" / "mlruns").exists()
+    if "wandb" in INSTALLED:
+        sink = SINKS["wandb"](SinkContext(tmp_path / "wb", 0, cfg.logging))
+        sink.log_scalars(1, {"train/loss": 1.5})
+        assert sink.run.project == "from-config" and sink.run.offline  # offline, the default mode
+        sink.close()
+    with pytest.raises(ConfigError, match="logging.wandb.mode"):
+        load_config(overrides=["logging.wandb.mode=offlne"])

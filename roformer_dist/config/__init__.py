@@ -27,7 +27,8 @@ from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yam
 from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, CheckpointConfig, Config,
                                          CurriculumConfig, DataConfig, DeepSpeedConfig, DistBackend, DistConfig,
                                          DocumentPositions, EvalSourceConfig, HiddenAct, InitConfig, LoggingConfig,
-                                         LogLevel, LRSchedule, ModelConfig, NewRows, OffloadDevice, OptimConfig,
+                                         LogLevel, LRSchedule, MlflowSettings, ModelConfig, NewRows, OffloadDevice,
+                                         OptimConfig, WandbMode, WandbSettings,
                                          OptimizerName, Packing, ParallelConfig, PositionEmbedding, Precision,
                                          ProfileConfig, RopeScaling, RotaryBackend, SlurmConfig, SourceConfig,
                                          StageConfig, TrainerConfig, ZeroStage, choices)
@@ -39,7 +40,8 @@ __all__ = [
     # schema
     "Config", "ModelConfig", "SourceConfig", "EvalSourceConfig", "DataConfig", "StageConfig", "CurriculumConfig",
     "InitConfig", "OptimConfig", "DeepSpeedConfig", "ParallelConfig", "DistConfig", "ProfileConfig",
-    "TrainerConfig", "CheckpointConfig", "LoggingConfig", "SlurmConfig", "DEFAULT_RUN_DIR_MODE",
+    "TrainerConfig", "CheckpointConfig", "LoggingConfig", "WandbSettings", "MlflowSettings", "SlurmConfig",
+    "DEFAULT_RUN_DIR_MODE", "WandbMode",
     "HiddenAct", "PositionEmbedding", "RopeScaling", "NewRows", "RotaryBackend", "AttentionKind", "Packing",
     "DocumentPositions", "OptimizerName", "LRSchedule", "ZeroStage", "Precision", "OffloadDevice", "DistBackend",
     "LogLevel", "choices",

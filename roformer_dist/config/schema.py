@@ -336,6 +336,31 @@ class CheckpointConfig:
     durable, and a stop or the end of the run waits for the save in flight."""
 
 
+WandbMode = Literal["", "offline", "online", "disabled"]
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """The ``wandb`` sink's settings; an empty value takes W&B's own environment variable, then the default."""
+    mode: WandbMode = ""
+    """offline (files under run_dir/wandb; ``wandb sync`` afterwards) | online | disabled; '' = ``WANDB_MODE``,
+    else offline."""
+    project: str = ""
+    """'' = ``WANDB_PROJECT``, else roformer-dist."""
+    entity: str = ""
+    """'' = ``WANDB_ENTITY``, else the account's default."""
+
+
+@dataclass(frozen=True)
+class MlflowSettings:
+    """The ``mlflow`` sink's settings; an empty value takes MLflow's own environment variable, then the default."""
+    tracking_uri: str = ""
+    """A server (``http(s)://``), a database or a file store; '' = ``MLFLOW_TRACKING_URI``, else a file store
+    in run_dir/mlruns."""
+    experiment: str = ""
+    """'' = ``MLFLOW_EXPERIMENT_NAME``, else roformer-dist."""
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
@@ -348,6 +373,10 @@ class LoggingConfig:
     (offline by default, under the run directory), mlflow (a file store in the run directory by default), and
     any other registered sink; validated against the sink table (and the sinks' packages) at start. Without ``tensorboard`` here (or with
     ``tensorboard: false``) no TensorBoard events are written."""
+    wandb: WandbSettings = WandbSettings()
+    """logging.wandb.mode / project / entity."""
+    mlflow: MlflowSettings = MlflowSettings()
+    """logging.mlflow.tracking_uri / experiment."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from roformer_dist.config import Config, effective_sinks
+from roformer_dist.config import Config, LoggingConfig, effective_sinks
 from roformer_dist.train.sinks import SinkContext, check_sinks, open_sinks
 
 log = logging.getLogger(__name__)
@@ -113,9 +113,10 @@ class MetricsWriter:
     ``logging.sinks``); a no-op on other ranks. ``metrics.jsonl`` is the record of the run: a failure to
     write it is a StorageError (exit 74). The other sinks are views: each handles its own failures."""
 
-    def __init__(self, run_dir: Path, rank: int, resume_step: int, sinks: Sequence[str] = ("tensorboard",)):
+    def __init__(self, run_dir: Path, rank: int, resume_step: int, sinks: Sequence[str] = ("tensorboard",),
+                 settings: LoggingConfig = LoggingConfig()):
         self.enabled = rank == 0
-        self.sinks = open_sinks(sinks, SinkContext(Path(run_dir), resume_step)) if self.enabled else []
+        self.sinks = open_sinks(sinks, SinkContext(Path(run_dir), resume_step, settings)) if self.enabled else []
 
     def step_record(self, record: dict) -> None:
         for sink in self.sinks:

@@ -192,7 +192,7 @@ class Trainer:
                 save_config(cfg, self.paths.config)
             except OSError as e:
                 raise StorageError.from_os_error(e, "writing config.yaml") from None
-        self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, run_sinks(cfg))
+        self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, run_sinks(cfg), cfg.logging)
         if cfg.checkpoint.async_:
             self.saver = AsyncSaver(self.ckpt_root, env.rank, env.world_size, cfg.checkpoint.keep_last, self.comm,
                                     cfg.dist.timeout_s, self.faults)

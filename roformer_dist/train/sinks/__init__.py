@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
+from roformer_dist.config import LoggingConfig
 from roformer_dist.errors import ConfigError
 from roformer_dist.train.sinks.jsonl import JsonlSink
 from roformer_dist.train.sinks.mlflow_sink import MlflowSink
@@ -49,6 +50,8 @@ class SinkContext:
     """The directory it writes in or under (a run directory; a fine-tuning output directory)."""
     resume_step: int = 0
     """Drop what is held after this step (0: a fresh start, drop everything held)."""
+    logging: LoggingConfig = LoggingConfig()
+    """The config's logging section: the sinks' own settings (``logging.wandb``, ``logging.mlflow``)."""
 
 
 class Sink(Protocol):

@@ -4,9 +4,9 @@
     roformer-train ... logging.sinks=[tensorboard,mlflow]
     MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <run_dir>/mlruns     # the full mlflow package
 
-Settings are MLflow's own environment variables: ``MLFLOW_TRACKING_URI`` (a file store in the run
-directory, ``file://<dir>/mlruns``, unless set) and ``MLFLOW_EXPERIMENT_NAME`` (``roformer-dist`` unless
-set). The run is named after the run directory; a metric's step is the optimizer step. MLflow 3 keeps its
+Settings: ``logging.mlflow.tracking_uri`` (a file store in the run directory, ``file://<dir>/mlruns``) and
+``.experiment`` (``roformer-dist``); each one left empty takes MLflow's own environment variable
+(``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``) and then the default in brackets. The run is named after the run directory; a metric's step is the optimizer step. MLflow 3 keeps its
 file store in maintenance mode and refuses to open one unless ``MLFLOW_ALLOW_FILE_STORE`` is true: this
 sink sets it for its process when the store is a file store (unless it is set already); ``mlflow
 migrate-filestore`` moves a run directory's store into a database.
@@ -101,7 +101,8 @@ class MlflowSink:
 
         self.dir = Path(ctx.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        configured = os.environ.get("MLFLOW_TRACKING_URI", "")
+        settings = ctx.logging.mlflow
+        configured = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
         uri = _uri(self.dir, configured)
         self.client = _client(uri)
         state = _load_state(RunDir(self.dir).mlflow_run)
@@ -113,7 +114,7 @@ class MlflowSink:
                 log.warning("MLflow run %s is not in %s: a new run is started", run_id, uri)
                 run_id = None
         if run_id is None:
-            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+            name = settings.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
             run_id = self.client.create_run(experiment_id, run_name=self.dir.resolve().name).info.run_id

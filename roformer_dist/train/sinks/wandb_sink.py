@@ -1,10 +1,11 @@
 """Weights & Biases: scalars and text in one W&B run, offline by default, under ``<dir>/wandb``.
 
-    WANDB_PROJECT=roformer  roformer-train ... logging.sinks=[tensorboard,wandb]
+    roformer-train ... logging.sinks=[tensorboard,wandb] logging.wandb.project=roformer
     wandb sync <run_dir>/wandb          # afterwards, from a machine that can reach W&B
 
-Settings are W&B's own environment variables: ``WANDB_MODE`` (``offline`` unless set; ``online`` streams
-as it goes, see the limits), ``WANDB_PROJECT`` (``roformer-dist`` unless set), ``WANDB_ENTITY``. The run is
+Settings: ``logging.wandb.mode`` (``offline``; ``online`` streams as it goes, see the limits; ``disabled``),
+``.project`` (``roformer-dist``) and ``.entity``; each one left empty takes W&B's own environment variable
+(``WANDB_MODE``, ``WANDB_PROJECT``, ``WANDB_ENTITY``) and then the default in brackets. The run is
 named after the run directory; every scalar row carries ``trainer/step``, the x-axis of every chart
 (``define_metric``), so W&B's own ``_step`` (a row counter) never matters. Text (the resolved config, the
 mixture) becomes ``text/<tag>.md`` among the run's files.
@@ -98,6 +99,7 @@ class WandbSink:
 
         self._wandb = wandb
         self.dir = Path(ctx.dir)
+        self.settings = ctx.logging.wandb
         self.dir.mkdir(parents=True, exist_ok=True)
         self.wandb_dir = RunDir(self.dir).wandb
         self.state_path = RunDir(self.dir).wandb_run
@@ -161,8 +163,9 @@ class WandbSink:
             wandb.setup(settings=wandb.Settings(silent=True))
             self.run = wandb.init(
                 dir=str(self.dir), id=self.run_id, resume="allow", name=self.dir.resolve().name,
-                project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-                mode=os.environ.get("WANDB_MODE") or "offline",
+                project=self.settings.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                entity=self.settings.entity or os.environ.get("WANDB_ENTITY") or None,
+                mode=self.settings.mode or os.environ.get("WANDB_MODE") or "offline",
                 settings=wandb.Settings(console="off", silent=True, use_dot_wandb=False))
             self.run.define_metric(STEP_KEY)
             self.run.define_metric("*", step_metric=STEP_KEY)
