@@ -11,6 +11,9 @@ which the end of the run waits for, are left out):
                between steps that had no save: what the save cost the job, including (async) the
                background writer competing with the next steps for the cores
 
+Each mode runs twice, with content hashes (``checkpoint.checksums``, the default) and without them, to
+measure what hashing costs a save.
+
 Medians over every save of every round. The model (--model-args) is bigger than the demo's so that a
 checkpoint weighs something: hidden 512, 8 layers, vocabulary 8000 (~29 M parameters: ~350 MB of model,
 fp32 master weights and Adam moments per checkpoint).
@@ -19,7 +22,8 @@ fp32 master weights and Adam moments per checkpoint).
     python bench/checkpoint_stall.py --tiny       # the tiny model on tiny shards: 1 rank, 4 steps: the whole path in ~25 s
 
 Ends with one JSON line {"bench": "checkpoint_stall", "ours": held s (async), "baseline": held s (sync),
-"ratio": sync / async, "excess": {...}, "checkpoint_mb": ...}.
+"ratio": sync / async, "excess": {...}, "hash_cost": {"sync": held with / without hashes - 1, "async": ...},
+"checkpoint_mb": ...}.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def run(a, mode: str, data: Path, round_: int) -> dict:
     over = [*a.model_args.split(","), f"data.shards={data}", "data.eval_shards=", f"run_dir={run_dir}", f"dist.world_size={a.ranks}",
             "data.packing=cross_document", "optim.warmup_steps=0", f"trainer.save_every={a.save_every}",
             "trainer.eval_every=0", "trainer.log_every=1", "checkpoint.keep_last=2",
-            f"checkpoint.async={mode == 'async'}",
+            f"checkpoint.async={mode.startswith('async')}", f"checkpoint.checksums={not mode.endswith(NO_HASH)}",
             f"curriculum.stages=[{{name: s, seq_len: 128, global_batch_size: 16, steps: {a.steps}}}]"]
     C.train_quietly(C.DEBUG_CONFIG, over, mode)
     from roformer_dist.runtime.events import read_scalars
@@ -78,12 +82,16 @@ def run(a, mode: str, data: Path, round_: int) -> dict:
             "step_s": plain, "checkpoint_mb": mb}
 
 
+NO_HASH = ", no hashes"
+MODES = ("sync", "async", "sync" + NO_HASH, "async" + NO_HASH)
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     data = shards(a)
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(a.rounds):
-        for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
+        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # each round starts with another mode
             print(f"round {r + 1}/{a.rounds}: {mode}", flush=True)
             results[mode].append(run(a, mode, data, r))
     med = {m: {k: statistics.median(x for res in rs for x in res[k]) for k in ("held", "excess")}
@@ -93,11 +101,15 @@ def main(argv=None) -> None:
           f"(load average {C.load_average()})")
     C.print_table(["save", "held s (median)", "excess s (median)", "step s without a save"],
                   [[m, f"{med[m]['held']:.3f}", f"{med[m]['excess']:.3f}", f"{med[m]['step_s']:.3f}"]
-                   for m in ("sync", "async")])
+                   for m in MODES])
     ratio = med["sync"]["held"] / med["async"]["held"] if med["async"]["held"] > 0 else float("inf")
     print(f"the loop is held {ratio:.1f}x less with checkpoint.async")
+    cost = {m: med[m]["held"] / med[m + NO_HASH]["held"] - 1 for m in ("sync", "async")}
+    print(f"content hashes add {cost['sync']:+.1%} to a synchronous save's hold and {cost['async']:+.1%} to an "
+          f"asynchronous one's (excess per save: {med['async']['excess'] - med['async' + NO_HASH]['excess']:+.3f} s)")
     C.emit("checkpoint_stall", med["async"]["held"], med["sync"]["held"], "s", ratio,
-           excess={m: round(med[m]["excess"], 4) for m in med}, checkpoint_mb=round(mb, 1))
+           excess={m: round(med[m]["excess"], 4) for m in med}, hash_cost={m: round(c, 4) for m, c in cost.items()},
+           checkpoint_mb=round(mb, 1))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 #   wheels/      what such an image (torch, triton, transformers, sentencepiece, tensorboard, numpy, pyyaml
 #                present) lacks: deepspeed 0.19.8 built here into a pure-Python wheel (PyPI has only its
 #                sdist), and the wheels of hjson, pydantic, pydantic-core, annotated-types, typing-inspection,
-#                typing_extensions, webdataset, braceexpand, submitit 1.5.4 and cloudpickle for CPython
+#                typing_extensions, webdataset, braceexpand, submitit 1.5.4, cloudpickle and xxhash for CPython
 #                $PY_VERSION (default 3.12) on manylinux x86_64, at the versions PYTHON has installed
 #                (pydantic and pydantic-core must match) where it has them; no dependencies are
 #                followed: the image's own numpy, torch, ... stay what they are
@@ -41,7 +41,7 @@ PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v py
 PY_VERSION=${PY_VERSION:-3.12}
 DEEPSPEED=deepspeed==0.19.8
 PACKAGES=(hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions webdataset braceexpand
-          submitit cloudpickle)
+          submitit cloudpickle xxhash)
 PINNED=(submitit==1.5.4)  # what PYTHON does not have installed falls back to these pins, else the newest
 mkdir -p "$OUT"
 

@@ -113,12 +113,61 @@ def test_latest_follows_a_save_killed_between_complete_and_its_rename(tmp_path):
     assert choose(tmp_path).tag == "step_00000008" and ckpt.read_latest(tmp_path) == "step_00000008"
 
 
+def without_hashes(ckpt_dir):
+    """COMPLETE as a checkpoint written before checksums has it."""
+    meta = json.loads((ckpt_dir / ckpt.COMPLETE).read_text())
+    del meta["hash"], meta["hashes"]
+    (ckpt_dir / ckpt.COMPLETE).write_text(json.dumps(meta))
+
+
 def test_a_file_that_does_not_load_is_named_even_at_its_saved_size(tmp_path):
     d = save(tmp_path, 4)
     f = d / "mp_rank_00_model_states.pt"
     f.write_bytes(b"\0" * f.stat().st_size)  # same size, not an archive
     problems = ckpt.check_share(ckpt.find_resume(tmp_path), 0, 1)
+    assert len(problems) == 1 and "mp_rank_00_model_states.pt: its content changed since it was saved" in problems[0]
+    without_hashes(d)  # an older checkpoint: size and structure still catch it
+    problems = ckpt.check_share(ckpt.find_resume(tmp_path), 0, 1)
     assert len(problems) == 1 and "mp_rank_00_model_states.pt: unreadable" in problems[0]
+
+
+def flip_byte(path, at=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_that_still_loads_is_caught_by_its_hash_and_the_checkpoint_before_is_used(tmp_path, caplog):
+    for step in (4, 8):
+        save(tmp_path, step)
+    meta = json.loads((tmp_path / "step_00000008" / ckpt.COMPLETE).read_text())
+    assert meta["hash"] == "xxh3_128" and set(meta["hashes"]) == set(meta["files"])
+    optim = tmp_path / "step_00000008" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    # a byte of the tensor data (the end of the archive holds its index): torch.load still reads it
+    flip_byte(optim, optim.stat().st_size // 3)
+    torch.load(optim, weights_only=True)
+    assert ckpt.check_archive(optim) is None  # size and structure as saved: only the hash sees it
+    # roformer-convert verify / to-hf / roformer-eval / forks (store.resolve) and resume (choose_resume) alike
+    with caplog.at_level(logging.ERROR):
+        assert ckpt.resolve(tmp_path).tag == "step_00000004"
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: its content changed" in caplog.text
+    assert "zero_pp_rank_1" in (tmp_path / "step_00000008" / ckpt.BAD).read_text()
+    assert choose(tmp_path).tag == "step_00000004"
+
+
+def test_a_damaged_step_directory_named_explicitly_is_refused_and_marked(tmp_path):
+    d = save(tmp_path, 4)
+    flip_byte(d / "trainer_state_rank1.pt", 200)
+    with pytest.raises(CheckpointError, match=r"step_00000004: damaged, now marked BAD .*trainer_state_rank1.pt"):
+        ckpt.resolve(d)
+    assert ckpt.is_bad(d)
+
+
+def test_a_checkpoint_from_before_checksums_is_still_resumed(tmp_path):
+    d = save(tmp_path, 4)
+    without_hashes(d)
+    assert ckpt.resolve(tmp_path).hashes == {} and choose(tmp_path).tag == "step_00000004"
 
 
 def test_checks_are_shared_between_ranks(tmp_path):

@@ -218,6 +218,45 @@ def test_damaged_checkpoints_fall_back_and_a_failing_eval_loses_nothing(small_sh
     assert_traces_equal(trace(reference), trace(run), tol=1e-6)
 
 
+def _flip_a_byte(path: Path) -> None:
+    """One bit of the tensor data (a third into the archive; its index is at the end): it still loads."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_caught_by_verify_to_hf_and_resume_and_the_checkpoint_before_is_used(
+        small_shards, tmp_path, reference, capsys):
+    from roformer_dist.cli.convert import main as convert
+
+    optim = Path("checkpoints") / "step_00000018" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    run = copy_run(reference, tmp_path / "run")
+    _flip_a_byte(run / optim)
+    size = (run / optim).stat().st_size
+    assert size == (reference / optim).stat().st_size
+
+    # roformer-convert verify: reports, names the file and the fallback, changes nothing
+    assert convert(["verify", str(run)]) == EXIT_CHECKPOINT
+    out = capsys.readouterr()
+    assert "step_00000018  DAMAGED" in out.out and "zero_pp_rank_0_mp_rank_00_optim_states.pt: its content changed" \
+        in out.out and "step_00000016  ok: 5 files" in out.out and "a resume would take: step_00000016" in out.out
+    assert "1 damaged checkpoint(s)" in out.err and not ckpt.is_bad(run / "checkpoints" / "step_00000018")
+
+    # to-hf from the run directory: the checkpoint before, the damaged one marked BAD
+    assert convert(["to-hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--check-docs", "0"]) == 0
+    assert json.loads((tmp_path / "hf" / "roformer_export.json").read_text())["step"] == 16
+    assert "its content changed" in (run / "checkpoints" / "step_00000018" / "BAD").read_text()
+
+    # resume, on a fresh copy: from step 16, and the run ends as the uninterrupted one
+    run2 = copy_run(reference, tmp_path / "run2")
+    _flip_a_byte(run2 / optim)
+    assert train(make_cfg(small_shards, run2, "trainer.save_every=4")) == [EXIT_DONE, EXIT_DONE]
+    log = (run2 / "logs" / "rank0.log").read_text()
+    assert "step_00000018 is damaged" in log and "its content changed since it was saved" in log
+    assert "resuming from" in log and "step_00000016" in log
+    assert_traces_equal(trace(reference), trace(run2), tol=1e-6)
+
+
 def test_corrupt_training_shard_is_a_data_error(small_shards, tmp_path):
     name = _corrupt_first_shard(small_shards.dir, tmp_path / "train")
     run = tmp_path / "run"

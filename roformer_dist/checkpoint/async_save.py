@@ -4,10 +4,10 @@ The protocol of :func:`store.save` is kept; only who writes, and when, changes. 
 every rank: wait for this rank's previous save (:meth:`AsyncSaver.wait`), rank 0 makes room, all meet,
 DeepSpeed's files and the trainer state are serialised into host memory (``parallel.snapshot.capture``;
 the collectives DeepSpeed runs in a save still run here), and a background thread takes the bytes. The
-thread writes each file atomically (temporary file, fsync, rename), then its rank's marker
-``.written.<rank>`` (or ``.failed.<rank>`` with the reason). On rank 0 the thread then waits for every
-rank's marker, removes the markers and commits (:func:`store.commit`: COMPLETE, then ``latest``, then
-pruning). No collective runs in a background thread: the ranks meet through the markers in the
+thread hashes each file's bytes (``checksums.py``) and writes it atomically (temporary file, fsync,
+rename), then its rank's marker ``.written.<rank>`` holding the hashes (or ``.failed.<rank>`` with the
+reason). On rank 0 the thread then waits for every rank's marker, reads the hashes, removes the markers
+and commits (:func:`store.commit`: COMPLETE, then ``latest``, then pruning). No collective runs in a background thread: the ranks meet through the markers in the
 checkpoint directory, which every rank already shares.
 
 So COMPLETE still appears only when every rank's files are durable, and ``latest`` only after it. A
@@ -20,6 +20,7 @@ committed (rank 0) or written (the others).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -29,6 +30,7 @@ from typing import Callable, Optional, Protocol
 
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text, fsync_dir
 from roformer_dist.checkpoint import store
+from roformer_dist.checkpoint.checksums import digest_bytes
 from roformer_dist.checkpoint.trainer_state import TrainerState
 from roformer_dist.errors import CheckpointError, StorageError
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
@@ -52,8 +54,9 @@ class AsyncSaver:
     """One per rank; at most one save in flight. Not thread-safe: the step loop's thread calls it."""
 
     def __init__(self, ckpt_root: Path, rank: int, world_size: int, keep_last: int, comm: store.Comm,
-                 timeout_s: float, faults: Faults = NO_FAULTS):
+                 timeout_s: float, faults: Faults = NO_FAULTS, checksums: bool = True):
         self.ckpt_root = Path(ckpt_root)
+        self.checksums = checksums
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
         self.comm, self.timeout_s, self.faults = comm, timeout_s, faults
         self._thread: Optional[threading.Thread] = None
@@ -110,36 +113,44 @@ class AsyncSaver:
         t0 = time.monotonic()
         try:
             self.faults.in_background_write(step)
+            hashes = {}
             for path, data in files:
+                if self.checksums:  # the bytes as they go to the file
+                    hashes[path.name] = digest_bytes(data)
                 self.faults.point("save.before_file")
                 atomic_write_bytes(path, data)
                 self.faults.point("save.after_file")
             for d in sorted({p.parent for p, _ in files}):
                 fsync_dir(d)
-            atomic_write_text(ckpt_dir / f"{WRITTEN}{self.rank}", f"{time.time()}\n")
+            atomic_write_text(ckpt_dir / f"{WRITTEN}{self.rank}", json.dumps({"time": time.time(), "hashes": hashes}))
             if self.rank == 0:
-                self._wait_for_ranks(ckpt_dir)
+                hashes = self._wait_for_ranks(ckpt_dir)
                 for r in range(self.world_size):  # before COMPLETE: a kill after it leaves no marker in a checkpoint
                     (ckpt_dir / f"{WRITTEN}{r}").unlink(missing_ok=True)
-                store.commit(self.ckpt_root, step, self.world_size, self.keep_last, self.faults)
+                store.commit(self.ckpt_root, step, self.world_size, self.keep_last, self.faults,
+                             hashes if self.checksums else None)
                 log.info("saved checkpoint %s in the background in %.1f s", ckpt_dir, time.monotonic() - t0)
         except (OSError, RuntimeError, CheckpointError) as e:
             self._error = self._failure(e, ckpt_dir, tag)
         except BaseException as e:  # a bug: raised in the step loop with its traceback
             self._error = e
 
-    def _wait_for_ranks(self, ckpt_dir: Path) -> None:
+    def _wait_for_ranks(self, ckpt_dir: Path) -> dict[str, str]:
+        """Wait for every rank's marker; the content hashes they hold, merged."""
         deadline = time.monotonic() + self.timeout_s
         waiting = set(range(self.world_size))
+        hashes: dict[str, str] = {}
         while True:
             for r in sorted(waiting):
                 failed = ckpt_dir / f"{FAILED}{r}"
                 if failed.exists():
                     raise _reported(failed, r)
-                if (ckpt_dir / f"{WRITTEN}{r}").exists():
+                written = ckpt_dir / f"{WRITTEN}{r}"
+                if written.exists():
+                    hashes.update(_marker_hashes(written))
                     waiting.discard(r)
             if not waiting:
-                return
+                return hashes
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{ckpt_dir}: ranks {sorted(waiting)} did not finish writing their files "
                                       f"within {self.timeout_s:.0f} s (dist.timeout_s)")
@@ -164,6 +175,14 @@ class AsyncSaver:
             except OSError:
                 pass  # rank 0 then waits for this rank until dist.timeout_s; this rank exits with err meanwhile
         return err
+
+
+def _marker_hashes(marker: Path) -> dict[str, str]:
+    """The hashes a ``.written.<rank>`` marker holds (none from an unreadable one: commit computes those)."""
+    try:
+        return dict(json.loads(marker.read_text(encoding="utf-8")).get("hashes", {}))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
 
 
 def _reported(marker: Path, rank: int) -> Exception:

@@ -5,7 +5,8 @@ Layout (``<run_dir>/checkpoints/``)::
     step_00000012/                 DeepSpeed files (model, optimizer; written by every rank)
         trainer_state_rank<r>.pt   the TrainerState payload of rank r (roformer_dist/checkpoint/trainer_state.py)
         COMPLETE                   written by rank 0 after a barrier: the checkpoint counts. JSON: step,
-                                   world size, time, and every file of the save with its size
+                                   world size, time, and every file of the save with its size and its
+                                   content hash (checksums.py; ``checkpoint.checksums``)
         BAD                        written on resume when a file of it is missing or damaged: the reason.
                                    Such a checkpoint is skipped and kept (nothing is deleted)
         EVALUATED                  written once the eval a stop skipped at this step was run and recorded
@@ -15,9 +16,10 @@ Layout (``<run_dir>/checkpoints/``)::
 
 A checkpoint without ``COMPLETE`` never becomes ``latest``; resume ignores it and says so. Resume
 takes the newest complete checkpoint whose files all check out (:func:`choose_resume`: presence, size
-as saved, loadable), agreed by all ranks; a damaged one is marked ``BAD`` and the one before it is
-used. DeepSpeed's own ``latest`` file is not written (``save_latest=False``). :func:`resolve` is the
-one answer to "which checkpoint does this path name" for every command (newest complete, not BAD).
+and content hash as saved, loadable), agreed by all ranks; a damaged one is marked ``BAD`` and the one
+before it is used. DeepSpeed's own ``latest`` file is not written (``save_latest=False``). :func:`resolve`
+is the one answer to "which checkpoint does this path name" for every command (newest complete, not BAD,
+its files checked the same way).
 
 Every file this module writes goes through ``data_pipeline.atomic`` (temporary file, fsync, rename).
 An OS error while saving (disk full, read-only, permission) is raised as :class:`StorageError` naming
@@ -36,13 +38,14 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text
+from roformer_dist.checkpoint.checksums import ALGORITHM, digest_file
 from roformer_dist.checkpoint.safe_load import check_archive
 from roformer_dist.checkpoint.trainer_state import TrainerState
 from roformer_dist.checkpoint.write_errors import storage_error
@@ -126,6 +129,9 @@ class Found:
     """World size (number of trainer_state_rank files) that wrote it."""
     files: dict[str, int]
     """Every file of the save with its size (from COMPLETE)."""
+    hashes: dict[str, str] = field(default_factory=dict)
+    """File name -> content hash (``checksums.ALGORITHM``) from COMPLETE; empty for a checkpoint written
+    before checksums (or with ``checkpoint.checksums: false``)."""
 
 
 def _tags(ckpt_root: Path) -> list[str]:
@@ -164,13 +170,19 @@ def _read_complete(ckpt_root: Path, tag: str) -> Found:
     outside = [k for k in files if not _FILE_RE.fullmatch(k)]
     if outside:  # joined to the directory, such a name would make the checks read a file elsewhere
         raise ValueError(f"it lists {outside[0]!r}, not a file name inside the checkpoint")
-    return Found(d, tag, step_of(tag), int(meta["world_size"]), files)
+    hashes = {str(k): str(v) for k, v in meta.get("hashes", {}).items()}
+    if hashes and meta.get("hash") != ALGORITHM:
+        raise ValueError(f"its hashes are {meta.get('hash')!r}, this version checks {ALGORITHM}")
+    if set(hashes) - set(files):
+        raise ValueError(f"it hashes {sorted(set(hashes) - set(files))[0]!r}, which it does not list")
+    return Found(d, tag, step_of(tag), int(meta["world_size"]), files, hashes)
 
 
 _MARKER_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError)
 
 
-def _found(ckpt_root: Path, tag: str) -> Optional[Found]:
+def read_found(ckpt_root: Path, tag: str) -> Optional[Found]:
+    """The checkpoint ``tag`` as its COMPLETE marker describes it; None (logged) when the marker is unreadable."""
     try:
         return _read_complete(ckpt_root, tag)
     except _MARKER_ERRORS as e:
@@ -199,7 +211,7 @@ def candidates(ckpt_root: Path) -> list[Found]:
     if named is not None and good and named != good[-1]:
         log.warning("%s names %s but the newest complete checkpoint is %s; using %s", ckpt_root / LATEST, named,
                     good[-1], good[-1])
-    out = [_found(ckpt_root, t) for t in reversed(good)]
+    out = [read_found(ckpt_root, t) for t in reversed(good)]
     return [f for f in out if f is not None]
 
 
@@ -213,12 +225,13 @@ CHECKPOINT_FORMS = ("a run directory, its checkpoints/ directory, or a checkpoin
                     "holding trainer_state_rank0.pt")
 
 
-def resolve(path: str | os.PathLike) -> Found:
-    """The checkpoint a user names, for ``to-hf``, ``roformer-eval`` and fine-tuning: the rule training
-    resumes by (:func:`candidates`, which :func:`choose_resume` also checks file by file). A run directory
-    or a ``checkpoints/`` directory -> its newest complete checkpoint not marked BAD (``latest`` is only a
-    hint); a step directory -> itself, refused when it is incomplete or marked BAD. CheckpointError
-    naming the path otherwise."""
+def resolve(path: str | os.PathLike, check: bool = True) -> Found:
+    """The checkpoint a user names, for ``to-hf``, ``roformer-eval``, fine-tuning and forks: the rule training
+    resumes by. A run directory or a ``checkpoints/`` directory -> its newest complete checkpoint not marked
+    BAD whose files check out (``latest`` is only a hint); a step directory -> itself, refused when it is
+    incomplete or marked BAD. With ``check`` its files are checked as a resume checks them (presence, size,
+    content hash, structure): a damaged checkpoint is marked BAD, naming the file, and a run directory falls
+    back to the one before it. CheckpointError naming the path otherwise."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or run directory")
@@ -231,23 +244,42 @@ def resolve(path: str | os.PathLike) -> Found:
             raise CheckpointError(f"{p}: marked {BAD} ({' '.join(reason[1:2]).strip() or 'see its BAD file'}); "
                                   "training skips it too")
         try:
-            return _read_complete(p.parent, p.name)
+            found = _read_complete(p.parent, p.name)
         except _MARKER_ERRORS as e:
             raise CheckpointError(f"{p}: unreadable {COMPLETE} marker ({short_error(e)})") from None
+        problems = check_share(found, 0, 1) if check else []
+        if problems:
+            _reject(found, problems)
+            raise CheckpointError(f"{p}: damaged, now marked {BAD} (training skips it too): {'; '.join(problems)}")
+        return found
     root = RunDir(p).checkpoints if RunDir(p).checkpoints.is_dir() else p
     if not ((root / LATEST).exists() or _tags(root)):
         raise CheckpointError(f"{path}: not a roformer-dist checkpoint (expected {CHECKPOINT_FORMS})")
-    found = find_resume(root)
-    if found is None:
-        raise CheckpointError(f"{root}: no complete checkpoint that is not marked {BAD}")
-    return found
+    rejected = []
+    for found in candidates(root):
+        problems = check_share(found, 0, 1) if check else []
+        if not problems:
+            if rejected:
+                log.warning("using %s instead (the newest usable checkpoint)", found.tag)
+            return found
+        _reject(found, problems)
+        rejected.append(f"{found.tag}: " + "; ".join(problems))
+    if rejected:
+        raise CheckpointError(f"{root}: no usable checkpoint ({' | '.join(rejected)})")
+    raise CheckpointError(f"{root}: no complete checkpoint that is not marked {BAD}")
+
+
+def _reject(found: Found, problems: list[str]) -> None:
+    log.error("checkpoint %s is damaged, marking it %s: %s", found.dir, BAD, "; ".join(problems))
+    mark_bad(found.dir, problems)
 
 
 # --------------------------------------------------------------------------- checking files
 
 
-def check_file(ckpt_dir: Path, name: str, size: int) -> Optional[str]:
-    """Why ``name`` of a checkpoint is unusable, or None: present, its size as saved, loadable."""
+def check_file(ckpt_dir: Path, name: str, size: int, digest: Optional[str] = None) -> Optional[str]:
+    """Why ``name`` of a checkpoint is unusable, or None: present, its size as saved, its content hash as
+    saved (when ``digest`` is given), loadable."""
     path = Path(ckpt_dir) / name
     try:
         actual = path.stat().st_size
@@ -257,6 +289,14 @@ def check_file(ckpt_dir: Path, name: str, size: int) -> Optional[str]:
         return f"{path}: cannot be read ({e.strerror})"
     if actual != size:
         return f"{path}: {actual} bytes, {size} when saved (truncated or overwritten)"
+    if digest is not None:
+        try:
+            now = digest_file(path)
+        except OSError as e:
+            return f"{path}: cannot be read ({e.strerror})"
+        if now != digest:
+            return (f"{path}: its content changed since it was saved ({ALGORITHM} {now[:16]}..., "
+                    f"{digest[:16]}... when saved; same size: flipped bits or overwritten)")
     if not name.endswith(".pt"):
         return None
     if name.startswith("trainer_state_rank"):
@@ -272,7 +312,19 @@ def check_share(found: Found, rank: int, world_size: int) -> list[str]:
     """This rank's share of the checks of ``found`` (file i goes to rank i % world_size)."""
     files = sorted(found.files.items())
     return [p for i, (name, size) in enumerate(files) if i % world_size == rank
-            for p in [check_file(found.dir, name, size)] if p]
+            for p in [check_file(found.dir, name, size, found.hashes.get(name))] if p]
+
+
+def saved_files(ckpt_dir: Path) -> list[Path]:
+    """The files of a save in its directory (markers and hidden files aside), sorted by name."""
+    return [p for p in sorted(Path(ckpt_dir).iterdir())
+            if p.is_file() and p.name not in _MARKERS and not p.name.startswith(".")]
+
+
+def hash_share(ckpt_dir: Path, rank: int, world_size: int) -> dict[str, str]:
+    """This rank's share of the content hashes of a save's files (file i goes to rank i % world_size), read
+    back once every rank's files are durable."""
+    return {p.name: digest_file(p) for i, p in enumerate(saved_files(ckpt_dir)) if i % world_size == rank}
 
 
 def mark_bad(ckpt_dir: Path, problems: list[str]) -> None:
@@ -340,8 +392,7 @@ def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = Loca
             log.error("checkpoint %s is damaged (a run would mark it %s and fall back): %s", f.dir, BAD,
                       "; ".join(problems))
         elif rank == 0:
-            log.error("checkpoint %s is damaged, marking it %s and falling back: %s", f.dir, BAD, "; ".join(problems))
-            mark_bad(f.dir, problems)
+            _reject(f, problems)
     if rejected:
         raise CheckpointError(f"{ckpt_root}: no usable checkpoint ({' | '.join(rejected)}); repair or remove "
                               "them, or start a new run in another run_dir")
@@ -406,16 +457,21 @@ def begin_save(ckpt_root: Path, tag: str, rank: int, comm: Comm) -> None:
     comm.barrier()
 
 
-def commit(ckpt_root: Path, step: int, world_size: int, keep_last: int, faults: Faults = NO_FAULTS) -> Path:
-    """Rank 0, once every rank's files of ``step`` are durable: COMPLETE (listing each file and its size),
-    then ``latest``, then :func:`prune`."""
+def commit(ckpt_root: Path, step: int, world_size: int, keep_last: int, faults: Faults = NO_FAULTS,
+           hashes: Optional[dict[str, str]] = None) -> Path:
+    """Rank 0, once every rank's files of ``step`` are durable: COMPLETE (listing each file, its size and,
+    given ``hashes``, its content hash: one the writers did not give is computed here), then ``latest``, then
+    :func:`prune`."""
     ckpt_dir = ckpt_root / tag_for(step)
     missing = [r for r in range(world_size) if not state_file(ckpt_dir, r).exists()]
     if missing:
         raise CheckpointError(f"{ckpt_dir}: trainer state of ranks {missing} missing after the save barrier")
-    files = {p.name: p.stat().st_size for p in sorted(ckpt_dir.iterdir())
-             if p.is_file() and p.name not in _MARKERS and not p.name.startswith(".")}
+    paths = saved_files(ckpt_dir)
+    files = {p.name: p.stat().st_size for p in paths}
     meta = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
+    if hashes is not None:
+        meta["hash"] = ALGORITHM
+        meta["hashes"] = {p.name: hashes.get(p.name) or digest_file(p) for p in paths}
     faults.point("save.before_complete")
     atomic_write_text(ckpt_dir / COMPLETE, json.dumps(meta, indent=1) + "\n")
     faults.point("save.before_latest")
@@ -438,7 +494,8 @@ def save_failure(e: BaseException, ckpt_root: Path, tag: str, rank: int) -> Stor
 
 
 def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerState, rank: int, world_size: int, keep_last: int,
-         comm: Comm = LocalComm(), faults: Faults = NO_FAULTS, before_commit: Callable[[], None] = lambda: None) -> Path:
+         comm: Comm = LocalComm(), faults: Faults = NO_FAULTS, before_commit: Callable[[], None] = lambda: None,
+         checksums: bool = True) -> Path:
     """Every rank calls this. Returns the checkpoint directory once it is COMPLETE and ``latest``.
 
     ``before_commit`` runs on every rank once every rank's files are written, before rank 0 commits
@@ -446,8 +503,9 @@ def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerSt
 
     ``runner.save_checkpoint(root, tag)`` writes the DeepSpeed files. An OS error on this rank is
     raised as StorageError after the half-written directory is removed (rank 0), so ``latest`` keeps
-    naming the previous complete checkpoint. ``checkpoint/async_save.py`` is the same protocol with the
-    writing in a background thread."""
+    naming the previous complete checkpoint. With ``checksums`` each rank then hashes a share of the files
+    (:func:`hash_share`) for COMPLETE. ``checkpoint/async_save.py`` is the same protocol with the writing in a
+    background thread."""
     ckpt_root = Path(ckpt_root)
     tag = tag_for(step)
     ckpt_dir = ckpt_root / tag
@@ -463,9 +521,12 @@ def save(runner: SavesCheckpoint, ckpt_root: Path, step: int, payload: TrainerSt
         atomic_torch_save(payload.to_dict(), state_file(ckpt_dir, rank))
         faults.point("save.after_file")
         comm.barrier()
+        hashes = None
+        if checksums:  # the gather is the barrier: every rank's files are durable
+            hashes = {k: v for share in comm.all_gather(hash_share(ckpt_dir, rank, world_size)) for k, v in share.items()}
         before_commit()
         if rank == 0:
-            commit(ckpt_root, step, world_size, keep_last, faults)
+            commit(ckpt_root, step, world_size, keep_last, faults, hashes)
             log.info("saved checkpoint %s in %.1f s", ckpt_dir, time.monotonic() - t0)
         comm.barrier()
     except (OSError, RuntimeError) as e:

@@ -4,6 +4,7 @@
     roformer-convert from-hf --hf-dir HF_DIR --out OUT_DIR        # OUT_DIR/model.pt + OUT_DIR/model.yaml
     roformer-convert to-hf --checkpoint RUN_DIR/checkpoints/TAG --out HF_DIR     # tokenizer from the run's shards
     roformer-convert to-hf --checkpoint weights.pt --tokenizer SHARDS_OR_MODEL --out HF_DIR [--force]
+    roformer-convert verify RUN_DIR [--mark-bad]      # every checkpoint's files against COMPLETE (sizes, hashes)
 
 ``to-hf`` writes a complete HF repository (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, special_tokens_map.json, tokenizer.model, README.md model card; see
@@ -18,7 +19,12 @@ The weights file (what ``from-hf`` writes and ``to-hf`` reads) is defined in
 optionally prefixed ``module.``) with ``--config``. ``model.yaml`` beside ``model.pt`` holds the model
 section, usable as ``model: OUT_DIR/model.yaml``.
 
-Exit status: 0 done, 2 bad flag or a model HF cannot express (ConfigError), 4 tokenizer missing or
+``verify`` checks every complete checkpoint of a run (or one checkpoint directory) as a resume would
+(each file present, its size and content hash as saved, its structure loadable), newest first, reports
+each and which one a resume would take; it changes nothing unless ``--mark-bad`` (then a damaged one is
+marked BAD, as a resume would mark it).
+
+Exit status: 0 done (``verify``: every checkpoint checked out), 2 bad flag or a model HF cannot express (ConfigError), 4 tokenizer missing or
 damaged (DataError), 5 checkpoint or weights missing or damaged (CheckpointError), 74 the output
 cannot be written (disk full, read-only; nothing half-written is left).
 """
@@ -125,13 +131,64 @@ def cmd_to_hf(args) -> None:
           + " ".join(res.files))
 
 
+def cmd_verify(args) -> None:
+    import time
+
+    from roformer_dist.checkpoint import store
+    from roformer_dist.runtime.rundir import RunDir
+
+    path = Path(args.run)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run or checkpoint directory")
+    single = store.state_file(path, 0).exists() or path.name.startswith("step_")
+    root = path.parent if single else RunDir(path).checkpoints if RunDir(path).checkpoints.is_dir() else path
+    tags = [path.name] if single else sorted((p.name for p in root.iterdir() if p.is_dir() and
+                                              p.name.startswith("step_") and not p.name.endswith(".bad")),
+                                             reverse=True)
+    if not tags:
+        raise CheckpointError(f"{path}: no checkpoints (expected {store.CHECKPOINT_FORMS})")
+    damaged, usable = [], None
+    for tag in tags:
+        d = root / tag
+        if not store.is_complete(d):
+            print(f"{tag}  incomplete (no {store.COMPLETE} marker): resume ignores it")
+            continue
+        if store.is_bad(d):
+            print(f"{tag}  marked {store.BAD} earlier: resume skips it")
+            continue
+        found = store.read_found(root, tag)
+        if found is None:
+            damaged.append(f"{tag}: unreadable {store.COMPLETE} marker")
+            print(f"{tag}  DAMAGED: unreadable {store.COMPLETE} marker")
+            continue
+        t0 = time.monotonic()
+        problems = store.check_share(found, 0, 1)
+        size = sum(found.files.values())
+        checked = "sizes, hashes and structure" if found.hashes else "sizes and structure (saved without hashes)"
+        if problems:
+            damaged.append(f"{tag}: " + "; ".join(problems))
+            print(f"{tag}  DAMAGED: " + "; ".join(problems), flush=True)
+            if args.mark_bad:
+                store.mark_bad(d, problems)
+                print(f"{tag}  marked {store.BAD}")
+        else:
+            usable = usable or tag
+            print(f"{tag}  ok: {len(found.files)} files, {size / 1e6:.1f} MB, {checked} "
+                  f"({time.monotonic() - t0:.1f} s)", flush=True)
+    if not single:
+        print(f"a resume would take: {usable or 'none (a fresh start, or an error when all are damaged)'}")
+    if damaged:
+        raise CheckpointError(f"{path}: {len(damaged)} damaged checkpoint(s)"
+                              + ("" if args.mark_bad else " (--mark-bad marks them BAD, as a resume would)"))
+
+
 def build_parser() -> CommandParser:
     p = CommandParser(
         prog="roformer-convert",
         description="Convert RoFormer weights between roformer-dist and HF transformers "
                     "(RoFormerForMaskedLM, save_pretrained directories).",
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{from-hf,to-hf}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{from-hf,to-hf,verify}")
     f = sub.add_parser("from-hf", help="HF save_pretrained directory -> roformer-dist weights file",
                        description="Read an HF RoFormerForMaskedLM directory (config.json + safetensors or "
                                    "bin) and write a roformer-dist weights file.")
@@ -161,6 +218,13 @@ def build_parser() -> CommandParser:
                    help="re-encode N training documents with tokenizer.json and report how many give the "
                         "training ids (0: skip; default 1000)")
     t.set_defaults(func=cmd_to_hf)
+    v = sub.add_parser("verify", help="check every checkpoint of a run against its COMPLETE marker",
+                       description="Check every complete checkpoint of a run directory (or one checkpoint "
+                                   "directory) as a resume would: files present, sizes and content hashes as "
+                                   "saved, structure loadable. Changes nothing unless --mark-bad.")
+    v.add_argument("run", help="a run directory, its checkpoints/ directory, or a checkpoints/step_XXXXXXXX/ directory")
+    v.add_argument("--mark-bad", action="store_true", help="mark damaged checkpoints BAD, as a resume would")
+    v.set_defaults(func=cmd_verify)
     return p
 
 

@@ -330,6 +330,9 @@ class CheckpointConfig:
     """Complete checkpoints to keep (older ones are deleted)."""
     resume: bool = True
     """Resume from the newest complete, undamaged checkpoint in run_dir/checkpoints when there is one."""
+    checksums: bool = True
+    """Record each file's content hash (XXH3-128) in COMPLETE; resume, ``to-hf``, ``roformer-eval``, forks and
+    ``roformer-convert verify`` compare it. ``false`` only where reading a save back costs too much."""
     async_: bool = False
     """YAML key ``async``. The step loop goes on while a checkpoint is written: a host-memory snapshot, then
     a background writer per rank; COMPLETE and ``latest`` still follow only when every rank's files are

@@ -195,7 +195,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, env.rank, self.state.step, run_sinks(cfg), cfg.logging)
         if cfg.checkpoint.async_:
             self.saver = AsyncSaver(self.ckpt_root, env.rank, env.world_size, cfg.checkpoint.keep_last, self.comm,
-                                    cfg.dist.timeout_s, self.faults)
+                                    cfg.dist.timeout_s, self.faults, cfg.checkpoint.checksums)
         if env.rank == 0 and not found:
             self.metrics.text("config", "```\n" + dump_yaml(cfg) + "\n```")
             self.metrics.text("mixture", "```\n" + self.plan.table() + "\n```")
@@ -380,7 +380,7 @@ class Trainer:
 
         if self.saver is None:
             ckpt.save(self.runner, self.ckpt_root, self.state.step, payload, self.env.rank, self.env.world_size,
-                      self.cfg.checkpoint.keep_last, self.comm, self.faults, before_commit)
+                      self.cfg.checkpoint.keep_last, self.comm, self.faults, before_commit, self.cfg.checkpoint.checksums)
         else:
             self.saver.save(self.runner, self.state.step, payload, before_commit)
 
