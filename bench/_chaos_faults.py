@@ -31,11 +31,13 @@ JIT_BUILD_SHARE = 0.03
 class Schedule:
     """The seeded draw of faults; ``disk``: whether full-disk faults can be made."""
 
-    def __init__(self, seed: int, disk: bool, startup_s: float, step_s: float):
+    def __init__(self, seed: int, disk: bool, startup_s: float, step_s: float, first: tuple[str, ...] = ()):
         self.rng = random.Random(seed)
         self.disk, self.startup_s, self.step_s = disk, startup_s, step_s
         self.runtime_kinds = ["signal"] * 6 + ["point"] * 6  # the weights of the draw
-        self.kinds = self.runtime_kinds + ["damage", "stale-lock"] + (["disk-full"] if disk else [])
+        self.kinds = self.runtime_kinds + ["damage", "flip", "stale-lock"] + (["disk-full"] if disk else [])
+        self.first = list(first)
+        """Kinds made before any other as soon as they can be (the tiny campaign's: one of each new kind)."""
 
     def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
         """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
@@ -43,7 +45,9 @@ class Schedule:
         if not runtime_only and rng.random() < JIT_BUILD_SHARE:
             return Fault("jit-build", f"#{index} kill-group during the JIT build of DeepSpeed's op")
         kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
-        if kind == "damage" and len(complete_checkpoints(run_dir)) < 2:
+        if self.first and not runtime_only and len(complete_checkpoints(run_dir)) >= 2:
+            kind = self.first.pop(0)
+        if kind in ("damage", "flip") and len(complete_checkpoints(run_dir)) < 2:
             kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
         if kind == "signal":
             sig = rng.choice(SIGNAL_KINDS)
@@ -92,6 +96,19 @@ def damage(run_dir: Path, rng: random.Random) -> str:
     with open(victim, "r+b") as f:
         f.truncate(size // 2)
     return f"truncated {victim.relative_to(run_dir)} to {size // 2} of {size} bytes"
+
+
+def flip(run_dir: Path, rng: random.Random) -> tuple[str, int]:
+    """One bit of a random byte of a random file of the newest checkpoint, its size kept (what a size check
+    cannot see); returns the description and the checkpoint's step."""
+    newest = complete_checkpoints(run_dir)[-1]
+    files = sorted(json.loads((newest / "COMPLETE").read_text())["files"])
+    victim = newest / rng.choice(files)
+    data = bytearray(victim.read_bytes())
+    at = rng.randrange(len(data))
+    data[at] ^= 1 << rng.randrange(8)
+    victim.write_bytes(bytes(data))
+    return f"flipped a bit of byte {at} of {victim.relative_to(run_dir)}", int(newest.name.split("_")[1])
 
 
 def stale_lock(run_dir: Path) -> str:

@@ -142,6 +142,8 @@ class Fault:
     """Wall-time faults: the steps recorded when the signal was sent."""
     build_lock: Optional[Path] = None
     """JIT-build faults: SIGKILL to the group once torch's build lock is there."""
+    flipped_step: Optional[int] = None
+    """Flip faults: the step of the checkpoint a bit of which was flipped (never to be resumed from)."""
 
 
 @dataclass

@@ -81,4 +81,6 @@ def expectations(fault: Fault, result: Launch) -> list[str]:
         bad.append(f"full disk: exit {result.rc}, expected {EXIT_STORAGE} (a storage error)")
     if fault.kind == "disk-full" and result.rc == EXIT_STORAGE and "No space left on device" not in result.out:
         bad.append("full disk: exit 74 without naming the full disk")
+    if fault.flipped_step is not None and result.resumed_from == fault.flipped_step:
+        bad.append(f"resumed from step {fault.flipped_step}, whose checkpoint had a flipped bit")
     return bad

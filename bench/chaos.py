@@ -49,7 +49,7 @@ from typing import Optional
 os.environ.setdefault("TQDM_DISABLE", "1")  # the oracle's checkpoint reads draw no progress bars
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
-from _chaos_faults import Disk, Schedule, damage, stale_lock  # noqa: E402
+from _chaos_faults import Disk, Schedule, damage, flip, stale_lock  # noqa: E402
 from _chaos_launch import LAYOUTS, TOTAL_STEPS, Fault, command, launch, make_data, metrics, reference  # noqa: E402
 from _chaos_oracle import expectations, oracle  # noqa: E402
 from _chaos_slurm import SLURM_VARIANTS, slurm_ready, slurm_variant  # noqa: E402
@@ -101,8 +101,12 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             fault.build_lock = op / "lock"
         elif fault is not None and fault.at_s is None and not fault.env:
             before, fault = fault, None
-            before.detail += ": " + (damage(run, schedule.rng) if before.kind == "damage" else
-                                     stale_lock(run) if before.kind == "stale-lock" else disk.fill())
+            if before.kind == "flip":
+                detail, before.flipped_step = flip(run, schedule.rng)
+            else:
+                detail = (damage(run, schedule.rng) if before.kind == "damage" else
+                          stale_lock(run) if before.kind == "stale-lock" else disk.fill())
+            before.detail += ": " + detail
             before.delivered = True
             if before.kind != "disk-full" and delivered + 1 < budget:  # and one while it runs
                 fault = schedule.draw(run, tally.launches, runtime_only=True)
@@ -220,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for layout in args.layouts:
             reference(data, args.out, layout)
         _, startup, step = reference(data, args.out, args.layouts[0])
-        schedule = Schedule(args.seed, disk.mounted, startup, step)
+        schedule = Schedule(args.seed, disk.mounted, startup, step, first=("flip",) if args.tiny else ())
         with open(args.out / "launches.log", "w", encoding="utf-8") as log:
             idx = 0
             while sum(tally.faults.values()) < args.faults:  # (--faults 0: the SLURM variants alone)
