@@ -15,7 +15,8 @@ from _chaos_launch import TOTAL_STEPS, Fault, Launch, complete_checkpoints, metr
 
 from roformer_dist.runtime.faults import ACTIONS
 
-SIGNAL_KINDS = ("kill-rank", "kill-launcher", "kill-group", "term-group", "int-group", "usr2-group")
+SIGNAL_KINDS = ("kill-rank", "kill-launcher", "kill-group", "term-group", "int-group", "usr2-group", "stop-rank")
+"""stop-rank: SIGSTOP of one rank once the launch trains (a hang: the watchdog must end the launch)."""
 POINT_OCCURRENCES = {  # point -> the largest N drawn for POINT@N (how often one launch passes it, roughly)
     "save.begin": 3, "save.before_file": 8, "save.after_file": 8, "save.before_complete": 3,
     "save.before_latest": 3, "save.after_latest": 3, "loader.state": 3, "stage.switch": 2, "eval": 4,
@@ -37,7 +38,8 @@ class Schedule:
         self.runtime_kinds = ["signal"] * 6 + ["point"] * 6  # the weights of the draw
         self.kinds = self.runtime_kinds + ["damage", "flip", "stale-lock"] + (["disk-full"] if disk else [])
         self.first = list(first)
-        """Kinds made before any other as soon as they can be (the tiny campaign's: one of each new kind)."""
+        """Kinds made before any other as soon as two checkpoints exist (``flip``, ``signal:stop-rank``): the tiny
+        campaign's one of each newer kind."""
 
     def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
         """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
@@ -45,12 +47,13 @@ class Schedule:
         if not runtime_only and rng.random() < JIT_BUILD_SHARE:
             return Fault("jit-build", f"#{index} kill-group during the JIT build of DeepSpeed's op")
         kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
+        forced_signal = None
         if self.first and not runtime_only and len(complete_checkpoints(run_dir)) >= 2:
-            kind = self.first.pop(0)
+            kind, _, forced_signal = self.first.pop(0).partition(":")
         if kind in ("damage", "flip") and len(complete_checkpoints(run_dir)) < 2:
             kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
         if kind == "signal":
-            sig = rng.choice(SIGNAL_KINDS)
+            sig = forced_signal or rng.choice(SIGNAL_KINDS)
             steps_left = TOTAL_STEPS - len(metrics(run_dir))
             at = rng.uniform(0.3, self.startup_s + max(1, steps_left) * self.step_s)
             return Fault(f"time:{sig}", f"#{index} {sig} at {at:.2f} s", at_s=at, signal_kind=sig)

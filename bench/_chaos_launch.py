@@ -34,6 +34,8 @@ LAYOUTS = {
     "pp2-async": ["deepspeed=zero1", "parallel.pipeline=2", "checkpoint.async=true"],
 }
 STEP_DELAY_S = "0.2"
+HANG_TIMEOUT_S = 15
+"""dist.hang_timeout_s of the campaign's runs: a stopped rank ends its launch within this (+ 30 s, the oracle)."""
 """ROFORMER_STEP_DELAY_S of the campaign's launches: steps long enough for wall-time faults to land in them."""
 
 
@@ -65,7 +67,8 @@ def command(data: Path, run_dir: Path, layout: str) -> list[str]:
                f"{{name: reviews, shards: '{data / 'reviews'}', weight: 0.3}}]")
     return [*TRAIN, "--config", str(DEBUG_CONFIG), "data.shards=", mixture,
             f"data.eval_shards={data / 'eval'}", "data.eval_batches=1", f"run_dir={run_dir}",
-            "trainer.save_every=2", "trainer.eval_every=4", "checkpoint.keep_last=2", *LAYOUTS[layout]]
+            "trainer.save_every=2", "trainer.eval_every=4", "checkpoint.keep_last=2",
+            f"dist.hang_timeout_s={HANG_TIMEOUT_S}", *LAYOUTS[layout]]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -142,6 +145,8 @@ class Fault:
     """Wall-time faults: the steps recorded when the signal was sent."""
     build_lock: Optional[Path] = None
     """JIT-build faults: SIGKILL to the group once torch's build lock is there."""
+    stopped_at_s: Optional[float] = None
+    """stop-rank faults: seconds after the launch when the rank was stopped."""
     flipped_step: Optional[int] = None
     """Flip faults: the step of the checkpoint a bit of which was flipped (never to be resumed from)."""
 
@@ -233,13 +238,21 @@ def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -
             return
         time.sleep(0.01)
     kind = fault.signal_kind
+    if kind == "stop-rank":  # once this launch trains: the watchdog guards the training loop
+        started = time.time() - (time.monotonic() - t0)
+        while not any(r["time"] >= started for r in metrics(run_dir)):
+            if proc.poll() is not None:
+                return
+            time.sleep(0.05)
     try:
-        if kind == "kill-rank":
+        if kind in ("kill-rank", "stop-rank"):
             ranks = rank_pids(proc.pid)
             if not ranks:
                 return  # the ranks are not started yet (or gone): not delivered
             victim = random.Random(fault.detail).choice(ranks)
-            os.kill(victim, signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL if kind == "kill-rank" else signal.SIGSTOP)
+            if kind == "stop-rank":
+                fault.stopped_at_s = time.monotonic() - t0
         elif kind == "kill-launcher":
             os.kill(proc.pid, signal.SIGKILL)
         elif kind == "kill-group":

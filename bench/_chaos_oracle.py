@@ -8,9 +8,9 @@ import logging
 import re
 from pathlib import Path
 
-from _chaos_launch import TOTAL_STEPS, Fault, Launch, metrics, read_latest
+from _chaos_launch import HANG_TIMEOUT_S, TOTAL_STEPS, Fault, Launch, metrics, read_latest
 
-from roformer_dist.errors import EXIT_DONE, EXIT_STORAGE
+from roformer_dist.errors import EXIT_DONE, EXIT_HANG, EXIT_STORAGE
 
 STOP_SIGNALS = {"term-group", "int-group", "usr2-group"}
 LEFTOVER = re.compile(r"^\..+\.tmp\d+-[0-9a-f]{8}$|^\.written\.\d+$|^\.failed\.\d+$|^\.write_probe\.\d+$")
@@ -81,6 +81,12 @@ def expectations(fault: Fault, result: Launch) -> list[str]:
         bad.append(f"full disk: exit {result.rc}, expected {EXIT_STORAGE} (a storage error)")
     if fault.kind == "disk-full" and result.rc == EXIT_STORAGE and "No space left on device" not in result.out:
         bad.append("full disk: exit 74 without naming the full disk")
+    if fault.stopped_at_s is not None:
+        if result.rc != EXIT_HANG:
+            bad.append(f"a stopped rank: exit {result.rc}, expected {EXIT_HANG} (the hang watchdog's)")
+        elif result.wall_s - fault.stopped_at_s > HANG_TIMEOUT_S + 30:
+            bad.append(f"a stopped rank: the launch ended {result.wall_s - fault.stopped_at_s:.0f} s after it, more "
+                       f"than dist.hang_timeout_s {HANG_TIMEOUT_S} + 30 s")
     if fault.flipped_step is not None and result.resumed_from == fault.flipped_step:
         bad.append(f"resumed from step {fault.flipped_step}, whose checkpoint had a flipped bit")
     return bad

@@ -224,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for layout in args.layouts:
             reference(data, args.out, layout)
         _, startup, step = reference(data, args.out, args.layouts[0])
-        schedule = Schedule(args.seed, disk.mounted, startup, step, first=("flip",) if args.tiny else ())
+        schedule = Schedule(args.seed, disk.mounted, startup, step, first=("flip", "signal:stop-rank") if args.tiny else ())
         with open(args.out / "launches.log", "w", encoding="utf-8") as log:
             idx = 0
             while sum(tally.faults.values()) < args.faults:  # (--faults 0: the SLURM variants alone)

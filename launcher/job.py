@@ -95,7 +95,7 @@ class TrainJob(submitit.helpers.Checkpointable):
               file=sys.stderr, flush=True)
         from roformer_dist.train.entry import run_rank  # torch and DeepSpeed: only in the job
 
-        code = run_rank(self.cfg)
+        code = run_rank(self.cfg, on_hang=lambda: _requeue_after_hang(env.job_id))
         if code == EXIT_DONE:
             return {"run_dir": self.cfg.run_dir, "rank": env.global_rank, "status": "done"}
         if code == EXIT_REQUEUE:
@@ -123,3 +123,14 @@ class TrainJob(submitit.helpers.Checkpointable):
             print(f"saved after a stop signal; job {env.job_id} is being requeued by SLURM already ({now}): its "
                   "next attempt resumes from this checkpoint", file=sys.stderr, flush=True)
             sys.exit(0)
+
+
+def _requeue_after_hang(job_id: str) -> None:
+    """The hang watchdog of a task (runtime/heartbeat.py) found no progress and ends it (exit 76): requeue the job,
+    whose next attempt resumes from the newest checkpoint. Every task that saw the hang asks; SLURM refuses the
+    later ones while it requeues (ignored), and a task that is itself hung asks nothing."""
+    try:
+        subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"hang: requeueing job {job_id} failed ({e}); submit the same command again to resume", file=sys.stderr,
+              flush=True)

@@ -31,7 +31,7 @@ from data_pipeline.errors import EXIT_INTERRUPTED, EXIT_STORAGE, DataError, exit
 
 __all__ = ["ConfigError", "DataError", "CheckpointError", "RunLockedError", "EnvironmentSetupError", "StorageError",
            "EXIT_DONE", "EXIT_BUG", "EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_DATA", "EXIT_CHECKPOINT", "EXIT_LOCKED",
-           "EXIT_ENVIRONMENT", "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status",
+           "EXIT_ENVIRONMENT", "EXIT_STORAGE", "EXIT_REQUEUE", "EXIT_HANG", "EXIT_ABORTED", "EXIT_STATUS_HELP", "exit_status",
            "run_command"]
 
 EXIT_DONE = 0
@@ -43,6 +43,7 @@ EXIT_CHECKPOINT = 5
 EXIT_LOCKED = 6
 EXIT_ENVIRONMENT = 7
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved because of a stop signal; run again to continue
+EXIT_HANG = 76  # a rank made no progress for dist.hang_timeout_s: the launch was ended; run again to resume
 EXIT_ABORTED = EXIT_INTERRUPTED  # 128 + SIGINT: a second Ctrl-C
 
 EXIT_STATUS_HELP = """exit status:
@@ -56,6 +57,8 @@ EXIT_STATUS_HELP = """exit status:
   7    this machine cannot build what the run needs: a DeepSpeed op (the op, the variables and the fix are named)
   74   run_dir not writable: disk full, read-only, permission denied (the path is named)
   75   stopped by a signal after saving a complete checkpoint: run again to continue
+  76   a rank made no progress for dist.hang_timeout_s (hung, or waiting for a hung peer): the launch was
+       ended, the report is <run_dir>/hang/report.txt; run again to resume from the newest checkpoint
   130  aborted by a second Ctrl-C (nothing saved; the newest complete checkpoint stays latest)"""
 """For ``--help`` epilogs."""
 

@@ -147,3 +147,13 @@ def test_cli_help_lists_usage():
     r = subprocess.run([sys.executable, "-m", "roformer_dist.cli.train", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--config" in r.stdout
+
+
+def test_the_hang_timeout_must_come_before_the_collective_timeout():
+    from roformer_dist.config import load_config, validate
+    from roformer_dist.errors import ConfigError
+
+    validate(load_config(overrides=["dist.hang_timeout_s=0", "model.vocab_size=100"]))  # off
+    for value in ("-1", "1800", "4000"):
+        with pytest.raises(ConfigError, match=r"dist.hang_timeout_s: .* below dist.timeout_s \(1800\)"):
+            validate(load_config(overrides=[f"dist.hang_timeout_s={value}", "model.vocab_size=100"]))

@@ -378,3 +378,32 @@ def test_a_completed_run_ignores_late_stop_signals(small_shards, tmp_path):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+
+
+def test_a_stopped_rank_ends_the_launch_within_the_hang_timeout_with_a_report_and_the_next_launch_resumes(
+        small_shards, tmp_path):
+    from roformer_dist.errors import EXIT_HANG
+
+    run = tmp_path / "run"
+    watched = cli_overrides(small_shards, run, "trainer.log_every=1", "trainer.save_every=4")
+    proc = run_cli([*watched, "dist.hang_timeout_s=6"], env=SLOW)
+    wait_for_step(run, 5, proc)
+    stopped = json.loads((run / "hang" / "rank1.json").read_bytes())["pid"]
+    t0 = time.monotonic()
+    os.kill(stopped, signal.SIGSTOP)  # frozen: no socket error, nothing a collective would notice for 30 minutes
+    rc, out = finish(proc, timeout=120)
+    assert rc == EXIT_HANG, out[-4000:]
+    assert time.monotonic() - t0 < 6 + 30
+    assert_clean_output(out)
+    report = (run / "hang" / "report.txt").read_text()
+    assert "hang: no progress for 6 s (dist.hang_timeout_s)" in out and report in out
+    # the rank that stopped comes first (furthest behind), without a stack; rank 0 dumped where it waited
+    assert report.index("rank 1:") < report.index("rank 0:")
+    assert "no stack dumped (the process is stopped" in report.split("rank 1:")[1].splitlines()[0]
+    stack = (run / "hang" / "rank0.stack").read_text()
+    assert "no progress for" in stack and "distributed" in stack and "Thread" in stack
+    assert wait_for_group_gone(proc.pid) == []  # the stopped rank was ended with the launch
+    # the next launch resumes from the newest checkpoint and ends as any run does
+    rc, out = finish(run_cli(watched))
+    assert rc == EXIT_DONE, out[-4000:]
+    trace(run)  # every step once, in order

@@ -8,7 +8,8 @@ fine-tuning), ``safe_load.py`` (loading checkpoint files without running code st
 run resume from that checkpoint), ``weights.py`` (the weights file format, and consolidated fp32
 weights out of any ZeRO stage or layout), ``universal.py`` (DeepSpeed's universal format for a resume
 at another world size), ``lineage.py`` (``parent.json``: what a warm-started run came from), ``write_errors.py`` (why a write failed),
-``async_save.py`` (``checkpoint.async``: the same save protocol with the writing in a background thread).
+``async_save.py`` (``checkpoint.async``: the same save protocol with the writing in a background thread),
+``checksums.py`` (the files' content hashes that ``COMPLETE`` records and every reader checks).
 
 May import: ``roformer_dist.parallel``, ``nn``, ``runtime``, ``config``, ``errors``, ``data_pipeline``;
 deepspeed lazily.

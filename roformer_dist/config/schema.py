@@ -288,6 +288,10 @@ class DistConfig:
     """auto (nccl with CUDA, else gloo) | gloo | nccl."""
     timeout_s: int = 1800
     """Collective timeout in seconds."""
+    hang_timeout_s: float = 300.0
+    """A rank that makes no progress (no step, eval batch or save) for this long ends the launch with exit
+    status 76, its stacks and a report in run_dir/hang/ (runtime/heartbeat.py); 0 = off. Well under
+    ``timeout_s``; longer than the slowest single save, eval batch or first compiled step."""
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,10 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
     ws = cfg.dist.world_size if world_size is None else world_size
     _positive(ws, "dist.world_size")
     _check_choices(cfg.dist, "dist")
+    hang = cfg.dist.hang_timeout_s
+    if not 0 <= hang < cfg.dist.timeout_s:
+        raise ConfigError(f"dist.hang_timeout_s: {hang:g} must be 0 (off) or positive and below dist.timeout_s "
+                          f"({cfg.dist.timeout_s}), when a collective gives up on its own")
     if ws % (p.tensor * p.pipeline):
         raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")

@@ -5,7 +5,7 @@ their launcher), ``runlock.py`` (one writer per run directory; stale locks detec
 (run directories created with a safe mode; foreign, group-writable or symlinked ones refused),
 ``process_group.py`` (the one torch.distributed bootstrap of training and fine-tuning, ``DistEnv``,
 ``free_port``, the checkpoint layer's collectives), ``faults.py`` (the fault hooks tests and the fault campaign set
-through the environment), ``events.py`` (a run's TensorBoard scalars read back), ``jit_builds.py``
+through the environment), ``heartbeat.py`` (each rank's progress and the watchdog that ends a hung launch), ``events.py`` (a run's TensorBoard scalars read back), ``jit_builds.py``
 (torch's JIT extension builds before DeepSpeed loads its ops: a directory per Python environment, locks
 left by killed builds removed, live builds waited for), ``cuda_arch.py`` (``TORCH_CUDA_ARCH_LIST`` as
 DeepSpeed's op builder reads it, set only while a DeepSpeed op builds), ``deepspeed_import.py``

@@ -110,6 +110,11 @@ class RunDir:
         return self.root / "resolved_run.json"
 
     @property
+    def hang(self) -> Path:
+        """The ranks' heartbeat files and, after a hang, their stacks and the report (runtime/heartbeat.py)."""
+        return self.root / "hang"
+
+    @property
     def wandb(self) -> Path:
         return self.root / "wandb"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -89,14 +89,15 @@ def _resolve_as_rank(cfg: Config, env: DistEnv, stop: StopFlag) -> tuple[Resolve
     return run, lock
 
 
-def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None, faults: Optional[Faults] = None
-             ) -> int:
+def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None, faults: Optional[Faults] = None,
+             on_hang: Callable[[], None] = lambda: None) -> int:
     """Run this process as one rank of the job ``run`` (resolved, or this rank's config); see the module docstring.
 
     ``stop``: the stop flag the caller installed (``roformer-train`` does it first thing, in its launcher
     and in each rank it spawns, and under torchrun or srun); None installs it here (the submitit job of
     ``roformer-submit``, a direct call). ``faults``: None reads the test fault
-    variables of the environment, once."""
+    variables of the environment, once. ``on_hang``: what the hang watchdog calls before it ends this process
+    (exit 76; the SLURM job requeues itself there)."""
     cfg = run.cfg if isinstance(run, ResolvedRun) else run
     env = DistEnv.from_environ()
     if stop is None:
@@ -119,7 +120,7 @@ def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None
         run, lock = _resolve_as_rank(cfg, env, stop)
     try:
         setup_logging(run.cfg, env.rank)
-        trainer = Trainer(run, env, stop=stop, faults=faults)
+        trainer = Trainer(run, env, stop=stop, faults=faults, on_hang=on_hang)
         try:
             trainer.setup()
             code = trainer.fit()
@@ -131,6 +132,13 @@ def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None
     if code == EXIT_DONE:
         ignore_late_stop_signals()
     if own_group and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        watch = trainer.heartbeat  # armed again for the job's last barrier: a rank stopped there hangs it too
+        if watch is not None:
+            watch.start()
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        finally:
+            if watch is not None:
+                watch.stop()
     return code

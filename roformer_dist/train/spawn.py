@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from roformer_dist.errors import EXIT_BUG, EXIT_REQUEUE, exit_status
+from roformer_dist.errors import EXIT_BUG, EXIT_HANG, EXIT_REQUEUE, exit_status
+from roformer_dist.runtime.heartbeat import REPORT
 from roformer_dist.runtime.process_group import free_port, peer_lost
 from roformer_dist.runtime.stop import StopFlag, adopt_orphans, blocked_stop_signals, children, die_with_parent, exit_now, \
     kill_tree
@@ -122,6 +123,11 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
     if failed:
         rank, code = failed
         own = [c for r, c, _ in messages if r == rank]
+        report = run.run_dir.hang / REPORT
+        if code == EXIT_HANG and report.exists():  # the watchdog's report: which rank, where, its stacks
+            print(f"roformer-train: {report.read_text(encoding='utf-8', errors='replace')}", end="", file=sys.stderr,
+                  flush=True)
+            return EXIT_HANG
         if not own:
             why = (f"was killed by {signal.Signals(-code).name}" if code < 0 else
                    f"exited with status {code}" if code else "exited without a result")

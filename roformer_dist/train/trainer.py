@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from roformer_dist.nn.model import RoFormerForMaskedLM, batch_plan
 from roformer_dist.nn.rotary_tune import RotaryChoices, timings_to_json
 from roformer_dist.parallel.runner import StepStats, build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
+from roformer_dist.runtime.heartbeat import Heartbeat
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
 from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.stop import StopFlag
@@ -74,13 +75,16 @@ class Trainer:
     the trainer derives none of it again. ``stop``: the process's stop flag, installed by its entry point (the default is inert: a trainer
     built in a test or a notebook never stops on a signal); ``faults``: fault injection for tests."""
 
-    def __init__(self, run: ResolvedRun, env: DistEnv, stop: Optional[StopFlag] = None, faults: Faults = NO_FAULTS):
+    def __init__(self, run: ResolvedRun, env: DistEnv, stop: Optional[StopFlag] = None, faults: Faults = NO_FAULTS,
+                 on_hang: Callable[[], None] = lambda: None):
         if run.world_size != env.world_size:
             raise ValueError(f"Trainer: the run was resolved for {run.world_size} rank(s), this rank is one of "
                              f"{env.world_size}")
         self.run = run
         cfg = self.cfg = run.cfg
         self.env = env
+        self.on_hang = on_hang
+        self.heartbeat: Optional[Heartbeat] = None  # the hang watchdog (dist.hang_timeout_s), armed in fit()
         self.run_dir = run.run_dir.root
         self.paths = run.run_dir
         self.ckpt_root = self.paths.checkpoints
@@ -284,6 +288,7 @@ class Trainer:
         """One optimizer step (the runner's) and the host's counters; returns (StepStats, seconds). The step's
         device statistics may be unread (``StepStats.pending``): :meth:`read_steps` accounts for them."""
         self.runner.set_lr(lr)
+        self.beat("step")
         t0 = time.monotonic()
         try:
             stats = self.runner.train_step(batches, stop=self.stop.requested,
@@ -291,6 +296,7 @@ class Trainer:
         except (DataError, CorruptShardError) as e:
             raise data_error(e, f"training step {self.state.step + 1}") from None
         dt = time.monotonic() - t0
+        self.beat("step.end")
         self.faults.after_step()
         s = self.state
         s.step += 1
@@ -313,6 +319,7 @@ class Trainer:
             return
         t0 = time.monotonic()
         read = self.runner.read_stats([u.stats for u in unread])
+        self.beat("read")
         self._window[2] += time.monotonic() - t0  # the device's work the host waited for: the window's too
         s = self.state
         for u, stats in zip(unread, read):
@@ -335,11 +342,15 @@ class Trainer:
             return {}
         reduce = self._all_reduce_on_device if dist.get_world_size() > 1 else None
         stage, out = self.stages[self.stage_index], {}
+
+        def eval_step(*args, **kwargs):  # each eval batch is progress
+            return self.beat("eval") or self.runner.eval_step(*args, **kwargs)
+
         sets = ([("eval", self.evaluator)] if self.cfg.data.eval_shards else []) + \
             [(f"eval_{name}", ev) for name, ev in self.source_evaluators.items()]
         for prefix, ev in sets:
             self.faults.point("eval")
-            out.update(ev.evaluate_stage(stage, self.runner.eval_step, self.dp_rank, self.dp_size, reduce,
+            out.update(ev.evaluate_stage(stage, eval_step, self.dp_rank, self.dp_size, reduce,
                                          step=self.state.step, prefix=prefix))
         return out
 
@@ -378,11 +389,13 @@ class Trainer:
             self.metrics.scalars(self.state.step, {"perf/checkpoint_stall_s": time.monotonic() - t0})
             self.metrics.flush()
 
+        self.beat("save")
         if self.saver is None:
             ckpt.save(self.runner, self.ckpt_root, self.state.step, payload, self.env.rank, self.env.world_size,
                       self.cfg.checkpoint.keep_last, self.comm, self.faults, before_commit, self.cfg.checkpoint.checksums)
         else:
             self.saver.save(self.runner, self.state.step, payload, before_commit)
+        self.beat("save.end")
 
     def finish_saves(self) -> None:
         """Every rank: return once the save in flight is committed (a no-op for synchronous saves)."""
@@ -392,6 +405,12 @@ class Trainer:
             log.info("waiting for the checkpoint of step %d to be written", self.saver.in_flight)
         self.saver.wait()
         self.comm.barrier()
+        self.beat("save.end")
+
+    def beat(self, point: str) -> None:
+        """Progress at ``point`` (runtime/heartbeat.py: what the hang watchdog watches)."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat(point, self.state.step)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
@@ -402,6 +421,7 @@ class Trainer:
                      self.total)
             return EXIT_DONE
         self._logged_step = s.step
+        self.heartbeat = Heartbeat.armed(self.paths.hang, self.env, self.cfg.dist.hang_timeout_s, self.on_hang)
         if self._eval_due:
             self.run_skipped_eval()
         self.switch_stage(stage_at(self.stages, s.step).index)
@@ -568,6 +588,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.loader is not None:
             self.loader.close()  # its workers end with the run, not when the garbage collector gets to them
         if self.profiler is not None:
