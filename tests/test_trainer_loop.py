@@ -92,7 +92,7 @@ class FakeRunner:
     def set_stage(self, stage, choose_kernel=None):
         self.events.append(("stage", stage.seq_len))
 
-    def train_step(self, batches, stop=False, inject_nan=False):
+    def train_step(self, batches, stop=False, inject_nan=False, spike_above=None, inject_spike=1.0):
         next(batches)
         self.step += 1
         self.events.append(("step", self.step))

@@ -90,6 +90,8 @@ class TrainerState:
     window); optional: after a resume from a payload without it, the first window starts at step 0."""
     eval_due: bool = False
     """The eval scheduled at this step was skipped (a stop): the launch that resumes runs it first."""
+    spikes: dict = field(default_factory=dict)
+    """``train.spikes.SpikeGuard.state_dict()`` (``trainer.spike``); empty in a payload from before it."""
     format: int = field(default=FORMAT_VERSION)
     """Payload format version."""
 
@@ -97,7 +99,8 @@ class TrainerState:
         return {"format": FORMAT_VERSION, "trainer": self.trainer.state_dict(), "loader": self.loader,
                 "rng": self.rng, "world_size": self.world_size, "rank": self.rank, "config": self.config,
                 "tokenizer_sha256": self.tokenizer_sha256, "stage_index": self.stage_index,
-                "source_tokens_logged": dict(self.source_tokens_logged), "eval_due": self.eval_due}
+                "source_tokens_logged": dict(self.source_tokens_logged), "eval_due": self.eval_due,
+                "spikes": dict(self.spikes)}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "trainer state") -> "TrainerState":
@@ -121,6 +124,8 @@ class TrainerState:
                                                    for k, v in logged.items()):
             raise CheckpointError(f"{where}: field 'source_tokens_logged': expected a mapping of source names to "
                                   "token counts")
+        if not isinstance(data.get("spikes", {}), dict):
+            raise CheckpointError(f"{where}: field 'spikes': expected a mapping, got {type(data['spikes']).__name__}")
         if not isinstance(data.get("eval_due", False), bool):
             raise CheckpointError(f"{where}: field 'eval_due': expected bool, got {type(data['eval_due']).__name__}")
         counters = TrainCounters()
@@ -131,7 +136,7 @@ class TrainerState:
         return cls(trainer=counters, loader=data["loader"], rng=data["rng"], world_size=data["world_size"],
                    rank=data["rank"], config=data["config"], tokenizer_sha256=str(data.get("tokenizer_sha256") or ""),
                    stage_index=data["stage_index"], source_tokens_logged={k: float(v) for k, v in logged.items()},
-                   eval_due=data.get("eval_due", False), format=version)
+                   eval_due=data.get("eval_due", False), spikes=data.get("spikes", {}), format=version)
 
     @property
     def step(self) -> int:

@@ -28,7 +28,7 @@ from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, Ch
                                          CurriculumConfig, DataConfig, DeepSpeedConfig, DistBackend, DistConfig,
                                          DocumentPositions, EvalSourceConfig, HiddenAct, InitConfig, LoggingConfig,
                                          LogLevel, LRSchedule, MlflowSettings, ModelConfig, NewRows, OffloadDevice,
-                                         OptimConfig, WandbMode, WandbSettings,
+                                         OptimConfig, SpikePolicy, WandbMode, WandbSettings,
                                          OptimizerName, Packing, ParallelConfig, PositionEmbedding, Precision,
                                          ProfileConfig, RopeScaling, RotaryBackend, SlurmConfig, SourceConfig,
                                          StageConfig, TrainerConfig, ZeroStage, choices)
@@ -41,7 +41,7 @@ __all__ = [
     "Config", "ModelConfig", "SourceConfig", "EvalSourceConfig", "DataConfig", "StageConfig", "CurriculumConfig",
     "InitConfig", "OptimConfig", "DeepSpeedConfig", "ParallelConfig", "DistConfig", "ProfileConfig",
     "TrainerConfig", "CheckpointConfig", "LoggingConfig", "WandbSettings", "MlflowSettings", "SlurmConfig",
-    "DEFAULT_RUN_DIR_MODE", "WandbMode",
+    "DEFAULT_RUN_DIR_MODE", "WandbMode", "SpikePolicy",
     "HiddenAct", "PositionEmbedding", "RopeScaling", "NewRows", "RotaryBackend", "AttentionKind", "Packing",
     "DocumentPositions", "OptimizerName", "LRSchedule", "ZeroStage", "Precision", "OffloadDevice", "DistBackend",
     "LogLevel", "choices",

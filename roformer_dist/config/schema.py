@@ -319,6 +319,15 @@ class TrainerConfig:
     """Stop (with a checkpoint of the last good state) when this many consecutive NaN/inf losses end the
     steps read so far: checked where the losses are read (log steps, saves, stops), so a run of non-finite
     steps that later steps recovered from before the read is counted, warned about, and not stopped for."""
+    spike: SpikePolicy = "none"
+    """none | skip: a step whose loss exceeds ``spike_factor`` x the median of the last ``spike_window`` kept
+    steps' losses drops its update, as a non-finite step does (train/spikes.py)."""
+    spike_factor: float = 5.0
+    """How many times the recent median loss makes a spike (> 1)."""
+    spike_window: int = 100
+    """Steps of the median, and of the ``spike_max`` count."""
+    spike_max: int = 10
+    """Spikes within ``spike_window`` steps that stop the run (exit 3; the last step's checkpoint saved)."""
     compile: bool = False
     """``torch.compile`` the model once per curriculum stage (static shapes); not with pipeline stages,
     tensor parallelism or ZeRO-3."""
@@ -344,6 +353,7 @@ class CheckpointConfig:
 
 
 WandbMode = Literal["", "offline", "online", "disabled"]
+SpikePolicy = Literal["none", "skip"]
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,9 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
     _check_compilable(cfg)
+    if p.pipeline > 1 and cfg.trainer.spike != "none":
+        raise ConfigError("trainer.spike: skip is not supported with pipeline parallelism (parallel.pipeline > 1): "
+                          "DeepSpeed's pipeline engine computes the loss inside its schedule")
     if p.pipeline > 1 and d.zero_stage > 1:
         raise ConfigError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
     if p.pipeline > m.num_hidden_layers:
@@ -258,10 +261,15 @@ def _validate_init(i: InitConfig) -> None:
 
 
 def _validate_trainer(t: TrainerConfig) -> None:
+    _check_choices(t, "trainer")
     for key in ("stop_at_step", "save_every", "eval_every"):
         _positive(getattr(t, key), f"trainer.{key}", allow_zero=True)
     _positive(t.log_every, "trainer.log_every")
     _positive(t.max_nonfinite_steps, "trainer.max_nonfinite_steps")
+    _positive(t.spike_window, "trainer.spike_window")
+    _positive(t.spike_max, "trainer.spike_max")
+    if not t.spike_factor > 1:
+        raise ConfigError(f"trainer.spike_factor: {t.spike_factor:g} must be above 1 (a multiple of the median loss)")
     _positive(t.profile.start_step, "trainer.profile.start_step", allow_zero=True)
     _positive(t.profile.steps, "trainer.profile.steps")
 
@@ -271,6 +279,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 
 def _validate_logging(lg: LoggingConfig) -> None:
+    _check_choices(lg.wandb, "logging.wandb")
     if lg.level.upper() not in choices(LogLevel):
         raise choice_error("logging.level", choices(LogLevel), lg.level)
     # which names are sinks is the sink table's business (roformer_dist/train/), checked when a run starts

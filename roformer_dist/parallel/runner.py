@@ -76,6 +76,8 @@ class StepStats:
     """Sequences read."""
     num_nonfinite: int = 0
     """Micro-batches with a NaN/inf loss."""
+    num_spikes: int = 0
+    """Micro-batches whose finite loss was above the spike threshold (``trainer.spike: skip``): update dropped."""
     num_stop_requests: int = 0
     """Ranks that asked to stop (a signal)."""
     pending: Optional[torch.Tensor] = None
@@ -106,7 +108,7 @@ class StepStats:
         out = replace(self)
         if not loss:
             out.loss_sum, out.num_micro_batches, out.num_correct, out.num_predicted = 0.0, 0, 0.0, 0
-            out.num_nonfinite = 0
+            out.num_nonfinite = out.num_spikes = 0
         if not data:
             out.num_tokens, out.num_samples = 0, 0
         return out
@@ -120,6 +122,11 @@ class StepStats:
     @property
     def nonfinite(self) -> bool:
         return self._read().num_nonfinite > 0
+
+    @property
+    def skipped(self) -> bool:
+        """The update was dropped: a non-finite loss or a spike."""
+        return self.nonfinite or self.num_spikes > 0
 
     @property
     def loss(self) -> float:
@@ -244,11 +251,14 @@ class ParallelRunner:
         values = iter(stacked.cpu().tolist())
         return [s.filled(next(values)) if s.pending is not None else s for s in steps]
 
-    def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False) -> StepStats:
+    def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False,
+                   spike_above: Optional[float] = None, inject_spike: float = 1.0) -> StepStats:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
         (dicts with input_ids, attention_mask, token_type_ids, labels, and what ``model.batch_plan`` adds;
         only read where ``reads_data``). ``stop``: this rank's stop request (any rank's stops all).
-        The device's statistics come back unread (see the module docstring)."""
+        ``spike_above``: a micro-batch loss above it is a spike (``train/spikes.py``): its gradients become NaN,
+        so that the update is dropped as a non-finite one is. ``inject_nan`` / ``inject_spike`` (a factor on
+        the loss): the tests' faults. The device's statistics come back unread (see the module docstring)."""
         stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)
@@ -266,11 +276,15 @@ class ParallelRunner:
             batch = next(batches)
             out = engine(**_on(batch, engine.device))
             loss = out.loss * float("nan") if inject_nan else out.loss
+            if inject_spike != 1:
+                loss = loss * inject_spike
             stats.num_tokens += _num_tokens(batch)
             stats.num_samples += batch["input_ids"].shape[0]
             stats.num_micro_batches += 1
-            micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted))
-            engine.backward(loss)
+            spiked = None if spike_above is None else loss.detach() > spike_above
+            micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted, spiked))
+            # a constant factor (no gradient through the choice): 1 keeps the gradients exact, NaN drops the update
+            engine.backward(loss if spiked is None else loss * torch.where(spiked, float("nan"), 1.0))
             if i == 0 and self.compiler is not None:
                 self.compiler.first_step_done(time.perf_counter() - t0)  # no-op after a stage's first
             if i < gas - 1:
@@ -282,7 +296,7 @@ class ParallelRunner:
         if self.cfg.deepspeed.zero_stage == 0:
             # ZeRO 1-3 detect non-finite gradients themselves and skip the update; stage 0 must be told
             stats = self.read_stats([stats])[0]
-            if stats.nonfinite:
+            if stats.skipped:
                 for p in engine.module.parameters():
                     p.grad = None
         engine.step()
@@ -387,7 +401,7 @@ class ParallelRunner:
 
 
 _FIELDS = tuple(f.name for f in fields(StepStats) if f.name != "pending")
-DEVICE_FIELDS = ("loss_sum", "num_correct", "num_predicted", "num_nonfinite")
+DEVICE_FIELDS = ("loss_sum", "num_correct", "num_predicted", "num_nonfinite", "num_spikes")
 """The statistics the device computes (read at log, save and stop steps)."""
 HOST_FIELDS = tuple(name for name in _FIELDS if name not in DEVICE_FIELDS)
 """The statistics the host knows at once (summed every step)."""
@@ -406,13 +420,15 @@ def _host_group():
     return dist.new_group(backend="gloo")
 
 
-def _micro_batch_stats(loss: torch.Tensor, accuracy: torch.Tensor, num_predicted: torch.Tensor) -> torch.Tensor:
+def _micro_batch_stats(loss: torch.Tensor, accuracy: torch.Tensor, num_predicted: torch.Tensor,
+                       spiked: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The :data:`DEVICE_FIELDS` of one micro-batch as a float64 tensor on the loss's device, computed
     without reading anything back to the host."""
     finite = torch.isfinite(loss)
     k = num_predicted.to(torch.float64)
+    spikes = torch.zeros((), dtype=torch.float64, device=loss.device) if spiked is None else spiked.to(torch.float64)
     return torch.stack([torch.where(finite, loss, 0.0).to(torch.float64), accuracy.to(torch.float64) * k, k,
-                        (~finite).to(torch.float64)])
+                        (~finite).to(torch.float64), spikes])
 
 
 def _num_tokens(batch: dict) -> int:

@@ -5,6 +5,7 @@ The default, :data:`NO_FAULTS`, does nothing. Subprocess tests ask for faults th
 variables, read once where a rank process starts (``run_rank``) by :meth:`Faults.from_environ`:
 
 - ``ROFORMER_INJECT_NAN_AT=3,4``: the loss of these (1-based) steps becomes NaN on every rank.
+- ``ROFORMER_INJECT_SPIKE_AT=30,31``: the loss of these steps is multiplied by 50 on every rank (a finite spike).
 - ``ROFORMER_CRASH_IN_SAVE_AT=6``: the last rank dies (``os._exit``) in the middle of saving that step,
   after DeepSpeed wrote its files and before the trainer state and COMPLETE.
 - ``ROFORMER_STEP_DELAY_S=0.3``: sleep after every step (lets a test signal a run mid-way).
@@ -96,10 +97,16 @@ def do_action(action: str) -> None:
                           "usr2-group": signal.SIGUSR2}[action])
 
 
+SPIKE_FACTOR = 50.0
+"""The factor of an injected loss spike."""
+
+
 @dataclass(frozen=True)
 class Faults:
     nan_at_steps: frozenset[int] = frozenset()
     """1-based steps whose loss becomes NaN on every rank."""
+    spike_at_steps: frozenset[int] = frozenset()
+    """1-based steps whose loss is multiplied by :data:`SPIKE_FACTOR` on every rank."""
     crash_in_save_at: frozenset[int] = frozenset()
     """Steps whose save the last rank does not survive."""
     step_delay_s: float = 0.0
@@ -118,6 +125,7 @@ class Faults:
         env = os.environ if environ is None else environ
         at = tuple(PointFault.parse(s) for s in env.get("ROFORMER_FAULT_AT", "").split(",") if s.strip())
         return cls(nan_at_steps=_steps(env.get("ROFORMER_INJECT_NAN_AT", "")),
+                   spike_at_steps=_steps(env.get("ROFORMER_INJECT_SPIKE_AT", "")),
                    crash_in_save_at=_steps(env.get("ROFORMER_CRASH_IN_SAVE_AT", "")),
                    step_delay_s=float(env.get("ROFORMER_STEP_DELAY_S", "0") or 0),
                    write_delay_s=float(env.get("ROFORMER_WRITE_DELAY_S", "0") or 0),
@@ -126,6 +134,10 @@ class Faults:
     def nan_at(self, step: int) -> bool:
         """Whether the loss of (1-based) ``step`` is to become NaN."""
         return step in self.nan_at_steps
+
+    def spike_at(self, step: int) -> float:
+        """The factor on the loss of (1-based) ``step``: :data:`SPIKE_FACTOR` at an injected spike, else 1."""
+        return SPIKE_FACTOR if step in self.spike_at_steps else 1.0
 
     def in_save(self, step: int, rank: int, world_size: int) -> None:
         """Called by every rank between DeepSpeed's files and the trainer state of a save."""

@@ -62,6 +62,18 @@ class MixturePlan:
         """Source name -> share in stage ``index`` (what the loader is given)."""
         return {s.name: s.shares[index] for s in self.sources}
 
+    def window_scalars(self, totals: dict[str, float], before: dict[str, float], index: int) -> dict[str, float]:
+        """``data/<name>/tokens|share|target``: each source's tokens so far (``totals``, the whole job's), its
+        share of the tokens since ``before`` (the totals at the last log step) and its target in stage ``index``."""
+        window = {n: totals[n] - before.get(n, 0.0) for n in totals}
+        spent = sum(window.values()) or 1.0
+        target = self.stage_weights(index)
+        out = {}
+        for n in totals:
+            out.update({f"data/{n}/tokens": totals[n], f"data/{n}/share": window[n] / spent,
+                        f"data/{n}/target": target[n]})
+        return out
+
     @property
     def overall(self) -> dict[str, float]:
         """Source name -> share of the whole run's tokens."""

@@ -24,7 +24,7 @@ class Stop:
     """Why the loop ends after this step, and with which exit status."""
 
     reason: str
-    """signal | nonfinite | done."""
+    """signal | nonfinite | spikes | done."""
     status: int
 
 
@@ -67,13 +67,16 @@ class LoopPolicy:
         return bool(self.eval_every and step % self.eval_every == 0) or step in self.stage_ends or \
             step == self.total_steps
 
-    def stop(self, step: int, *, stop_requested: bool, consecutive_nonfinite: int) -> Optional[Stop]:
+    def stop(self, step: int, *, stop_requested: bool, consecutive_nonfinite: int, too_many_spikes: bool = False
+             ) -> Optional[Stop]:
         """The reason to end the loop after ``step``, None to go on.
 
         Too many non-finite losses win (the status says what went wrong); a signal at the last step
         of the run changes nothing: the run is done."""
         if consecutive_nonfinite >= self.max_nonfinite_steps:
             return Stop("nonfinite", EXIT_NONFINITE)
+        if too_many_spikes:  # trainer.spike_max within the window (train/spikes.py)
+            return Stop("spikes", EXIT_NONFINITE)
         if self.done(step):
             return Stop("done", EXIT_DONE)
         if stop_requested:

@@ -46,6 +46,7 @@ from roformer_dist.train.policies import LoopPolicy, Stop
 from roformer_dist.train.preflight import check_largest_micro_batch_fits
 from roformer_dist.train.profiling import ProfileWindow
 from roformer_dist.train.resolved import ResolvedRun
+from roformer_dist.train.spikes import SpikeGuard
 from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 
 __all__ = ["Trainer"]
@@ -85,6 +86,7 @@ class Trainer:
         self.env = env
         self.on_hang = on_hang
         self.heartbeat: Optional[Heartbeat] = None  # the hang watchdog (dist.hang_timeout_s), armed in fit()
+        self.spikes = SpikeGuard(cfg.trainer)  # trainer.spike
         self.run_dir = run.run_dir.root
         self.paths = run.run_dir
         self.ckpt_root = self.paths.checkpoints
@@ -243,6 +245,7 @@ class Trainer:
         self.state.load_state_dict(own.trainer.state_dict())
         self._source_tokens_logged = own.source_tokens_logged or None
         self._eval_due = own.eval_due
+        self.spikes.load_state_dict(resumed.spikes)  # rank 0's: every rank's is the same
         self._resumed_dir = found.dir
 
     # ------------------------------------------------------------------ steps
@@ -291,8 +294,9 @@ class Trainer:
         self.beat("step")
         t0 = time.monotonic()
         try:
-            stats = self.runner.train_step(batches, stop=self.stop.requested,
-                                           inject_nan=self.faults.nan_at(self.state.step + 1))
+            step = self.state.step + 1
+            stats = self.runner.train_step(batches, stop=self.stop.requested, inject_nan=self.faults.nan_at(step),
+                                           spike_above=self.spikes.threshold(step), inject_spike=self.faults.spike_at(step))
         except (DataError, CorruptShardError) as e:
             raise data_error(e, f"training step {self.state.step + 1}") from None
         dt = time.monotonic() - t0
@@ -330,7 +334,8 @@ class Trainer:
                             s.consecutive_nonfinite, s.nonfinite_total)
             else:
                 s.consecutive_nonfinite = 0
-                self.last_good = u.step
+                self.last_good = u.step if not stats.skipped else self.last_good
+            self.spikes.observe(u.step, stats.loss, stats.num_spikes > 0, stats.nonfinite)
             self.record(u._replace(stats=stats))
 
     @torch.no_grad()
@@ -376,7 +381,7 @@ class Trainer:
     def save(self) -> None:
         loader = self.loader.state_dict()
         self.faults.point("loader.state")
-        payload = TrainerState(trainer=self.state, loader=loader, rng=rng_state(),
+        payload = TrainerState(trainer=self.state, loader=loader, rng=rng_state(), spikes=self.spikes.state_dict(),
                                world_size=self.env.world_size, rank=self.env.rank, config=to_dict(self.cfg),
                                tokenizer_sha256=self.manifest["tokenizer"]["sha256"], stage_index=self.stage_index,
                                source_tokens_logged=self._source_tokens_logged or {}, eval_due=self._eval_due)
@@ -479,7 +484,8 @@ class Trainer:
             w[0], w[1], w[2] = w[0] + stats.num_tokens, w[1] + stats.num_samples, w[2] + dt
             if self._read_due(s.step, stats.stop):
                 self.read_steps()
-            stop = policy.stop(s.step, stop_requested=stats.stop, consecutive_nonfinite=s.consecutive_nonfinite)
+            stop = policy.stop(s.step, stop_requested=stats.stop, consecutive_nonfinite=s.consecutive_nonfinite,
+                               too_many_spikes=self.spikes.too_many)
             self._announce(stop)
             # eval before the save: a checkpoint of step N exists only once N's eval is recorded (and flushed).
             # Every rank reads every eval batch, so an eval data error is raised on all ranks alike: they save
@@ -506,6 +512,8 @@ class Trainer:
         if stop.reason == "nonfinite":
             log.error("stopping: %d consecutive non-finite losses (trainer.max_nonfinite_steps); the parameters "
                       "are those of step %s, the last good update", s.consecutive_nonfinite, self.last_good)
+        elif stop.reason == "spikes":
+            log.error("%s", self.spikes.stop_message(s.step))
         elif stop.reason == "signal":
             own = f"signal {self.stop.name}" if self.stop.requested else "another rank was signalled"
             self._say("stop requested (%s): saving at step %d", own, s.step)
@@ -534,7 +542,8 @@ class Trainer:
         rec = {"step": u.step, "loss": loss, "mlm_acc": stats.mlm_acc, "lr": lr, "seq_len": st.seq_len,
                "stage": st.name, "samples": stats.num_samples, "global_batch": self.runner.global_batch_size,
                "accumulation": self.runner.accumulation_steps, "tokens_seen": u.tokens_seen,
-               "skipped": stats.nonfinite, "time": round(u.ended, 4), "step_time_s": round(u.dt, 5)}
+               "skipped": stats.skipped, "time": round(u.ended, 4), "step_time_s": round(u.dt, 5),
+               **({"spike": True} if stats.num_spikes else {})}
         if u.rotary is not None:
             rec["rotary_backend"] = u.rotary  # measured for this stage (``auto``)
         logging_now = self.policy.log(u.step)
@@ -560,7 +569,7 @@ class Trainer:
             scalars["perf/mfu"] = toks_per_s * fpt / (self.peak_flops * self.env.world_size)
         self.metrics.scalars(u.step, scalars)
         if self.env.rank == 0:
-            shown = "nan (skipped)" if stats.nonfinite else f"{stats.loss:.4f}"
+            shown = "nan (skipped)" if stats.nonfinite else f"{stats.loss:.4f}" + (" (spike, skipped)" if stats.skipped else "")
             log.info("step %d/%d [%s len %d] loss %s acc %.3f lr %.2e %.0f tok/s %.2f s/step", u.step,
                      self.total, st.name, st.seq_len, shown, stats.mlm_acc, lr, toks_per_s, step_time)
 
@@ -575,17 +584,8 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             self._all_reduce_on_device(mine)
         totals = dict(zip(names, mine.tolist()))
-        before = self._source_tokens_logged or {}
-        window = {n: totals[n] - before.get(n, 0.0) for n in names}
-        spent = sum(window.values()) or 1.0
-        self._source_tokens_logged = totals
-        target = self.plan.stage_weights(self.stage_index)
-        out = {}
-        for n in names:
-            out[f"data/{n}/tokens"] = totals[n]
-            out[f"data/{n}/share"] = window[n] / spent
-            out[f"data/{n}/target"] = target[n]
-        return out
+        before, self._source_tokens_logged = self._source_tokens_logged or {}, totals
+        return self.plan.window_scalars(totals, before, self.stage_index)
 
     def close(self) -> None:
         if self.heartbeat is not None:

@@ -1,0 +1,83 @@
+"""Loss spikes (``trainer.spike: skip``, ``train/spikes.py``): a step whose loss is far above the recent ones
+drops its update, exactly as a non-finite step does, and a resumed run takes the same decisions.
+
+- On real ranks: a run with spikes injected at two steps (``ROFORMER_INJECT_SPIKE_AT``, the loss x 50) equals, step
+  for step, a run with NaN injected at those steps (the update-dropping path the project already trusts),
+  records them with ``"spike": true``; stopped between the two spikes and resumed, it equals the uninterrupted
+  run (the second spike, seen only with the first's history restored, is skipped again).
+- The guard alone: the threshold of a step uses only the losses up to the last log step before it, the window
+  and ``spike_max`` count as documented, and its state round-trips.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from roformer_dist.config import load_config
+from roformer_dist.runtime.stop import EXIT_DONE
+from roformer_dist.train.spikes import SpikeGuard
+from trainer_runs import assert_traces_equal, make_cfg, records, train
+
+SPIKES = "10,14"
+SETTINGS = ("trainer.spike=skip", "trainer.spike_window=4", "trainer.log_every=1", "trainer.save_every=0")
+
+
+def _run(shards, run_dir, env, *extra):
+    cfg = make_cfg(shards, run_dir, *SETTINGS, *extra, world_size=1)
+    assert train(cfg, env) == [EXIT_DONE]
+    return records(run_dir)
+
+
+def test_a_spike_drops_its_update_as_a_nan_does_and_a_resume_skips_the_same_steps(small_shards, tmp_path):
+    spiked = _run(small_shards, tmp_path / "spiked", {"ROFORMER_INJECT_SPIKE_AT": SPIKES})
+    nan = _run(small_shards, tmp_path / "nan", {"ROFORMER_INJECT_NAN_AT": SPIKES})
+    assert [r["step"] for r in spiked if r.get("spike")] == [10, 14]
+    assert all(r["skipped"] for r in spiked if r["step"] in (10, 14))
+    assert min(r["loss"] for r in spiked if r.get("spike")) > 10 * max(r["loss"] for r in spiked if not r.get("spike"))
+    kept = lambda recs: [r["loss"] for r in recs if r["step"] not in (10, 14)]  # noqa: E731
+    assert_traces_equal(kept(spiked), kept(nan), tol=0.0)  # the same updates dropped: bit-equal losses
+    log = (tmp_path / "spiked" / "logs" / "rank0.log").read_text()
+    assert "step 10: loss spike" in log and "update skipped (1 in the last 4 steps, 1 in all)" in log
+
+    # stopped at 12 (a checkpoint), resumed: step 14 is caught with the history the checkpoint kept
+    resumed = tmp_path / "resumed"
+    _run(small_shards, resumed, {"ROFORMER_INJECT_SPIKE_AT": SPIKES}, "trainer.stop_at_step=12")
+    again = _run(small_shards, resumed, {"ROFORMER_INJECT_SPIKE_AT": SPIKES})
+    assert [r["step"] for r in again if r.get("spike")] == [10, 14]
+    assert_traces_equal([r["loss"] for r in spiked], [r["loss"] for r in again], tol=0.0)
+
+
+def _guard(**overrides):
+    cfg = load_config(overrides=["trainer.spike=skip", "trainer.spike_window=4", "trainer.log_every=2",
+                                 *(f"trainer.{k}={v}" for k, v in overrides.items())])
+    return SpikeGuard(cfg.trainer)
+
+
+def test_the_threshold_uses_the_losses_up_to_the_last_log_step_only():
+    g = _guard()
+    for step in range(1, 6):
+        g.observe(step, 1.0 + step / 10, spiked=False, nonfinite=False)
+    # step 6 runs after log step 4: the losses of steps 1-4 count (median 1.25), not step 5's (read early by a stop)
+    assert g.threshold(6) == pytest.approx(5 * 1.25)
+    assert g.threshold(7) == pytest.approx(5 * 1.35)  # after log step 6... of steps 2-5: the last 4 up to step 6
+    assert _guard().threshold(3) is None  # too little history: nothing is a spike yet
+    assert _guard(spike="none").threshold(100) is None
+
+
+def test_spikes_within_the_window_stop_the_run_and_the_state_round_trips():
+    g = _guard(spike_max=2)
+    for step in range(1, 9):
+        g.observe(step, 1.0, spiked=False, nonfinite=False)
+    g.observe(9, 50.0, spiked=True, nonfinite=False)
+    assert not g.too_many
+    g.observe(14, 50.0, spiked=True, nonfinite=False)  # step 9 is out of the 4-step window by now
+    assert not g.too_many and g.spikes == [14]
+    g.observe(15, 50.0, spiked=True, nonfinite=False)
+    assert g.too_many and "2 loss spikes in the last 4 steps (trainer.spike_max 2)" in g.stop_message(15)
+    h = _guard(spike_max=2)
+    h.load_state_dict(g.state_dict())
+    assert (h.recent, h.spikes, h.total) == (g.recent, g.spikes, g.total) and h.too_many
+    g.observe(16, math.nan, spiked=False, nonfinite=True)  # a non-finite loss is not history
+    assert all(math.isfinite(v) for _, v in g.recent)
