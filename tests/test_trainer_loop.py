@@ -83,8 +83,11 @@ class FakeRunner:
     accumulation_steps = 1
 
     def __init__(self, events, stop_at=(), nonfinite_at=()):
+        from roformer_dist.parallel.runner import RankTimes
+
         self.events, self.stop_at, self.nonfinite_at = events, set(stop_at), set(nonfinite_at)
         self.step = 0
+        self.times = RankTimes(torch.device("cpu"))
 
     def set_lr(self, lr):
         self.lr = lr
@@ -92,7 +95,7 @@ class FakeRunner:
     def set_stage(self, stage, choose_kernel=None):
         self.events.append(("stage", stage.seq_len))
 
-    def train_step(self, batches, stop=False, inject_nan=False, spike_above=None, inject_spike=1.0):
+    def train_step(self, batches, stop=False, inject_nan=False, spike_above=None, inject_spike=1.0, delay_s=0.0):
         next(batches)
         self.step += 1
         self.events.append(("step", self.step))

@@ -288,6 +288,11 @@ class DistConfig:
     """auto (nccl with CUDA, else gloo) | gloo | nccl."""
     timeout_s: int = 1800
     """Collective timeout in seconds."""
+    straggler_factor: float = 1.5
+    """A rank whose own time (forward passes, data wait) exceeds this many times the ranks' median is slow
+    (train/stragglers.py)."""
+    straggler_log_steps: int = 3
+    """Log steps in a row a rank must be slow before a warning names it."""
     hang_timeout_s: float = 300.0
     """A rank that makes no progress (no step, eval batch or save) for this long ends the launch with exit
     status 76, its stacks and a report in run_dir/hang/ (runtime/heartbeat.py); 0 = off. Well under

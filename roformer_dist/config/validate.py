@@ -196,6 +196,10 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
     ws = cfg.dist.world_size if world_size is None else world_size
     _positive(ws, "dist.world_size")
     _check_choices(cfg.dist, "dist")
+    _positive(cfg.dist.straggler_log_steps, "dist.straggler_log_steps")
+    if not cfg.dist.straggler_factor > 1:
+        raise ConfigError(f"dist.straggler_factor: {cfg.dist.straggler_factor:g} must be above 1 (a multiple of the "
+                          "ranks' median time)")
     hang = cfg.dist.hang_timeout_s
     if not 0 <= hang < cfg.dist.timeout_s:
         raise ConfigError(f"dist.hang_timeout_s: {hang:g} must be 0 (off) or positive and below dist.timeout_s "

@@ -170,6 +170,41 @@ def build_parallel_engine(cfg: Config, model: torch.nn.Module, stage: StagePlan,
     return engine, ParallelRunner(engine, dims, cfg, loss_fn)
 
 
+class RankTimes:
+    """This rank's own seconds since the last :meth:`take`: waiting for its batches, and in its forward passes
+    (wall time on the host; on a GPU device time through CUDA events, read at ``take`` after the log step's
+    read has synced). With ZeRO 0-2 a forward runs before any collective of its step, so it shows a rank's own
+    speed, where a whole step's time is the slowest rank's for every rank (``train/stragglers.py``)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.data = self.forward = 0.0
+        self._events: list = []
+
+    def forward_start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_end(self, start) -> None:
+        if not self.cuda:
+            self.forward += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((start, end))
+
+    def take(self) -> tuple[float, float]:
+        """(data wait s, forward s) since the last call; resets them."""
+        forward = self.forward + sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
+        out = (self.data, forward)
+        self.data = self.forward = 0.0
+        self._events.clear()
+        return out
+
+
 class ParallelRunner:
     """The step API of one rank; see the module docstring."""
 
@@ -177,6 +212,8 @@ class ParallelRunner:
         self.engine, self.dims, self.cfg, self.loss_fn = engine, dims, cfg, loss_fn
         self.pipeline = dims.pp_size > 1
         self.host_group = _host_group()
+        self.times = RankTimes(engine.device)
+        """This rank's data wait and forward time (non-pipeline layouts), for the straggler spread."""
         # trainer.compile: the model compiled per stage (set_stage); config refuses it with pipeline stages
         self.compiler = StageCompiler(engine.module, compile_cache_dir(cfg)) if cfg.trainer.compile else None
 
@@ -252,13 +289,13 @@ class ParallelRunner:
         return [s.filled(next(values)) if s.pending is not None else s for s in steps]
 
     def train_step(self, batches: Optional[Iterator[dict]], stop: bool = False, inject_nan: bool = False,
-                   spike_above: Optional[float] = None, inject_spike: float = 1.0) -> StepStats:
+                   spike_above: Optional[float] = None, inject_spike: float = 1.0, delay_s: float = 0.0) -> StepStats:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
         (dicts with input_ids, attention_mask, token_type_ids, labels, and what ``model.batch_plan`` adds;
         only read where ``reads_data``). ``stop``: this rank's stop request (any rank's stops all).
         ``spike_above``: a micro-batch loss above it is a spike (``train/spikes.py``): its gradients become NaN,
         so that the update is dropped as a non-finite one is. ``inject_nan`` / ``inject_spike`` (a factor on
-        the loss): the tests' faults. The device's statistics come back unread (see the module docstring)."""
+        the loss) / ``delay_s`` (a sleep in the first forward: a slow rank): the tests' faults. The device's statistics come back unread (see the module docstring)."""
         stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)
@@ -272,9 +309,16 @@ class ParallelRunner:
         engine.train()
         t0 = time.perf_counter()
         micro = []  # one DEVICE_FIELDS tensor per micro-batch, on the device
+        times = self.times
         for i in range(gas):
+            t_data = time.perf_counter()
             batch = next(batches)
+            times.data += time.perf_counter() - t_data
+            started = times.forward_start()
+            if delay_s and i == 0:
+                time.sleep(delay_s)
             out = engine(**_on(batch, engine.device))
+            times.forward_end(started)
             loss = out.loss * float("nan") if inject_nan else out.loss
             if inject_spike != 1:
                 loss = loss * inject_spike

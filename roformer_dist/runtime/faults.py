@@ -6,6 +6,7 @@ variables, read once where a rank process starts (``run_rank``) by :meth:`Faults
 
 - ``ROFORMER_INJECT_NAN_AT=3,4``: the loss of these (1-based) steps becomes NaN on every rank.
 - ``ROFORMER_INJECT_SPIKE_AT=30,31``: the loss of these steps is multiplied by 50 on every rank (a finite spike).
+- ``ROFORMER_SLOW_RANK=1:0.2``: global rank 1 sleeps 0.2 s in the first forward of every step (a straggler).
 - ``ROFORMER_CRASH_IN_SAVE_AT=6``: the last rank dies (``os._exit``) in the middle of saving that step,
   after DeepSpeed wrote its files and before the trainer state and COMPLETE.
 - ``ROFORMER_STEP_DELAY_S=0.3``: sleep after every step (lets a test signal a run mid-way).
@@ -105,6 +106,8 @@ SPIKE_FACTOR = 50.0
 class Faults:
     nan_at_steps: frozenset[int] = frozenset()
     """1-based steps whose loss becomes NaN on every rank."""
+    slow_rank: tuple[int, float] = (-1, 0.0)
+    """(global rank, seconds): that rank sleeps in each step's first forward."""
     spike_at_steps: frozenset[int] = frozenset()
     """1-based steps whose loss is multiplied by :data:`SPIKE_FACTOR` on every rank."""
     crash_in_save_at: frozenset[int] = frozenset()
@@ -126,6 +129,7 @@ class Faults:
         at = tuple(PointFault.parse(s) for s in env.get("ROFORMER_FAULT_AT", "").split(",") if s.strip())
         return cls(nan_at_steps=_steps(env.get("ROFORMER_INJECT_NAN_AT", "")),
                    spike_at_steps=_steps(env.get("ROFORMER_INJECT_SPIKE_AT", "")),
+                   slow_rank=_slow(env.get("ROFORMER_SLOW_RANK", "")),
                    crash_in_save_at=_steps(env.get("ROFORMER_CRASH_IN_SAVE_AT", "")),
                    step_delay_s=float(env.get("ROFORMER_STEP_DELAY_S", "0") or 0),
                    write_delay_s=float(env.get("ROFORMER_WRITE_DELAY_S", "0") or 0),
@@ -134,6 +138,10 @@ class Faults:
     def nan_at(self, step: int) -> bool:
         """Whether the loss of (1-based) ``step`` is to become NaN."""
         return step in self.nan_at_steps
+
+    def delay(self) -> float:
+        """This rank's sleep in each step's first forward (``ROFORMER_SLOW_RANK``)."""
+        return self.slow_rank[1] if self.slow_rank[0] == self.rank else 0.0
 
     def spike_at(self, step: int) -> float:
         """The factor on the loss of (1-based) ``step``: :data:`SPIKE_FACTOR` at an injected spike, else 1."""
@@ -168,3 +176,10 @@ class Faults:
 
 
 NO_FAULTS = Faults()
+
+
+def _slow(text: str) -> tuple[int, float]:
+    if not text.strip():
+        return (-1, 0.0)
+    rank, _, seconds = text.partition(":")
+    return (int(rank), float(seconds))

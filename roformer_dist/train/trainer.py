@@ -30,7 +30,7 @@ from roformer_dist.checkpoint.universal import UNIVERSAL, to_universal
 from roformer_dist.config import Config, dump_yaml, rope_settings, save_config, to_dict
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, CheckpointError, DataError, StorageError
 from roformer_dist.nn.model import RoFormerForMaskedLM, batch_plan
-from roformer_dist.nn.rotary_tune import RotaryChoices, timings_to_json
+from roformer_dist.nn.rotary_tune import RotaryChoices
 from roformer_dist.parallel.runner import StepStats, build_parallel_engine
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.heartbeat import Heartbeat
@@ -46,7 +46,9 @@ from roformer_dist.train.policies import LoopPolicy, Stop
 from roformer_dist.train.preflight import check_largest_micro_batch_fits
 from roformer_dist.train.profiling import ProfileWindow
 from roformer_dist.train.resolved import ResolvedRun
+from roformer_dist.train.rotary_choice import choose_rotary_backend
 from roformer_dist.train.spikes import SpikeGuard
+from roformer_dist.train.stragglers import StragglerWatch
 from roformer_dist.train.warm_start import optimizer_checkpoint, warm_start
 
 __all__ = ["Trainer"]
@@ -98,6 +100,7 @@ class Trainer:
         self.stop = stop if stop is not None else StopFlag()
         self.faults = faults
         self.comm = TorchComm()
+        self.stragglers = StragglerWatch(cfg.dist.straggler_factor, cfg.dist.straggler_log_steps, env.rank, self.comm)
         self.metrics: Optional[MetricsWriter] = None
         self.loader: Optional[ShardLoader] = None
         self.elastic = False
@@ -263,25 +266,10 @@ class Trainer:
                  self.runner.accumulation_steps)
 
     def choose_rotary_backend(self, shape: tuple[int, int, int, int], device: torch.device) -> str:
-        """The rotary backend of a stage (the runner asks at each stage switch): ``model.rotary_backend``, or
-        with ``auto`` the fastest measured on rank 0 at this shape (``nn.rotary_tune``; the table is logged,
-        kept in run_dir/rotary_backend.json for a resumed run, and put in the stage's first step record).
-        Every rank takes rank 0's choice (collective)."""
-        m = self.cfg.model
-        backend, table = None, None
-        if self.env.rank == 0:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.deepspeed.precision, torch.float32)
-            choice = self.rotary_choices.choose(m.rotary_backend, shape, dtype, device, rotary_value=m.rotary_value,
-                                                compiled=self.cfg.trainer.compile)
-            backend = choice.backend
-            if choice.measured:
-                table = {"backend": backend, "key": choice.key.to_json(), "timings": timings_to_json(choice.rows)}
-                try:
-                    self.rotary_choices.save(self.paths.rotary_choices)
-                except OSError as e:
-                    raise StorageError.from_os_error(e, "recording the rotary backend's measurement") from None
-        backend = self.comm.broadcast(backend)
-        self._rotary_record = table
+        """The rotary backend of a stage (the runner asks at each stage switch; ``train/rotary_choice.py``); its
+        measurement, if any, goes into the stage's first step record."""
+        backend, self._rotary_record = choose_rotary_backend(self.cfg, self.rotary_choices, self.env.rank, self.comm,
+                                                             self.paths.rotary_choices, shape, device)
         return backend
 
     def _batches(self):
@@ -296,7 +284,8 @@ class Trainer:
         try:
             step = self.state.step + 1
             stats = self.runner.train_step(batches, stop=self.stop.requested, inject_nan=self.faults.nan_at(step),
-                                           spike_above=self.spikes.threshold(step), inject_spike=self.faults.spike_at(step))
+                                           spike_above=self.spikes.threshold(step), inject_spike=self.faults.spike_at(step),
+                                           delay_s=self.faults.delay())
         except (DataError, CorruptShardError) as e:
             raise data_error(e, f"training step {self.state.step + 1}") from None
         dt = time.monotonic() - t0
@@ -551,6 +540,10 @@ class Trainer:
         if mixture:
             rec["sources"] = {name: {"tokens": int(mixture[f"data/{name}/tokens"]), "share": mixture[f"data/{name}/share"]}
                               for name in self.loader.stats["sources"]}
+        spread = {}
+        if logging_now:  # every rank's own times since the last log step (a collective)
+            fields, spread = self.stragglers.gather(u.step, self.runner.times.take(), max(1, u.step - self._logged_step))
+            rec.update(fields)
         self.metrics.step_record(rec)
         if not logging_now:
             return
@@ -563,7 +556,7 @@ class Trainer:
                    "train/stage": u.at.index, "train/grad_norm": self.runner.grad_norm(),
                    "train/loss_scale": self.runner.loss_scale(), "perf/tokens_per_s": toks_per_s,
                    "perf/samples_per_s": samples / seconds if seconds > 0 else 0.0, "perf/step_time_s": step_time,
-                   "perf/max_mem_gb": max_mem_gb(), **mixture}
+                   "perf/max_mem_gb": max_mem_gb(), **mixture, **spread}
         if self.peak_flops:
             fpt = self.flops_per_token(st.seq_len, self.run.stages[u.at.index].mlm_probability)
             scalars["perf/mfu"] = toks_per_s * fpt / (self.peak_flops * self.env.world_size)
