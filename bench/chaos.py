@@ -29,7 +29,7 @@ TensorBoard's scalars with the same steps (and, outside ``perf/``, the same valu
 marker or lock record left in the run directory, no incomplete checkpoint, no JIT build lock left.
 
     python bench/chaos.py --faults 200          # the campaign (30-40 minutes on 2 cores)
-    python bench/chaos.py --tiny                # ~10 faults on one layout, a few minutes (make test runs it)
+    python bench/chaos.py --tiny                # 8 faults on one layout (a flip and a stopped rank first), a few minutes
 
 Prints a table (faults by kind, relaunches, steps re-done, violations) and one JSON line; exits 1 when
 there was a violation, each described in ``<out>/violations.txt`` with its episode, fault and seed.
@@ -205,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--slurm", default="", type=lambda s: [x for x in s.split(",") if x],
                    help=f"also run these SLURM variants on the local cluster (comma-separated, 'all' for "
                         f"{','.join(SLURM_VARIANTS)}): one job each, its fault, resubmitted until it completes")
-    C.tiny_defaults(p, argv, faults=10, faults_per_run=5, layouts=["zero2-async"], out=C.tiny_dir)
+    C.tiny_defaults(p, argv, faults=8, faults_per_run=4, layouts=["zero2-async"], out=C.tiny_dir)
     args = p.parse_args(argv)
     if args.slurm == ["all"]:
         args.slurm = list(SLURM_VARIANTS)

@@ -403,7 +403,7 @@ def test_a_stopped_rank_ends_the_launch_within_the_hang_timeout_with_a_report_an
     stack = (run / "hang" / "rank0.stack").read_text()
     assert "no progress for" in stack and "distributed" in stack and "Thread" in stack
     assert wait_for_group_gone(proc.pid) == []  # the stopped rank was ended with the launch
-    # the next launch resumes from the newest checkpoint and ends as any run does
-    rc, out = finish(run_cli(watched))
-    assert rc == EXIT_DONE, out[-4000:]
-    trace(run)  # every step once, in order
+    # the next launch resumes from the newest checkpoint (step 4) and goes on
+    rc, out = finish(run_cli([*watched, "trainer.stop_at_step=6"]))
+    assert rc == EXIT_DONE and "resuming from" in out and "step 4" in out, out[-4000:]
+    assert len(trace(run)) == 6  # every step once, in order

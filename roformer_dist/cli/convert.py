@@ -24,9 +24,9 @@ section, usable as ``model: OUT_DIR/model.yaml``.
 each and which one a resume would take; it changes nothing unless ``--mark-bad`` (then a damaged one is
 marked BAD, as a resume would mark it).
 
-Exit status: 0 done (``verify``: every checkpoint checked out), 2 bad flag or a model HF cannot express (ConfigError), 4 tokenizer missing or
-damaged (DataError), 5 checkpoint or weights missing or damaged (CheckpointError), 74 the output
-cannot be written (disk full, read-only; nothing half-written is left).
+Exit status: 0 done (``verify``: every checkpoint checked out), 2 bad flag or a model HF cannot express
+(ConfigError), 4 tokenizer missing or damaged (DataError), 5 checkpoint or weights missing or damaged
+(CheckpointError), 74 the output cannot be written (disk full, read-only; nothing half-written is left).
 """
 
 from __future__ import annotations

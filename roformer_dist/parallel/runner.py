@@ -295,7 +295,8 @@ class ParallelRunner:
         only read where ``reads_data``). ``stop``: this rank's stop request (any rank's stops all).
         ``spike_above``: a micro-batch loss above it is a spike (``train/spikes.py``): its gradients become NaN,
         so that the update is dropped as a non-finite one is. ``inject_nan`` / ``inject_spike`` (a factor on
-        the loss) / ``delay_s`` (a sleep in the first forward: a slow rank): the tests' faults. The device's statistics come back unread (see the module docstring)."""
+        the loss) / ``delay_s`` (a sleep in the first forward: a slow rank): the tests' faults. The device's
+        statistics come back unread (see the module docstring)."""
         stats = StepStats(num_stop_requests=1 if stop else 0)
         if self.pipeline:
             self._pipeline_train(batches, stats, inject_nan)

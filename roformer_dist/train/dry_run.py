@@ -49,8 +49,8 @@ def plan_text(run: ResolvedRun, estimates: list[StageMemory], device: str, gpu_m
         lines.append(f"  source {name}: {len(shards)} shard(s), vocabulary {cfg.model.vocab_size}")
     d, par = cfg.deepspeed, cfg.parallel
     lines.append(f"memory per {'GPU' if device == 'cuda' else 'rank (CPU)'}: {estimates[0].parameters / 1e6:.1f} M "
-                 f"parameters on each rank's slice (tensor {par.tensor} x pipeline {par.pipeline}), ZeRO-{d.zero_stage},"
-                 f" {d.precision}, optimizer offload {d.offload_optimizer}, activation checkpointing "
+                 f"parameters on each rank's slice (tensor {par.tensor} x pipeline {par.pipeline}), "
+                 f"ZeRO-{d.zero_stage}, {d.precision}, optimizer offload {d.offload_optimizer}, activation checkpointing "
                  f"{'on' if d.activation_checkpointing else 'off'}, packing {cfg.data.packing}")
     budget = None if gpu_memory is None else int(gpu_memory * (1 - HEADROOM))
     if budget is not None:

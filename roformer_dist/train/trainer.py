@@ -283,8 +283,8 @@ class Trainer:
         t0 = time.monotonic()
         try:
             step = self.state.step + 1
-            stats = self.runner.train_step(batches, stop=self.stop.requested, inject_nan=self.faults.nan_at(step),
-                                           spike_above=self.spikes.threshold(step), inject_spike=self.faults.spike_at(step),
+            stats = self.runner.train_step(batches, stop=self.stop.requested, spike_above=self.spikes.threshold(step),
+                                           inject_nan=self.faults.nan_at(step), inject_spike=self.faults.spike_at(step),
                                            delay_s=self.faults.delay())
         except (DataError, CorruptShardError) as e:
             raise data_error(e, f"training step {self.state.step + 1}") from None
@@ -386,7 +386,8 @@ class Trainer:
         self.beat("save")
         if self.saver is None:
             ckpt.save(self.runner, self.ckpt_root, self.state.step, payload, self.env.rank, self.env.world_size,
-                      self.cfg.checkpoint.keep_last, self.comm, self.faults, before_commit, self.cfg.checkpoint.checksums)
+                      self.cfg.checkpoint.keep_last, self.comm, self.faults, before_commit,
+                      self.cfg.checkpoint.checksums)
         else:
             self.saver.save(self.runner, self.state.step, payload, before_commit)
         self.beat("save.end")
@@ -562,7 +563,8 @@ class Trainer:
             scalars["perf/mfu"] = toks_per_s * fpt / (self.peak_flops * self.env.world_size)
         self.metrics.scalars(u.step, scalars)
         if self.env.rank == 0:
-            shown = "nan (skipped)" if stats.nonfinite else f"{stats.loss:.4f}" + (" (spike, skipped)" if stats.skipped else "")
+            shown = "nan (skipped)" if stats.nonfinite else \
+                f"{stats.loss:.4f}" + (" (spike, skipped)" if stats.skipped else "")
             log.info("step %d/%d [%s len %d] loss %s acc %.3f lr %.2e %.0f tok/s %.2f s/step", u.step,
                      self.total, st.name, st.seq_len, shown, stats.mlm_acc, lr, toks_per_s, step_time)
 
