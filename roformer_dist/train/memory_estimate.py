@@ -34,10 +34,10 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from roformer_dist.config import Config, ModelConfig, StagePlan, data_parallel_size, stage_plans
+from roformer_dist.config import Config, ModelConfig, StagePlan, data_parallel_size
 from roformer_dist.errors import ConfigError
 
-__all__ = ["StageMemory", "parameter_count", "estimate_stage", "estimate_run", "parse_bytes", "format_bytes",
+__all__ = ["StageMemory", "parameter_count", "estimate_stage", "parse_bytes", "format_bytes",
            "HEADROOM", "DS_REDUCE_BUCKET", "DS_PREFETCH_BUCKET"]
 
 HEADROOM = 0.10
@@ -160,12 +160,6 @@ def estimate_stage(cfg: Config, plan: StagePlan, world_size: Optional[int] = Non
     layers, head = _per_sample(cfg, plan, device, varlen)
     return StageMemory(plan.name, plan.seq_len, plan.micro_batch_size, params, weights, gradients, optimizer,
                        buckets, layers, head)
-
-
-def estimate_run(cfg: Config, world_size: Optional[int] = None, device: str = "cuda", varlen: bool = False
-                 ) -> list[StageMemory]:
-    """:func:`estimate_stage` for every curriculum stage."""
-    return [estimate_stage(cfg, plan, world_size, device, varlen) for plan in stage_plans(cfg, world_size)]
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
