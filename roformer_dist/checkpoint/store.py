@@ -138,6 +138,16 @@ def _tags(ckpt_root: Path) -> list[str]:
     return sorted((p.name for p in ckpt_root.iterdir() if p.is_dir() and _TAG_RE.match(p.name)), key=step_of)
 
 
+def named_checkpoints(path: Path) -> tuple[Path, list[str], bool]:
+    """What a user's path names (:data:`CHECKPOINT_FORMS`): (the checkpoints directory, its step tags oldest
+    first, whether the path is one step directory, then its tag alone)."""
+    p = Path(path)
+    if state_file(p, 0).exists() or _TAG_RE.match(p.name):
+        return p.parent, [p.name], True
+    root = RunDir(p).checkpoints if RunDir(p).checkpoints.is_dir() else p
+    return root, _tags(root), False
+
+
 def read_latest(ckpt_root: Path) -> Optional[str]:
     """The tag ``latest`` names, or None (missing, or not a tag: garbage is reported, never fatal)."""
     path = Path(ckpt_root) / LATEST
@@ -225,17 +235,18 @@ CHECKPOINT_FORMS = ("a run directory, its checkpoints/ directory, or a checkpoin
                     "holding trainer_state_rank0.pt")
 
 
-def resolve(path: str | os.PathLike, check: bool = True) -> Found:
+def resolve(path: str | os.PathLike) -> Found:
     """The checkpoint a user names, for ``to-hf``, ``roformer-eval``, fine-tuning and forks: the rule training
     resumes by. A run directory or a ``checkpoints/`` directory -> its newest complete checkpoint not marked
     BAD whose files check out (``latest`` is only a hint); a step directory -> itself, refused when it is
-    incomplete or marked BAD. With ``check`` its files are checked as a resume checks them (presence, size,
-    content hash, structure): a damaged checkpoint is marked BAD, naming the file, and a run directory falls
+    incomplete or marked BAD. Its files are checked as a resume checks them (presence, size, content hash,
+    structure): a damaged checkpoint is marked BAD, naming the file, and a run directory falls
     back to the one before it. CheckpointError naming the path otherwise."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or run directory")
-    if state_file(p, 0).exists() or _TAG_RE.match(p.name):
+    root, tags, single = named_checkpoints(p)
+    if single:
         if not is_complete(p):
             raise CheckpointError(f"{p}: incomplete checkpoint (no {COMPLETE} marker): it was being written "
                                   "when the run stopped")
@@ -247,17 +258,16 @@ def resolve(path: str | os.PathLike, check: bool = True) -> Found:
             found = _read_complete(p.parent, p.name)
         except _MARKER_ERRORS as e:
             raise CheckpointError(f"{p}: unreadable {COMPLETE} marker ({short_error(e)})") from None
-        problems = check_share(found, 0, 1) if check else []
+        problems = check_share(found, 0, 1)
         if problems:
             _reject(found, problems)
             raise CheckpointError(f"{p}: damaged, now marked {BAD} (training skips it too): {'; '.join(problems)}")
         return found
-    root = RunDir(p).checkpoints if RunDir(p).checkpoints.is_dir() else p
-    if not ((root / LATEST).exists() or _tags(root)):
+    if not ((root / LATEST).exists() or tags):
         raise CheckpointError(f"{path}: not a roformer-dist checkpoint (expected {CHECKPOINT_FORMS})")
     rejected = []
     for found in candidates(root):
-        problems = check_share(found, 0, 1) if check else []
+        problems = check_share(found, 0, 1)
         if not problems:
             if rejected:
                 log.warning("using %s instead (the newest usable checkpoint)", found.tag)

@@ -135,16 +135,12 @@ def cmd_verify(args) -> None:
     import time
 
     from roformer_dist.checkpoint import store
-    from roformer_dist.runtime.rundir import RunDir
 
     path = Path(args.run)
     if not path.exists():
         raise CheckpointError(f"{path}: no such run or checkpoint directory")
-    single = store.state_file(path, 0).exists() or path.name.startswith("step_")
-    root = path.parent if single else RunDir(path).checkpoints if RunDir(path).checkpoints.is_dir() else path
-    tags = [path.name] if single else sorted((p.name for p in root.iterdir() if p.is_dir() and
-                                              p.name.startswith("step_") and not p.name.endswith(".bad")),
-                                             reverse=True)
+    root, tags, single = store.named_checkpoints(path)
+    tags = tags[::-1]  # newest first
     if not tags:
         raise CheckpointError(f"{path}: no checkpoints (expected {store.CHECKPOINT_FORMS})")
     damaged, usable = [], None
