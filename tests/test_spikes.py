@@ -16,6 +16,7 @@ import math
 import pytest
 
 from roformer_dist.config import load_config
+from roformer_dist.errors import ConfigError
 from roformer_dist.runtime.stop import EXIT_DONE
 from roformer_dist.train.spikes import SpikeGuard
 from trainer_runs import assert_traces_equal, make_cfg, records, train
@@ -79,3 +80,47 @@ def test_spikes_within_the_window_stop_the_run_and_the_state_round_trips():
     assert (h.recent, h.spikes, h.total) == (g.recent, g.spikes, g.total) and h.too_many
     g.observe(16, math.nan, spiked=False, nonfinite=True)  # a non-finite loss is not history
     assert all(math.isfinite(v) for _, v in g.recent)
+
+
+ROLLBACK = ("trainer.spike=rollback", "trainer.spike_window=4", "trainer.log_every=1", "trainer.save_every=4",
+            "optim.schedule=constant", "optim.warmup_steps=0")
+
+
+def test_a_rolled_back_spike_skips_the_batches_since_the_checkpoint_and_a_resume_replays_it(small_shards, tmp_path):
+    """Rolled back at step 14 to the checkpoint of step 12: steps 13-18 train on the batches of steps 15-20. With a
+    constant LR and no dropout, that is what a run with NaN at steps 13 and 14 (updates dropped, batches used up)
+    computes at its steps 15-18, bit for bit. A run stopped before the spike (at 13, a checkpoint that is not a
+    rollback target) and after it (at 15), then resumed, records the same losses."""
+    def run(name, env, *extra):
+        cfg = make_cfg(small_shards, tmp_path / name, *ROLLBACK, *extra, world_size=1)
+        assert train(cfg, env) == [EXIT_DONE]
+        return records(tmp_path / name)
+
+    nan = run("nan", {"ROFORMER_INJECT_NAN_AT": "13,14"})
+    rolled = run("rolled", {"ROFORMER_INJECT_SPIKE_AT": "14"})
+    assert [r["step"] for r in rolled] == list(range(1, 19))  # the undone steps' records are gone
+    assert rolled[12]["rollback"] == {"spike_step": 14, "to_step": 12, "steps_skipped": 2}
+    assert not any(r.get("spike") or r["skipped"] for r in rolled)
+    loss = lambda rs, steps: [r["loss"] for r in rs if r["step"] in steps]  # noqa: E731
+    assert loss(rolled, range(1, 13)) == loss(nan, range(1, 13))
+    assert loss(rolled, range(13, 17)) == loss(nan, range(15, 19))  # the batches of steps 13 and 14 skipped
+    log = (tmp_path / "rolled" / "logs" / "rank0.log").read_text()
+    assert "step 14: loss spike" in log and "update skipped, rolling back (1 in the last 4 steps, 1 in all)" in log
+    assert "step 14: rolled back to step 12; the batches of steps 13-14 are skipped" in log
+
+    for stop_at in (13, 15, 0):
+        resumed = run("resumed", {"ROFORMER_INJECT_SPIKE_AT": "14"}, f"trainer.stop_at_step={stop_at}")
+    assert [(r["step"], r["loss"], r.get("rollback")) for r in resumed] == \
+        [(r["step"], r["loss"], r.get("rollback")) for r in rolled]
+
+
+def test_without_a_checkpoint_before_the_spike_its_update_is_skipped_and_rollback_needs_checkpoints(small_shards,
+                                                                                                     tmp_path):
+    cfg = make_cfg(small_shards, tmp_path / "r", *ROLLBACK, "trainer.save_every=8", world_size=1)  # first: step 6
+    assert train(cfg, {"ROFORMER_INJECT_SPIKE_AT": "5"}) == [EXIT_DONE]
+    recs = records(tmp_path / "r")
+    assert [r["step"] for r in recs if r.get("spike")] == [5] and len(recs) == 18
+    assert "step 5: no rollback (no checkpoint before it): the spike's update is skipped instead" in \
+        (tmp_path / "r" / "logs" / "rank0.log").read_text()
+    with pytest.raises(ConfigError, match="trainer.spike: rollback reloads the newest checkpoint.*save_every is 0"):
+        load_config(overrides=["trainer.spike=rollback", "trainer.save_every=0"])

@@ -378,23 +378,25 @@ class SavesCheckpoint(Protocol):
     def save_checkpoint(self, root: str, tag: str) -> None: ...
 
 
-def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = LocalComm(), read_only: bool = False
-                  ) -> Optional[Found]:
+def choose_resume(ckpt_root: Path, rank: int, world_size: int, comm: Comm = LocalComm(), read_only: bool = False,
+                  accept: Optional[Callable[[Found], bool]] = None) -> Optional[Found]:
     """The newest complete checkpoint whose files all check out, the same on every rank (collective).
 
     Rank 0's list of candidates is used by all; each rank checks a share of the files; the problems
     are gathered, so every rank takes the same decision. A damaged checkpoint is logged with the
     files and reasons and marked BAD (rank 0); the next older one is tried. Raises CheckpointError when
     complete checkpoints exist but none is usable. ``read_only`` (a dry run): the same choice, logged, with
-    nothing marked and ``latest`` left as it is."""
-    found = comm.broadcast(candidates(ckpt_root) if rank == 0 else None)
+    nothing marked and ``latest`` left as it is. ``accept``: only the candidates it accepts are considered
+    (a loss-spike rollback's: those before the spike), and ``latest`` is left as it is (it names where a resume
+    starts, the newest checkpoint)."""
+    found = comm.broadcast([f for f in candidates(ckpt_root) if accept is None or accept(f)] if rank == 0 else None)
     rejected = []
     for f in found:
         problems = [p for share in comm.all_gather(check_share(f, rank, world_size)) for p in share]
         if not problems:
             if rejected:
                 log.warning("resuming from %s instead (the newest usable checkpoint)", f.tag)
-            if rank == 0 and not read_only:
+            if rank == 0 and not read_only and accept is None:
                 _point_latest_at(ckpt_root, f.tag)
             return f
         rejected.append(f"{f.tag}: " + "; ".join(problems))

@@ -38,13 +38,17 @@ class TrainCounters:
     """Steps skipped because of a non-finite loss."""
     consecutive_nonfinite: int = 0
     """Non-finite steps in a row up to now."""
+    rolled_back_steps: int = 0
+    """Steps' worth of batches that loss-spike rollbacks skipped (``trainer.spike: rollback``): the batches
+    drawn so far are those of ``step + rolled_back_steps`` steps."""
 
     def state_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def load_state_dict(self, sd: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, int(sd[f.name]))
+            newer = f.name == "rolled_back_steps" and f.name not in sd  # a checkpoint written before the field
+            setattr(self, f.name, f.default if newer else int(sd[f.name]))
 
 
 def rng_state() -> dict:

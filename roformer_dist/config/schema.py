@@ -325,8 +325,10 @@ class TrainerConfig:
     steps read so far: checked where the losses are read (log steps, saves, stops), so a run of non-finite
     steps that later steps recovered from before the read is counted, warned about, and not stopped for."""
     spike: SpikePolicy = "none"
-    """none | skip: a step whose loss exceeds ``spike_factor`` x the median of the last ``spike_window`` kept
-    steps' losses drops its update, as a non-finite step does (train/spikes.py)."""
+    """none | skip | rollback: a step whose loss exceeds ``spike_factor`` x the median of the last
+    ``spike_window`` kept steps' losses is a spike (train/spikes.py). ``skip`` drops its update, as a non-finite
+    step does; ``rollback`` reloads the newest checkpoint before it and skips the batches from there up to the
+    spike (train/rollback.py; needs ``save_every``)."""
     spike_factor: float = 5.0
     """How many times the recent median loss makes a spike (> 1)."""
     spike_window: int = 100
@@ -358,7 +360,7 @@ class CheckpointConfig:
 
 
 WandbMode = Literal["", "offline", "online", "disabled"]
-SpikePolicy = Literal["none", "skip"]
+SpikePolicy = Literal["none", "skip", "rollback"]
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,7 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
     _check_compilable(cfg)
     if p.pipeline > 1 and cfg.trainer.spike != "none":
-        raise ConfigError("trainer.spike: skip is not supported with pipeline parallelism (parallel.pipeline > 1): "
+        raise ConfigError(f"trainer.spike: {cfg.trainer.spike} is not supported with pipeline parallelism (parallel.pipeline > 1): "
                           "DeepSpeed's pipeline engine computes the loss inside its schedule")
     if p.pipeline > 1 and d.zero_stage > 1:
         raise ConfigError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
@@ -274,6 +274,9 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _positive(t.spike_max, "trainer.spike_max")
     if not t.spike_factor > 1:
         raise ConfigError(f"trainer.spike_factor: {t.spike_factor:g} must be above 1 (a multiple of the median loss)")
+    if t.spike == "rollback" and not t.save_every:
+        raise ConfigError("trainer.spike: rollback reloads the newest checkpoint before a spike, and "
+                          "trainer.save_every is 0 (no checkpoints during the run): set it, or use trainer.spike: skip")
     _positive(t.profile.start_step, "trainer.profile.start_step", allow_zero=True)
     _positive(t.profile.steps, "trainer.profile.steps")
 

@@ -6,11 +6,12 @@ mixture, stage plans, resume decision; written to the run directory and handed t
 (the memory one rank needs per stage, from the config alone), ``entry.py``
 (``run_rank``: process group, run lock, logging, the trainer), ``spawn.py`` (the ranks of a job on this
 machine), ``trainer.py`` (``Trainer``: load -> step -> log -> save -> eval ->
-stop), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
+stop), ``eval_steps.py`` (the trainer's eval calls), ``policies.py`` (when to log, save, evaluate and stop: pure), ``curriculum.py`` (stage and
 learning rate at a step: pure), ``data.py`` (manifests checked against the config, loader errors),
 ``mixture.py`` (the corpus mixture's plan: shares per stage, draws, epochs, repetition caps),
 ``stragglers.py`` (each rank's own times gathered at log steps: the slowest named), ``rotary_choice.py``
-(a stage's rotary backend, chosen on rank 0), ``spikes.py`` (``trainer.spike``: a loss far above the recent ones drops its update), ``warm_start.py`` (a
+(a stage's rotary backend, chosen on rank 0), ``spikes.py`` (``trainer.spike``: a loss far above the recent ones drops its update), ``rollback.py``
+(``trainer.spike: rollback``: back to the checkpoint before a spike, past its batches), ``warm_start.py`` (a
 new run's first weights from a Hugging Face repository, a run or a weights file:
 ``init.from``, forks), ``metrics.py`` (rank 0's sinks, MFU), ``sinks/`` (where metrics go: the ``Sink``
 protocol and its table; ``jsonl``, ``tensorboard``), ``preflight.py`` (the largest micro-batch tried on the

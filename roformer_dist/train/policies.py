@@ -59,8 +59,11 @@ class LoopPolicy:
 
     def save(self, step: int) -> bool:
         """Periodic saves, every stage end, and the last step of the run."""
-        return bool(self.save_every and step % self.save_every == 0) or step in self.stage_ends or \
-            step == self.last_step
+        return self.scheduled_save(step) or step == self.last_step
+
+    def scheduled_save(self, step: int) -> bool:
+        """Periodic saves and stage ends: the checkpoints every launch of the run writes, whatever its stops."""
+        return bool(self.save_every and step % self.save_every == 0) or step in self.stage_ends
 
     def eval(self, step: int) -> bool:
         """Periodic evals, every stage end, and the end of the curriculum."""

@@ -1,12 +1,13 @@
-"""Loss spikes (``trainer.spike: skip``): a step whose loss is far above the recent ones drops its update.
+"""Loss spikes (``trainer.spike: skip | rollback``): a step whose loss is far above the recent ones.
 
 A finite loss more than ``trainer.spike_factor`` times the median of the last ``trainer.spike_window`` kept
-steps' losses is a spike, the classic start of a divergence in long runs. With ``skip`` the runner compares
-each micro-batch's loss on the device with the threshold the host hands it (``ParallelRunner.train_step``'s
+steps' losses is a spike, the classic start of a divergence in long runs. The runner compares each
+micro-batch's loss on the device with the threshold the host hands it (``ParallelRunner.train_step``'s
 ``spike_above``: no sync) and turns a spike's gradients into NaN, which DeepSpeed's overflow check drops,
 as it drops a non-finite step's. The step is recorded with its loss and ``"spike": true``, counted, and
-warned about; ``trainer.spike_max`` spikes within the window stop the run (exit 3, the checkpoint of the
-last step saved).
+warned about. With ``skip`` that is all; with ``rollback`` the trainer then goes back to the newest
+checkpoint before the spike and skips the batches since (``train/rollback.py``). ``trainer.spike_max``
+spikes within the window stop the run (exit 3, the checkpoint of the last step saved).
 
 Exact resume: the threshold of step ``t`` is computed from the kept losses of the steps up to the last log
 step before ``t`` only (the steps whose losses every run has read by then, whatever its stops and saves), and
@@ -36,7 +37,8 @@ class SpikeGuard:
     ``load_state_dict`` go into each rank's trainer state."""
 
     def __init__(self, t: TrainerConfig):
-        self.on = t.spike == "skip"
+        self.on = t.spike != "none"
+        self.rollback = t.spike == "rollback"
         self.factor, self.window, self.max, self.log_every = t.spike_factor, t.spike_window, t.spike_max, t.log_every
         self.recent: list[tuple[int, float]] = []
         """(step, loss) of the latest kept steps (not skipped, finite)."""
@@ -64,8 +66,9 @@ class SpikeGuard:
             self.total += 1
             self.spikes.append(step)
             log.warning("step %d: loss spike %.4f, above %.4f (trainer.spike_factor %g x the median of the last %d "
-                        "steps): update skipped (%d in the last %d steps, %d in all)", step, loss, given or math.nan,
-                        self.factor, self.window, len(self.in_window(step)), self.window, self.total)
+                        "steps): update skipped%s (%d in the last %d steps, %d in all)", step, loss, given or math.nan,
+                        self.factor, self.window, ", rolling back" if self.rollback and not self.too_many_at(step)
+                        else "", len(self.in_window(step)), self.window, self.total)
         elif not nonfinite and math.isfinite(loss):
             self.recent.append((step, loss))
             del self.recent[:-(self.window + self.log_every)]
@@ -74,10 +77,18 @@ class SpikeGuard:
     def in_window(self, step: int) -> list[int]:
         return [s for s in self.spikes if s > step - self.window]
 
+    def too_many_at(self, step: int) -> bool:
+        return self.on and len(self.in_window(step)) >= self.max
+
     @property
     def too_many(self) -> bool:
         """``trainer.spike_max`` spikes within the window: the run stops."""
         return self.on and len(self.spikes) >= self.max
+
+    def keep_counts(self, before: dict) -> None:
+        """After a rollback loaded an older state: the spikes counted before it (the spike rolled back from
+        included) still count; the loss history is the checkpoint's."""
+        self.spikes, self.total = [int(s) for s in before["spikes"]], int(before["total"])
 
     def stop_message(self, step: int) -> str:
         return (f"stopping: {len(self.spikes)} loss spikes in the last {self.window} steps (trainer.spike_max "

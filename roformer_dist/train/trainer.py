@@ -17,7 +17,6 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from data_pipeline.atomic import atomic_write_text
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.checkpoint import store as ckpt
@@ -39,6 +38,7 @@ from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.stop import StopFlag
 from roformer_dist.train.curriculum import StageAt, lr_at, stage_at, total_steps
 from roformer_dist.train.data import data_error
+from roformer_dist.train.eval_steps import EvalSteps
 from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops, run_sinks
 from roformer_dist.train.mixture import loader_sources
@@ -46,6 +46,7 @@ from roformer_dist.train.policies import LoopPolicy, Stop
 from roformer_dist.train.preflight import check_largest_micro_batch_fits
 from roformer_dist.train.profiling import ProfileWindow
 from roformer_dist.train.resolved import ResolvedRun
+from roformer_dist.train.rollback import roll_back
 from roformer_dist.train.rotary_choice import choose_rotary_backend
 from roformer_dist.train.spikes import SpikeGuard
 from roformer_dist.train.stragglers import StragglerWatch
@@ -71,7 +72,7 @@ class Unread(NamedTuple):
     """The rotary backend's measurement, on the first step after it."""
 
 
-class Trainer:
+class Trainer(EvalSteps):
     """One rank's training run; see the module docstring.
 
     ``run``: the launch resolved by its launcher (config, manifests, mixture plan, stage plans, resume decision);
@@ -134,6 +135,10 @@ class Trainer:
         """The step the window starts after."""
         self._rotary_record: Optional[dict] = None
         """A rotary backend measured at the last stage switch, for the next step's record (rank 0)."""
+        self._rollback_note: Optional[dict] = None
+        """A loss-spike rollback just done (``train/rollback.py``), for the next step's record."""
+        self._rolled_back = False
+        """The last read rolled the run back: the loop starts over from the checkpoint's step."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -218,9 +223,9 @@ class Trainer:
                                                        batches=e.batches)
             self.evaluator = self.evaluator or self.source_evaluators[e.name]
 
-    def resume(self, found: ckpt.Found, resumed: TrainerState) -> None:
+    def resume(self, found: ckpt.Found, resumed: TrainerState, why: str = "resuming") -> None:
         env = self.env
-        log.info("resuming from %s (step %d, written by %d rank(s))", found.dir, found.step, found.world_size)
+        log.info("%s from %s (step %d, written by %d rank(s))", why, found.dir, found.step, found.world_size)
         for change in changed_settings(resumed.config, self.cfg):
             log.warning("resuming with a changed setting: %s", change)
         if self.elastic:
@@ -284,7 +289,8 @@ class Trainer:
         try:
             step = self.state.step + 1
             stats = self.runner.train_step(batches, stop=self.stop.requested, spike_above=self.spikes.threshold(step),
-                                           inject_nan=self.faults.nan_at(step), inject_spike=self.faults.spike_at(step),
+                                           inject_nan=self.faults.nan_at(step),
+                                           inject_spike=self.faults.spike_at(step + self.state.rolled_back_steps),
                                            delay_s=self.faults.delay())
         except (DataError, CorruptShardError) as e:
             raise data_error(e, f"training step {self.state.step + 1}") from None
@@ -326,46 +332,17 @@ class Trainer:
                 self.last_good = u.step if not stats.skipped else self.last_good
             self.spikes.observe(u.step, stats.loss, stats.num_spikes > 0, stats.nonfinite)
             self.record(u._replace(stats=stats))
+            if stats.num_spikes and self.spikes.rollback and not self.spikes.too_many and roll_back(self, u.step):
+                self._rolled_back = True  # the later steps read here are undone, their records dropped
+                return
 
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Loss and MLM accuracy at each eval length of the current stage, with the unigram and
-        most-frequent-token baselines at the same predicted positions (:mod:`roformer_dist.train.evaluation`).
-        The result does not depend on the world size."""
-        if self.evaluator is None:
-            return {}
-        reduce = self._all_reduce_on_device if dist.get_world_size() > 1 else None
-        stage, out = self.stages[self.stage_index], {}
-
-        def eval_step(*args, **kwargs):  # each eval batch is progress
-            return self.beat("eval") or self.runner.eval_step(*args, **kwargs)
-
-        sets = ([("eval", self.evaluator)] if self.cfg.data.eval_shards else []) + \
-            [(f"eval_{name}", ev) for name, ev in self.source_evaluators.items()]
-        for prefix, ev in sets:
-            self.faults.point("eval")
-            out.update(ev.evaluate_stage(stage, eval_step, self.dp_rank, self.dp_size, reduce,
-                                         step=self.state.step, prefix=prefix))
-        return out
-
-    def _all_reduce_on_device(self, sums: torch.Tensor) -> None:
-        """Sum a CPU tensor over all ranks, in place, on the engine's device (NCCL reduces no CPU tensors)."""
-        on_device = sums.to(self.engine.device)
-        dist.all_reduce(on_device)
-        sums.copy_(on_device.cpu())
-
-    def run_eval(self, then_save: bool = False) -> None:
-        """Evaluate and record; ``then_save``: this step's checkpoint is due (saved before an eval error is raised)."""
-        try:
-            ev = self.evaluate()
-        except (DataError, CorruptShardError) as e:
-            if then_save:
-                self.save()
-            raise data_error(e, f"eval at step {self.state.step}" + (" (the checkpoint of this step is saved)"
-                                                                     if then_save else "")) from None
-        if ev:
-            self.metrics.scalars(self.state.step, ev)
-            log.info("step %d eval: %s", self.state.step, "  ".join(f"{k}={v:.4f}" for k, v in ev.items()))
+    def restart_window(self, rollback: dict) -> None:
+        """After a rollback (``train/rollback.py``): nothing unread, the log window starts at the checkpoint's
+        step, and the next record carries ``rollback``."""
+        self._unread, self._window, self._logged_step = [], [0, 0, 0.0], self.state.step
+        self._eval_due = False  # any eval the checkpoint's stop skipped ran before the steps rolled back
+        self.runner.times.take()
+        self._rollback_note = rollback
 
     def save(self) -> None:
         loader = self.loader.state_dict()
@@ -433,26 +410,6 @@ class Trainer:
                     log.error("the checkpoint in flight was not saved: %s", e)
             raise
 
-    def run_skipped_eval(self) -> None:
-        """The eval of the resumed step, which the stop that saved it skipped, in that step's stage; once.
-
-        Its events are flushed, then ``EVALUATED`` is written into the checkpoint (rank 0), so a later
-        launch resuming from the same checkpoint does not log them again (a resume purges only the
-        events after the checkpoint's step)."""
-        marker = self._resumed_dir / ckpt.EVALUATED
-        if self.comm.broadcast(marker.exists() if self.env.rank == 0 else None):
-            return
-        step = self.state.step
-        self.switch_stage(stage_at(self.stages, step - 1).index)
-        log.info("step %d: running the eval the stop skipped", step)
-        self.run_eval()
-        self.metrics.flush()
-        if self.env.rank == 0:
-            try:
-                atomic_write_text(marker, f"{step}\n")
-            except OSError as e:
-                raise StorageError.from_os_error(e, f"recording the eval of step {step}") from None
-
     def _loop(self) -> int:
         policy, s = self.policy, self.state
         batches = self._batches()
@@ -474,6 +431,9 @@ class Trainer:
             w[0], w[1], w[2] = w[0] + stats.num_tokens, w[1] + stats.num_samples, w[2] + dt
             if self._read_due(s.step, stats.stop):
                 self.read_steps()
+            if self._rolled_back:
+                self._rolled_back, batches = False, self._batches()
+                continue
             stop = policy.stop(s.step, stop_requested=stats.stop, consecutive_nonfinite=s.consecutive_nonfinite,
                                too_many_spikes=self.spikes.too_many)
             self._announce(stop)
@@ -506,16 +466,16 @@ class Trainer:
             log.error("%s", self.spikes.stop_message(s.step))
         elif stop.reason == "signal":
             own = f"signal {self.stop.name}" if self.stop.requested else "another rank was signalled"
-            self._say("stop requested (%s): saving at step %d", own, s.step)
+            self.say("stop requested (%s): saving at step %d", own, s.step)
 
     def _announce_end(self, stop: Stop) -> None:
         if stop.reason == "done":
             log.info("done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
         elif stop.reason == "signal":
-            self._say("saved step %d after the stop request; exit status %d (run again to continue)",
+            self.say("saved step %d after the stop request; exit status %d (run again to continue)",
                       self.state.step, EXIT_REQUEUE)
 
-    def _say(self, msg: str, *args) -> None:
+    def say(self, msg: str, *args) -> None:
         """A warning on the console once (rank 0); the other ranks note it in their own log."""
         (log.warning if self.env.rank == 0 else log.info)(msg, *args)
 
@@ -536,6 +496,8 @@ class Trainer:
                **({"spike": True} if stats.num_spikes else {})}
         if u.rotary is not None:
             rec["rotary_backend"] = u.rotary  # measured for this stage (``auto``)
+        if self._rollback_note is not None:
+            rec["rollback"], self._rollback_note = self._rollback_note, None
         logging_now = self.policy.log(u.step)
         mixture = self._mixture_scalars() if logging_now and self.plan and len(self.plan.sources) > 1 else {}
         if mixture:
