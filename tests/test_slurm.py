@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -219,6 +220,54 @@ def test_an_outside_scontrol_requeue_saves_and_resumes_without_a_traceback(small
     errs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*_log.err")}
     assert not [name for name, text in errs.items() if "Traceback" in text], errs
     assert any("is being requeued by SLURM already" in text for text in errs.values()), errs
+    assert_trace_equal(run_dir, reference)
+
+
+def test_a_hung_rank_ends_the_attempt_within_the_hang_timeout_and_the_requeued_job_completes(
+        small_shards, reference, tmp_path):
+    """Rank 1 of a running job is SIGSTOPped (a frozen process: no socket error, nothing a collective notices
+    for dist.timeout_s). Rank 0's hang watchdog ends the attempt within ``dist.hang_timeout_s`` (exit 76) and
+    requeues the job (``_requeue_after_hang``); SLURM kills the stopped task with the step. The next attempt
+    (same job id) resumes from the newest checkpoint and ends with the uninterrupted trace: the job
+    COMPLETES, never FAILED, and nothing is lost beyond the steps since that checkpoint."""
+    hang_s = 12
+    run_dir = tmp_path / "run"
+    proc, job = start_waiting_submit(
+        submit_cmd(small_shards, run_dir, "--profile", "local", f"dist.hang_timeout_s={hang_s}", "--wait"),
+        job_env(ROFORMER_STEP_DELAY_S="0.5"), tmp_path / "submit.out")
+    try:
+        # a checkpoint to resume from, and steps beyond it that the hang loses
+        wait_until(lambda: squeue_state(job) == "RUNNING" and saved_step(run_dir) > 0
+                   and last_step(run_dir) > saved_step(run_dir), 300, f"job {job} to train past a checkpoint")
+        stopped = json.loads((run_dir / "hang" / "rank1.json").read_bytes())["pid"]
+        t0 = time.monotonic()
+        os.kill(stopped, signal.SIGSTOP)
+        wait_until(lambda: next((run_dir / "hang").glob("report*.txt"), None), hang_s + 30, "the hang report")
+        detected = time.monotonic() - t0
+        saved = saved_step(run_dir)  # the newest checkpoint when the attempt ended
+        wait_attempts(job, 2, timeout=hang_s + 60)
+        requeued = time.monotonic() - t0
+        # SLURM ended the stopped task with the requeued attempt (a stopped process still dies of SIGKILL)
+        wait_until(lambda: not Path(f"/proc/{stopped}").exists(), 60, f"the stopped rank (pid {stopped}) to end")
+        rc = proc.wait(timeout=600)
+    finally:
+        stop_submit(proc, job)
+    out = (tmp_path / "submit.out").read_text()
+    assert detected < hang_s + 15, f"the hang was reported {detected:.0f} s after the stop"
+    assert requeued < hang_s + 45, f"the job was requeued {requeued:.0f} s after the stop"
+    assert rc == 0 and "final state: COMPLETED (requeues: 1)" in out, out
+    attempts = sacct_attempts(job)
+    assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
+    print(f"hang reported {detected:.1f} s and the job requeued {requeued:.1f} s after the stop")
+    err0 = (run_dir / "logs" / f"{job}_0_log.err").read_text(errors="replace")
+    assert "DUE TO JOB REQUEUE" in err0 and "task 0: Exited with exit code 76" in err0, err0[-3000:]  # EXIT_HANG
+
+    text = "".join(p.read_text() for p in (run_dir / "hang").glob("report*.txt"))  # set aside by attempt 2
+    assert f"hang: no progress for {hang_s} s (dist.hang_timeout_s)" in text, text
+    assert "no stack dumped (the process is stopped" in text.split("rank 1:")[1].splitlines()[0], text
+    log0 = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"no progress for {hang_s} s" in log0 and log0.count("resuming from") == 1, log0[-3000:]
+    assert f"(step {saved}," in log0.split("resuming from")[1].splitlines()[0], log0[-3000:]
     assert_trace_equal(run_dir, reference)
 
 
