@@ -95,7 +95,17 @@ class TrainJob(submitit.helpers.Checkpointable):
               file=sys.stderr, flush=True)
         from roformer_dist.train.entry import run_rank  # torch and DeepSpeed: only in the job
 
-        code = run_rank(self.cfg, on_hang=lambda: _requeue_after_hang(env.job_id))
+        from roformer_dist.runtime.process_group import peer_lost
+
+        try:
+            code = run_rank(self.cfg, on_hang=lambda: _requeue_after_hang(env.job_id))
+        except Exception as e:
+            if not peer_lost(e):
+                raise
+            # another task died or was ended (a crash, the hang watchdog, SLURM's requeue): its news, not this
+            print(f"rank {env.global_rank}: a collective failed because another rank of job {env.job_id} is gone "
+                  f"({str(e).splitlines()[0]}); this task ends (see the job's other logs)", file=sys.stderr, flush=True)
+            sys.exit(1)
         if code == EXIT_DONE:
             return {"run_dir": self.cfg.run_dir, "rank": env.global_rank, "status": "done"}
         if code == EXIT_REQUEUE:

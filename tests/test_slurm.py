@@ -261,6 +261,8 @@ def test_a_hung_rank_ends_the_attempt_within_the_hang_timeout_and_the_requeued_j
     print(f"hang reported {detected:.1f} s and the job requeued {requeued:.1f} s after the stop")
     err0 = (run_dir / "logs" / f"{job}_0_log.err").read_text(errors="replace")
     assert "DUE TO JOB REQUEUE" in err0 and "task 0: Exited with exit code 76" in err0, err0[-3000:]  # EXIT_HANG
+    err1 = (run_dir / "logs" / f"{job}_1_log.err").read_text(errors="replace")  # woken by SLURM's kill, peer gone
+    assert "Traceback" not in err1 and "triggered an exception" not in err1, err1[-3000:]
 
     text = "".join(p.read_text() for p in (run_dir / "hang").glob("report*.txt"))  # set aside by attempt 2
     assert f"hang: no progress for {hang_s} s (dist.hang_timeout_s)" in text, text
