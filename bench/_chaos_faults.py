@@ -1,5 +1,6 @@
-"""bench/chaos.py's faults: the seeded schedule that draws them (signals at a wall time, fault points, damage
-between launches, stale locks, a full disk, a kill during a JIT build, a second fault during recovery) and
+"""bench/chaos.py's faults: the seeded schedule that draws them (signals at a wall time, a slowed rank, fault
+points, damage between launches, stale locks, a full disk, a kill during a JIT build, a second fault during
+recovery) and
 the faults made between two launches (a damaged checkpoint, a stale lock record, a full tmpfs)."""
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import subprocess
 import time
 from pathlib import Path
 
-from _chaos_launch import TOTAL_STEPS, Fault, Launch, complete_checkpoints, metrics
+from _chaos_launch import LOG_EVERY, SLOW_LOG_STEPS, TOTAL_STEPS, Fault, Launch, complete_checkpoints, metrics
 
 from roformer_dist.runtime.faults import ACTIONS
 
-SIGNAL_KINDS = ("kill-rank", "kill-launcher", "kill-group", "term-group", "int-group", "usr2-group", "stop-rank")
-"""stop-rank: SIGSTOP of one rank once the launch trains (a hang: the watchdog must end the launch)."""
+SIGNAL_KINDS = ("kill-rank", "kill-launcher", "kill-group", "term-group", "int-group", "usr2-group", "stop-rank",
+                "slow-rank")
+"""stop-rank: SIGSTOP of one rank once the launch trains (a hang: the watchdog must end the launch). slow-rank: one
+rank stopped and continued in turn from then until the launch ends (a straggler: named, not taken for a hang)."""
+SLOW_STEPS_LEFT = (SLOW_LOG_STEPS + 1) * LOG_EVERY
+"""The steps a run must have left for the tiny campaign's forced slow-rank (its warning due before the end)."""
 POINT_OCCURRENCES = {  # point -> the largest N drawn for POINT@N (how often one launch passes it, roughly)
     "save.begin": 3, "save.before_file": 8, "save.after_file": 8, "save.before_complete": 3,
     "save.before_latest": 3, "save.after_latest": 3, "loader.state": 3, "stage.switch": 2, "eval": 4,
@@ -38,8 +43,19 @@ class Schedule:
         self.runtime_kinds = ["signal"] * 6 + ["point"] * 6  # the weights of the draw
         self.kinds = self.runtime_kinds + ["damage", "flip", "stale-lock"] + (["disk-full"] if disk else [])
         self.first = list(first)
-        """Kinds made before any other as soon as two checkpoints exist (``flip``, ``signal:stop-rank``): the tiny
-        campaign's one of each newer kind."""
+        """Kinds made before any other, the first of them that can be made (``flip``: two checkpoints exist;
+        ``signal:stop-rank``: any time, a few steps into the launch; ``signal:slow-rank``: enough steps left,
+        from the launch's first step on; the signals also while a launch after a flip runs): the tiny
+        campaign's one of each newer kind, early."""
+
+    def _forced(self, run_dir: Path, runtime_only: bool) -> str:
+        """The first of ``first`` that can be made now (popped), or ''."""
+        checkpoints, left = len(complete_checkpoints(run_dir)), TOTAL_STEPS - len(metrics(run_dir))
+        for i, spec in enumerate(self.first):
+            ready = {"flip": checkpoints >= 2 and not runtime_only, "signal:slow-rank": left >= SLOW_STEPS_LEFT}
+            if ready.get(spec, spec.startswith("signal:")):
+                return self.first.pop(i)
+        return ""
 
     def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
         """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
@@ -48,14 +64,19 @@ class Schedule:
             return Fault("jit-build", f"#{index} kill-group during the JIT build of DeepSpeed's op")
         kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
         forced_signal = None
-        if self.first and not runtime_only and len(complete_checkpoints(run_dir)) >= 2:
-            kind, _, forced_signal = self.first.pop(0).partition(":")
+        forced = self._forced(run_dir, runtime_only) if self.first else ""
+        if forced:
+            kind, _, forced_signal = forced.partition(":")
         if kind in ("damage", "flip") and len(complete_checkpoints(run_dir)) < 2:
             kind = "signal"  # damaging the only checkpoint would leave nothing to resume: by design, an error
         if kind == "signal":
             sig = forced_signal or rng.choice(SIGNAL_KINDS)
             steps_left = TOTAL_STEPS - len(metrics(run_dir))
             at = rng.uniform(0.3, self.startup_s + max(1, steps_left) * self.step_s)
+            if forced_signal == "slow-rank":
+                at = rng.uniform(0.3, self.startup_s)  # (slowed from the launch's first step)
+            elif forced_signal:  # a few steps in: two checkpoints for a flip after it
+                at = self.startup_s + rng.uniform(4, 8) * self.step_s
             return Fault(f"time:{sig}", f"#{index} {sig} at {at:.2f} s", at_s=at, signal_kind=sig)
         if kind == "point":
             point = rng.choice(sorted(POINT_OCCURRENCES))

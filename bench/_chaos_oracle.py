@@ -1,14 +1,17 @@
 """bench/chaos.py's oracle: an episode's run against the uninterrupted run of its layout (every step once and
-bit-equal, the final weights, TensorBoard's scalars, nothing left behind), and what the launch that received
-a fault must have done."""
+bit-equal, the final weights, TensorBoard's scalars, nothing left behind; in the spike variant with ``skip``, the
+injected spikes marked), and what the launch that received a fault must have done (a slowed rank: named as a
+straggler, not taken for a hang)."""
 
 from __future__ import annotations
 
 import logging
 import re
 from pathlib import Path
+from typing import Optional
 
-from _chaos_launch import HANG_TIMEOUT_S, TOTAL_STEPS, Fault, Launch, metrics, read_latest
+from _chaos_launch import (HANG_TIMEOUT_S, SLOW_LOG_STEPS, SLOW_STOPPED, SPIKE_AT, TOTAL_STEPS, Fault, Launch, metrics,
+                           read_latest)
 
 from roformer_dist.errors import EXIT_DONE, EXIT_HANG, EXIT_STORAGE
 
@@ -17,8 +20,10 @@ LEFTOVER = re.compile(r"^\..+\.tmp\d+-[0-9a-f]{8}$|^\.written\.\d+$|^\.failed\.\
 """Temporary files and markers of the writers (data_pipeline/atomic.py, checkpoint/async_save.py, store.check_writable)."""
 
 
-def oracle(run_dir: Path, ref_dir: Path) -> list[str]:
-    """What differs from the uninterrupted run, or is left behind; [] when nothing."""
+def oracle(run_dir: Path, ref_dir: Path, spike: Optional[str] = None) -> list[str]:
+    """What differs from the uninterrupted run, or is left behind; [] when nothing. ``spike``: the spike variant's
+    policy (its reference run has the same): with ``skip`` each injected step must be marked ``"spike": true``
+    (after a rollback the records are rewound: only the comparison with the reference holds)."""
     import torch
 
     from roformer_dist.checkpoint.store import resolve
@@ -32,10 +37,14 @@ def oracle(run_dir: Path, ref_dir: Path) -> list[str]:
     if steps != list(range(1, TOTAL_STEPS + 1)):
         bad.append(f"metrics.jsonl: steps {steps}, expected 1..{TOTAL_STEPS} once each")
     for a, b in zip(got, want):
-        for key in ("loss", "mlm_acc", "tokens_seen", "seq_len", "stage"):
+        for key in ("loss", "mlm_acc", "tokens_seen", "seq_len", "stage", "spike"):
             if a.get(key) != b.get(key):
                 bad.append(f"metrics.jsonl step {a['step']}: {key} {a.get(key)!r}, uninterrupted {b.get(key)!r}")
                 break
+    if spike == "skip":
+        unmarked = [s for s in SPIKE_AT if not any(r["step"] == s and r.get("spike") is True for r in got)]
+        if unmarked:
+            bad.append(f"metrics.jsonl: the injected spike(s) at step(s) {unmarked} not marked \"spike\": true")
     try:
         _, sd = load_checkpoint_weights(resolve(run_dir))
         _, ref = load_checkpoint_weights(resolve(ref_dir))
@@ -87,6 +96,13 @@ def expectations(fault: Fault, result: Launch) -> list[str]:
         elif result.wall_s - fault.stopped_at_s > HANG_TIMEOUT_S + 30:
             bad.append(f"a stopped rank: the launch ended {result.wall_s - fault.stopped_at_s:.0f} s after it, more "
                        f"than dist.hang_timeout_s {HANG_TIMEOUT_S} + 30 s")
+    if fault.slowing is not None:  # (delivered: the warning was due, or came)
+        if result.rc == EXIT_HANG:
+            bad.append(f"a slowed rank (stopped {100 * SLOW_STOPPED:.0f} % of the time, never for long): the hang "
+                       f"watchdog ended the launch")
+        if fault.expect_named and not fault.named:
+            bad.append(f"a slowed rank: no straggler warning named rank {fault.slowed_rank} in "
+                       f"{fault.log_steps_slowed} log steps after the slowing began (due after {SLOW_LOG_STEPS})")
     if fault.flipped_step is not None and result.resumed_from == fault.flipped_step:
         bad.append(f"resumed from step {fault.flipped_step}, whose checkpoint had a flipped bit")
     return bad

@@ -8,7 +8,10 @@ asynchronous saves, and pipeline x 2 (ZeRO-1, asynchronous saves). Each *episode
 scratch to its last step; before or during its launches a seeded schedule injects faults:
 
 - at a random wall time: SIGKILL of one rank, of the launcher, of the whole process group; SIGTERM,
-  SIGINT or SIGUSR2 to the group;
+  SIGINT or SIGUSR2 to the group; SIGSTOP of one rank (``stop-rank``, once the launch trains: a hang);
+  ``slow-rank``: one rank process (not the launcher) stopped and continued in turn, stopped 85 % of each
+  5-15 ms period, from the launch's first step after that time until the launch ends (then always left
+  continued): a straggler;
 - at a random point inside the code (``ROFORMER_FAULT_AT``, ``roformer_dist/runtime/faults.py``: before
   or after each file of a save, before COMPLETE, before and after the rename of ``latest``, while the
   loader's position is captured, inside a stage switch, inside eval, after a resume's load, after a
@@ -23,16 +26,38 @@ scratch to its last step; before or during its launches a seeded schedule inject
 
 After each fault the same command is launched again, as a user or SLURM would, until the run exits 0.
 Watched while it runs: ``latest`` never names a checkpoint without COMPLETE (read every 20 ms), no
-process of a launch outlives it, no traceback, no hang. Checked at the end of each episode against the
-uninterrupted run: every step's loss in ``metrics.jsonl`` once and bit-equal, the final weights equal,
-TensorBoard's scalars with the same steps (and, outside ``perf/``, the same values), no temporary file,
-marker or lock record left in the run directory, no incomplete checkpoint, no JIT build lock left.
+process of a launch outlives it, no traceback, no hang. Of the launch that received the fault: a stop signal
+is obeyed, a full disk named (exit 74), a stopped rank ends the launch through the hang watchdog (exit 76)
+within ``dist.hang_timeout_s`` (15 s) + 30 s, a checkpoint with a flipped bit never resumed from, and a slowed
+rank is not taken for a hang and is named by the straggler warning ("step N: rank R (host H) is a straggler",
+``train/stragglers.py``; the runs log every 2 steps with ``dist.straggler_log_steps=1``) at one of the log
+steps after its slowing began (with ZeRO-3, whose forwards wait for each other in their all-gathers, by its
+data wait); a launch that ended before 4 such log steps without naming it counts the fault as not reached.
+In the pipeline layout the two ranks are stages, which the straggler check compares by data wait alone (all
+zero there): a slowed stage is drawn as well, but not expected to be named (counted apart). Checked at the
+end of each episode against the uninterrupted run: every step's loss in ``metrics.jsonl`` once and
+bit-equal, the final weights equal (a slowed rank changes no number), TensorBoard's scalars with the same
+steps (and, outside ``perf/``, the same values), no temporary file, marker or lock record left in the run
+directory, no incomplete checkpoint, no JIT build lock left.
+
+The spike variant (``--spike skip|rollback``; off by default): every episode and the uninterrupted runs with
+``trainer.spike=POLICY``, ``trainer.spike_window=8`` (spikes looked for once 8 kept losses up to the last log
+step exist: from step 9) and a loss spike injected at steps 10 and 15 (``ROFORMER_INJECT_SPIKE_AT=10,15``, x50);
+its uninterrupted runs are made and kept apart (``reference-<layout>-spike-<policy>``; with ``skip`` one that
+did not mark the injected steps ``"spike": true`` ends the campaign). Checked as above, the records' ``spike``
+marks too, and with ``skip`` the injected steps marked ``"spike": true`` in the episode's metrics.jsonl; with
+``rollback`` (the records rewound after a rollback) the equality with the uninterrupted run alone. Pipeline
+layouts refuse ``trainer.spike`` (config validation): the variant leaves them out. The SLURM variants
+(``--slurm``) run without it.
 
     python bench/chaos.py --faults 200          # the campaign (30-40 minutes on 2 cores)
-    python bench/chaos.py --tiny                # 8 faults on one layout (a flip and a stopped rank first), a few minutes
+    python bench/chaos.py --faults 150 --spike skip   # the spike variant (three layouts: no pipeline)
+    python bench/chaos.py --tiny                # 8 faults on one layout, a stopped rank, a flip and a slowed
+                                                # rank first (2 minutes)
 
-Prints a table (faults by kind, relaunches, steps re-done, violations) and one JSON line; exits 1 when
-there was a violation, each described in ``<out>/violations.txt`` with its episode, fault and seed.
+Prints a table (faults by kind, relaunches, slowed ranks and how many were named, steps re-done, violations)
+and one JSON line; exits 1 when there was a violation, each described in ``<out>/violations.txt`` with its
+episode, fault and seed.
 """
 
 from __future__ import annotations
@@ -50,7 +75,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # the oracle's checkpoint reads draw
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 from _chaos_faults import Disk, Schedule, damage, flip, stale_lock  # noqa: E402
-from _chaos_launch import LAYOUTS, TOTAL_STEPS, Fault, command, launch, make_data, metrics, reference  # noqa: E402
+from _chaos_launch import (LAYOUTS, PIPELINE_LAYOUTS, SPIKE_AT, TOTAL_STEPS, Fault, command, launch,  # noqa: E402
+                           make_data, metrics, reference, spike_env)
 from _chaos_oracle import expectations, oracle  # noqa: E402
 from _chaos_slurm import SLURM_VARIANTS, slurm_ready, slurm_variant  # noqa: E402
 
@@ -68,20 +94,27 @@ class Tally:
     redone: Counter = field(default_factory=Counter)
     exits: Counter = field(default_factory=Counter)
     violations: list = field(default_factory=list)
+    slowed: int = 0
+    """slow-rank faults delivered (slowed for long enough, or named)."""
+    named: int = 0
+    """... whose rank a straggler warning named."""
+    slowed_pipeline: int = 0
+    """... in a pipeline layout (where no warning is expected)."""
 
 
 
 def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Disk, schedule: Schedule,
             tally: Tally, args, log) -> int:
     """One run of ``layout`` from scratch to its last step with up to ``budget`` faults; returns the faults delivered."""
-    ref, _, _ = reference(data, out, layout)
+    ref, _, _ = reference(data, out, layout, args.spike)
     run = disk.path / f"episode{idx:03d}-{layout}"
     shutil.rmtree(run, ignore_errors=True)
-    cmd = command(data, run, layout)
+    cmd = command(data, run, layout, args.spike)
     extensions = out / "extensions"
     shutil.rmtree(extensions / run.name, ignore_errors=True)
-    extra_env: dict = {}
-    """TORCH_EXTENSIONS_DIR from the episode's first JIT-build fault on: its own (where build locks are left)."""
+    extra_env: dict = spike_env(args.spike)
+    """The spike variant's injected spikes; TORCH_EXTENSIONS_DIR from the episode's first JIT-build fault on: its
+    own (where build locks are left)."""
     delivered, launches, recovering = 0, 0, None
     reached_before: Optional[int] = None
     while True:
@@ -110,6 +143,8 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             before.delivered = True
             if before.kind != "disk-full" and delivered + 1 < budget:  # and one while it runs
                 fault = schedule.draw(run, tally.launches, runtime_only=True)
+        if fault is not None and fault.signal_kind == "slow-rank":
+            fault.expect_named = layout not in PIPELINE_LAYOUTS  # (stages: compared by data wait alone)
         result = launch(cmd, run, before, fault, args.launch_timeout, log, extra_env)
         if before is not None and before.kind == "disk-full":
             disk.restore()
@@ -127,6 +162,10 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
                 delivered += 1
                 tally.faults[f.kind] += 1
                 problems += expectations(f, result)
+                if f.slowing is not None:
+                    tally.slowed += 1
+                    tally.named += f.named
+                    tally.slowed_pipeline += not f.expect_named
             elif f is not None:
                 tally.undelivered += 1
         if fault is not None and fault.delivered and not fault.kind.startswith("recovery") \
@@ -144,7 +183,7 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             tally.violations.append(f"episode {idx} ({layout}): not complete after {launches} launches")
             break
     tally.relaunches += launches - 1
-    found = oracle(run, ref)
+    found = oracle(run, ref, args.spike)
     found += [f"a JIT build lock left: {lock}" for lock in (extensions / run.name).glob("*/lock")]
     shutil.rmtree(extensions / run.name, ignore_errors=True)
     tally.violations += [f"episode {idx} ({layout}), at the end: {p}" for p in found]
@@ -168,6 +207,11 @@ def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path, slurm_rows:
     C.print_table(["fault", "injected"], [[k, v] for k, v in sorted(tally.faults.items())] + [["total", total]])
     redone = sorted(tally.redone.items())
     print(f"relaunches: {tally.relaunches}; drawn but not reached (the launch ended first): {tally.undelivered}")
+    apart = f" ({tally.slowed_pipeline} in the pipeline layout, where none is expected)" if tally.slowed_pipeline else ""
+    print(f"slowed ranks: {tally.slowed}, named as stragglers: {tally.named}{apart}")
+    if args.spike:
+        print(f"spike variant: trainer.spike={args.spike}, loss spikes injected at steps "
+              f"{', '.join(map(str, SPIKE_AT))} of every episode and of the uninterrupted runs")
     print("steps re-done after a launch (steps it recorded that the next one did again), launches: "
           + ", ".join(f"{k}: {v}" for k, v in redone))
     print("exit statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.exits.items(), key=str)))
@@ -184,6 +228,8 @@ def report(tally: Tally, args, wall_s: float, disk: Disk, out: Path, slurm_rows:
     values = [k for k, v in redone for _ in range(v)]
     C.result("chaos", seed=args.seed, faults=total, by_kind=dict(sorted(tally.faults.items())),
              launches=tally.launches, relaunches=tally.relaunches, not_reached=tally.undelivered,
+             slow_rank={"slowed": tally.slowed, "named": tally.named, "pipeline": tally.slowed_pipeline},
+             spike=args.spike,
              steps_redone={str(k): v for k, v in redone},
              steps_redone_median=sorted(values)[len(values) // 2] if values else 0,
              steps_redone_max=max(values, default=0), violations=len(tally.violations), disk_faults=disk.mounted,
@@ -205,6 +251,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--slurm", default="", type=lambda s: [x for x in s.split(",") if x],
                    help=f"also run these SLURM variants on the local cluster (comma-separated, 'all' for "
                         f"{','.join(SLURM_VARIANTS)}): one job each, its fault, resubmitted until it completes")
+    p.add_argument("--spike", choices=("skip", "rollback"), default=None,
+                   help="the spike variant: episodes and uninterrupted runs with trainer.spike=POLICY and loss "
+                        f"spikes injected at steps {','.join(map(str, SPIKE_AT))} (pipeline layouts left out: they "
+                        "refuse trainer.spike; the SLURM variants run without it)")
     C.tiny_defaults(p, argv, faults=8, faults_per_run=4, layouts=["zero2-async"], out=C.tiny_dir)
     args = p.parse_args(argv)
     if args.slurm == ["all"]:
@@ -215,6 +265,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = [x for x in args.layouts if x not in LAYOUTS]
     if unknown:
         p.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
+    if args.spike and set(args.layouts) & PIPELINE_LAYOUTS:
+        args.layouts = [x for x in args.layouts if x not in PIPELINE_LAYOUTS]
+        if not args.layouts:
+            p.error("--spike: pipeline layouts refuse trainer.spike; name another layout")
+        print(f"--spike: the pipeline layout(s) {', '.join(sorted(PIPELINE_LAYOUTS))} left out "
+              f"(trainer.spike is refused with parallel.pipeline > 1)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     data = make_data(args.out / "data")
     disk = Disk(args.out / "disk")
@@ -222,9 +278,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     tally = Tally()
     try:
         for layout in args.layouts:
-            reference(data, args.out, layout)
-        _, startup, step = reference(data, args.out, args.layouts[0])
-        schedule = Schedule(args.seed, disk.mounted, startup, step, first=("flip", "signal:stop-rank") if args.tiny else ())
+            reference(data, args.out, layout, args.spike)
+        _, startup, step = reference(data, args.out, args.layouts[0], args.spike)
+        first = ("flip", "signal:stop-rank", "signal:slow-rank") if args.tiny else ()
+        schedule = Schedule(args.seed, disk.mounted, startup, step, first=first)
         with open(args.out / "launches.log", "w", encoding="utf-8") as log:
             idx = 0
             while sum(tally.faults.values()) < args.faults:  # (--faults 0: the SLURM variants alone)

@@ -339,15 +339,32 @@ def test_profile_summary_of_a_real_trace_finds_every_part_of_an_hf_step(tmp_path
 
 
 def check_chaos(lines: list[dict], tail: str, stdout: str) -> None:
-    """bench/chaos.py --tiny: 8 faults or more of several kinds were delivered, a flipped bit and a stopped rank
-    among them, every launch relaunched to the end, and the oracle found nothing; the work a fault cost is
-    bounded by the save interval (2 steps, one more while an asynchronous save is in flight, 2 more when a
-    damaged newest checkpoint makes the run fall back to the one before)."""
+    """bench/chaos.py --tiny: 8 faults or more of several kinds were delivered, a flipped bit, a stopped rank and
+    a slowed rank among them (the slowed one named by the straggler warning), every launch relaunched to the
+    end, and the oracle found nothing; the work a fault cost is bounded by the save interval (2 steps, one more
+    while an asynchronous save is in flight, 2 more when a damaged newest checkpoint makes the run fall back to
+    the one before)."""
     (line,) = [x for x in lines if x.get("bench") == "chaos"]
     assert line["faults"] >= 8 and len(line["by_kind"]) >= 3, line
     assert "flip" in line["by_kind"] and any(k.endswith("stop-rank") for k in line["by_kind"]), line
+    assert any(k.endswith("slow-rank") for k in line["by_kind"]), line
+    slow = line["slow_rank"]  # (one layout, no pipeline: every slowed rank delivered was named)
+    assert slow["slowed"] >= 1 and slow["named"] == slow["slowed"] and slow["pipeline"] == 0, line
     assert line["violations"] == 0 and line["relaunches"] >= line["faults"] // 2, line
     assert line["steps_redone_max"] <= 5, line
 
 
 CHECKS["chaos"] = check_chaos
+
+
+@pytest.mark.slow
+def test_chaos_spike_variant_in_tiny_mode():
+    """bench/chaos.py --tiny --spike rollback --faults 1 (about 50 s): the uninterrupted run and an episode with a
+    fault, both with trainer.spike=rollback and two loss spikes injected, rolled back at each (reference() exits 1
+    otherwise) and end with the same losses and weights (the oracle)."""
+    r = run_tiny("chaos", "--spike", "rollback", "--faults", "1")
+    tail = f"\n--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"bench/chaos.py --tiny --spike rollback exited with status {r.returncode}{tail}"
+    (line,) = [x for x in json_lines(r.stdout) if x.get("bench") == "chaos"]
+    assert line["spike"] == "rollback" and line["faults"] >= 1 and line["violations"] == 0, line
+    assert "violations: 0" in r.stdout, tail
