@@ -136,11 +136,11 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def rank_pids(launcher: int) -> list[int]:
-    """The launcher's rank processes (spawned children; multiprocessing's resource tracker left out)."""
+    """The launcher's rank processes (its children running ``roformer_dist.train.spawn``)."""
     out = []
     for p in children(launcher):
         try:
-            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+            if b"roformer_dist.train.spawn" in Path(f"/proc/{p}/cmdline").read_bytes():
                 out.append(p)
         except OSError:
             pass

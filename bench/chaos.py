@@ -51,7 +51,7 @@ layouts refuse ``trainer.spike`` (config validation): the variant leaves them ou
 (``--slurm``) run without it.
 
     python bench/chaos.py --faults 200          # the campaign (30-40 minutes on 2 cores)
-    python bench/chaos.py --faults 150 --spike skip   # the spike variant (three layouts: no pipeline)
+    python bench/chaos.py --faults 30 --spike rollback  # the spike variant (three layouts: no pipeline)
     python bench/chaos.py --tiny                # 8 faults on one layout, a stopped rank, a flip and a slowed
                                                 # rank first (2 minutes)
 

@@ -117,7 +117,7 @@ def wait_for_step(run_dir, step, proc, timeout=240, newer_than: float = 0.0):
 
 
 def rank_pids(proc, world_size=2):
-    """The spawned rank processes (children of roformer-train that are python ranks, not the resource tracker)."""
+    """The spawned rank processes (children of roformer-train running ``roformer_dist.train.spawn``)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         pids = []
@@ -126,7 +126,7 @@ def rank_pids(proc, world_size=2):
                 cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if "spawn_main" in cmd:
+            if "roformer_dist.train.spawn" in cmd:
                 pids.append(p)
         if len(pids) == world_size:
             return sorted(pids)

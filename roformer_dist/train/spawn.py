@@ -1,7 +1,8 @@
 """Start a training job's ranks on this machine and wait for them (``roformer-train`` without torchrun).
 
-:func:`spawn_local` starts ``dist.world_size`` rank processes (``spawn``; gloo on CPU, nccl on GPUs)
-while the caller holds the run lock. Stop signals reaching the launcher go on to the ranks; the ranks
+:func:`spawn_local` starts ``dist.world_size`` rank processes (``python -m roformer_dist.train.spawn``, each
+given the run in a file written before it starts: a launcher killed at any moment leaves no rank reading half
+its arguments; gloo on CPU, nccl on GPUs) while the caller holds the run lock. Stop signals reaching the launcher go on to the ranks; the ranks
 die with it (SIGKILL included); a failing rank stops the others and its status is the job's. Our
 errors' messages are printed once, not once per rank. The ranks are handed the run the launcher resolved
 (:class:`~roformer_dist.train.resolved.ResolvedRun`).
@@ -10,14 +11,15 @@ errors' messages are printed once, not once per rank. The ranks are handed the r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch.multiprocessing as mp
+from typing import Optional
 
 from roformer_dist.errors import EXIT_BUG, EXIT_HANG, EXIT_REQUEUE, exit_status
 from roformer_dist.runtime.heartbeat import REPORT
@@ -33,25 +35,43 @@ PEER_LOSS_GRACE_S = 10.0
 """How long a rank whose collective failed because another rank died waits for the launcher to end it."""
 
 
-def _rank_main(rank: int, world_size: int, port: int, run: ResolvedRun, status, launcher_pid: int, errors_dir: str
-               ) -> None:
-    """Entry point of a rank started by :func:`spawn_local`."""
+def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir: str) -> None:
+    """Entry point of a rank started by :func:`spawn_local`: ``python -m roformer_dist.train.spawn RANK WORLD_SIZE
+    PORT LAUNCHER_PID JOB_DIR`` (the run in ``JOB_DIR/run.json``; this rank's exit status goes to
+    ``JOB_DIR/status<rank>``, an error's message to ``JOB_DIR/rank<rank>``)."""
     die_with_parent(launcher_pid)
+    with blocked_stop_signals():  # this rank's resource tracker (its DataLoader workers'): deaf to the group's signals
+        pass
     stop = StopFlag.install(quiet_abort=True)  # the launcher says it once
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        code = status[rank] = run_rank(run, stop=stop)
+        where = os.path.join(job_dir, RUN_FILE)
+        run = ResolvedRun.from_json(json.loads(Path(where).read_text(encoding="utf-8")), where)
+        code = run_rank(run, stop=stop)
+        Path(job_dir, f"status{rank}").write_text(str(code), encoding="utf-8")
     except Exception as e:
         code = exit_status(e)
         if code is None and peer_lost(e):
             # another rank died: the launcher reports that and ends this rank; the traceback only if it does not
             time.sleep(PEER_LOSS_GRACE_S)
         if code is None:
-            raise  # a bug: multiprocessing prints the traceback, the rank exits 1
+            raise  # a bug: Python prints the traceback, the rank exits 1
         # the launcher prints each distinct message once (every rank may raise the same one)
-        Path(errors_dir, f"rank{rank}").write_text(f"{code}\n{e}", encoding="utf-8")
+        Path(job_dir, f"rank{rank}").write_text(f"{code}\n{e}", encoding="utf-8")
     exit_now(code)
+
+
+RUN_FILE = "run.json"
+"""The resolved run the ranks read, in the job's temporary directory."""
+
+
+def _status(job_dir: str, rank: int) -> Optional[int]:
+    """The exit status rank ``rank`` returned, None: it ended without one (yet)."""
+    try:
+        return int(Path(job_dir, f"status{rank}").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _rank_messages(errors_dir: str) -> list[tuple[int, int, str]]:
@@ -71,14 +91,12 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
     and the status of the first failure is returned; our errors' messages are printed once."""
     world = run.world_size
     port = free_port()
-    ctx = mp.get_context("spawn")
-    status = ctx.Array("i", [-1] * world, lock=False)
-    procs = []
+    procs: list[subprocess.Popen] = []
 
     def forward(signum: int) -> None:
         sig = signal.SIGTERM if signum == signal.SIGINT else signum
         for p in procs:
-            if p.pid is not None and p.exitcode is None:
+            if p.returncode is None:
                 try:
                     os.kill(p.pid, sig)
                 except ProcessLookupError:
@@ -90,30 +108,32 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
         return EXIT_REQUEUE
 
     adopt_orphans()
-    with tempfile.TemporaryDirectory(prefix="roformer-train-") as errors_dir:
+    with tempfile.TemporaryDirectory(prefix="roformer-train-") as job_dir:
+        Path(job_dir, RUN_FILE).write_text(json.dumps(run.to_json()), encoding="utf-8")
         with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
-            procs.extend(ctx.Process(target=_rank_main, args=(r, world, port, run, status, os.getpid(), errors_dir))
-                         for r in range(world))
-            for p in procs:
-                p.start()
+            for r in range(world):
+                procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(port),
+                                               str(os.getpid()), job_dir], stdin=subprocess.DEVNULL))
         failed = None
-        while any(p.is_alive() for p in procs):
+        while any(p.poll() is None for p in procs):
             # a rank that ends without a result (an error, a crash, a kill) stops the job
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and status[r] == -1]
+            dead = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None and _status(job_dir, r) is None]
             if dead:
                 failed = dead[0]
                 time.sleep(0.5)  # the others may be about to fail with the same error: let them say so
                 for p in procs:
-                    if p.is_alive():
+                    if p.poll() is None:
                         kill_tree(p.pid)
                 break
-            procs[0].join(timeout=0.2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[0].wait(timeout=0.2)
         for p in procs:
-            p.join()
+            p.wait()
         _end_adopted(keep={p.pid for p in procs})
         if failed is None:  # all ended in the same instant
-            failed = next(((r, p.exitcode) for r, p in enumerate(procs) if status[r] == -1), None)
-        messages = _rank_messages(errors_dir)
+            failed = next(((r, p.returncode) for r, p in enumerate(procs) if _status(job_dir, r) is None), None)
+        messages = _rank_messages(job_dir)
+        codes = [_status(job_dir, r) for r in range(world)]
     seen = set()
     for rank, code, msg in messages:
         if msg not in seen:
@@ -133,7 +153,6 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
                    f"exited with status {code}" if code else "exited without a result")
             print(f"roformer-train: rank {rank} {why}; the other ranks were stopped", file=sys.stderr, flush=True)
         return own[0] if own else (code if code > 0 else EXIT_BUG)
-    codes = [status[r] for r in range(world)]
     bad = [c for c in codes if c != 0]
     return bad[0] if bad else 0
 
@@ -141,13 +160,14 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
 def _end_adopted(keep: set[int]) -> None:
     """End what the ranks' children left running (adopted by this launcher, ``adopt_orphans``): a rank
     killed while DeepSpeed JIT-built its op leaves torch's ninja and the compilers under it, which would
-    outlive the launch and write into the build directory the next launch builds in. multiprocessing's
-    resource tracker stays (it ends with this process)."""
-    from multiprocessing import resource_tracker
-
-    keep = keep | {getattr(resource_tracker._resource_tracker, "_pid", None)}
+    outlive the launch and write into the build directory the next launch builds in."""
     for pid in children(os.getpid()):
         if pid not in keep:
             kill_tree(pid)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":  # a rank of spawn_local
+    _rank, _world, _port, _launcher, _job_dir = sys.argv[1:]
+    _rank_main(int(_rank), int(_world), int(_port), int(_launcher), _job_dir)
