@@ -209,8 +209,8 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
     _check_compilable(cfg)
     if p.pipeline > 1 and cfg.trainer.spike != "none":
-        raise ConfigError(f"trainer.spike: {cfg.trainer.spike} is not supported with pipeline parallelism (parallel.pipeline > 1): "
-                          "DeepSpeed's pipeline engine computes the loss inside its schedule")
+        raise ConfigError(f"trainer.spike: {cfg.trainer.spike} is not supported with pipeline parallelism "
+                          "(parallel.pipeline > 1): DeepSpeed's pipeline engine computes the loss inside its schedule")
     if p.pipeline > 1 and d.zero_stage > 1:
         raise ConfigError("deepspeed.zero_stage: pipeline parallelism (parallel.pipeline > 1) supports ZeRO 0 or 1 only")
     if p.pipeline > m.num_hidden_layers:

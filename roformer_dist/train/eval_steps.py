@@ -66,7 +66,6 @@ class EvalSteps:
             self.metrics.scalars(self.state.step, ev)
             log.info("step %d eval: %s", self.state.step, "  ".join(f"{k}={v:.4f}" for k, v in ev.items()))
 
-
     def run_skipped_eval(self) -> None:
         """The eval of the resumed step, which the stop that saved it skipped, in that step's stage; once.
 

@@ -5,9 +5,9 @@ When the steps read at a log step hold a spike (``train/spikes.py``) at step ``t
 
 1. waits for a checkpoint in flight (``checkpoint.async``);
 2. loads the newest usable checkpoint of a scheduled step (a multiple of ``trainer.save_every`` or a stage's
-   end: ``LoopPolicy.scheduled_save``) before ``t``, or, when there is none, of any step before ``t`` (a stop's), with the checks and the BAD-marking fallback
-   of a resume. The steps after it are undone: weights, optimizer, counters, RNG streams and the loader's
-   position are the checkpoint's;
+   end: ``LoopPolicy.scheduled_save``) before ``t``, or, when there is none, of any step before ``t`` (a
+   stop's), with the checks and the BAD-marking fallback of a resume. The steps after it are undone: weights,
+   optimizer, counters, RNG streams and the loader's position are the checkpoint's;
 3. draws and drops the batches of the steps from that checkpoint up to ``t`` (those seen before and during
    the spike), stage by stage as they were drawn, and counts them (``TrainCounters.rolled_back_steps``);
 4. rewinds the record: every sink drops the steps after the checkpoint, as a resume from it does, and the
@@ -19,13 +19,12 @@ after ``t``.
 Exact resume: a launch resumed from a checkpoint written after the rollback goes on from it as any resume does.
 One resumed from a checkpoint before the spike replays the steps up to it, meets the same spike and rolls
 back to the same scheduled checkpoint (a stop's checkpoint in between is not a target): the same run.
-Without a scheduled checkpoint before the spike, or when the checkpoint was written at another world size,
-there is no rollback: the spike's update is skipped (as with ``skip``) and a warning says why.
+Without any checkpoint before the spike, or when the checkpoint was written at another world size, there is
+no rollback: the spike's update is skipped (as with ``skip``) and a warning says why.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from data_pipeline.shards import CorruptShardError
@@ -39,8 +38,6 @@ if TYPE_CHECKING:
     from roformer_dist.train.trainer import Trainer
 
 __all__ = ["roll_back"]
-
-log = logging.getLogger(__name__)
 
 
 def roll_back(tr: "Trainer", spike_step: int) -> bool:

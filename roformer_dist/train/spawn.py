@@ -2,9 +2,9 @@
 
 :func:`spawn_local` starts ``dist.world_size`` rank processes (``python -m roformer_dist.train.spawn``, each
 given the run in a file written before it starts: a launcher killed at any moment leaves no rank reading half
-its arguments; gloo on CPU, nccl on GPUs) while the caller holds the run lock. Stop signals reaching the launcher go on to the ranks; the ranks
-die with it (SIGKILL included); a failing rank stops the others and its status is the job's. Our
-errors' messages are printed once, not once per rank. The ranks are handed the run the launcher resolved
+its arguments; gloo on CPU, nccl on GPUs) while the caller holds the run lock. Stop signals reaching the
+launcher go on to the ranks; the ranks die with it (SIGKILL included); a failing rank stops the others and
+its status is the job's. Our errors' messages are printed once, not once per rank. The ranks are handed the run the launcher resolved
 (:class:`~roformer_dist.train.resolved.ResolvedRun`).
 """
 
@@ -40,7 +40,7 @@ def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir
     PORT LAUNCHER_PID JOB_DIR`` (the run in ``JOB_DIR/run.json``; this rank's exit status goes to
     ``JOB_DIR/status<rank>``, an error's message to ``JOB_DIR/rank<rank>``)."""
     die_with_parent(launcher_pid)
-    with blocked_stop_signals():  # this rank's resource tracker (its DataLoader workers'): deaf to the group's signals
+    with blocked_stop_signals():  # this rank's resource tracker (its DataLoader workers'): deaf to group signals
         pass
     stop = StopFlag.install(quiet_abort=True)  # the launcher says it once
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -74,9 +74,9 @@ def _status(job_dir: str, rank: int) -> Optional[int]:
         return None
 
 
-def _rank_messages(errors_dir: str) -> list[tuple[int, int, str]]:
+def _rank_messages(job_dir: str) -> list[tuple[int, int, str]]:
     out = []
-    for p in sorted(Path(errors_dir).glob("rank*")):
+    for p in sorted(Path(job_dir).glob("rank*")):
         code, _, msg = p.read_text(encoding="utf-8").partition("\n")
         out.append((int(p.name[4:]), int(code), msg))
     return out
@@ -117,7 +117,8 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
         failed = None
         while any(p.poll() is None for p in procs):
             # a rank that ends without a result (an error, a crash, a kill) stops the job
-            dead = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None and _status(job_dir, r) is None]
+            dead = [(r, p.returncode) for r, p in enumerate(procs)
+                    if p.poll() is not None and _status(job_dir, r) is None]
             if dead:
                 failed = dead[0]
                 time.sleep(0.5)  # the others may be about to fail with the same error: let them say so

@@ -65,20 +65,18 @@ class SpikeGuard:
         if spiked:
             self.total += 1
             self.spikes.append(step)
-            log.warning("step %d: loss spike %.4f, above %.4f (trainer.spike_factor %g x the median of the last %d "
-                        "steps): update skipped%s (%d in the last %d steps, %d in all)", step, loss, given or math.nan,
-                        self.factor, self.window, ", rolling back" if self.rollback and not self.too_many_at(step)
-                        else "", len(self.in_window(step)), self.window, self.total)
         elif not nonfinite and math.isfinite(loss):
             self.recent.append((step, loss))
             del self.recent[:-(self.window + self.log_every)]
         self.spikes = self.in_window(step)
+        if spiked:
+            log.warning("step %d: loss spike %.4f, above %.4f (trainer.spike_factor %g x the median of the last %d "
+                        "steps): update skipped%s (%d in the last %d steps, %d in all)", step, loss, given or math.nan,
+                        self.factor, self.window, ", rolling back" if self.rollback and not self.too_many else "",
+                        len(self.spikes), self.window, self.total)
 
     def in_window(self, step: int) -> list[int]:
         return [s for s in self.spikes if s > step - self.window]
-
-    def too_many_at(self, step: int) -> bool:
-        return self.on and len(self.in_window(step)) >= self.max
 
     @property
     def too_many(self) -> bool:
