@@ -202,6 +202,7 @@ def slot_sequences(cache: ShardCache, state: SlotState, seq_len: int, *, slot: i
         epoch += 1
         pieces = deal(cache.seed, epoch, cache.shard_sizes, total_slots)[slot]
         sample = 0
+        resume = None  # a state at the very end of its epoch (cursor == len(pieces)) loaded no piece of it
 
 
 @dataclass

@@ -295,3 +295,25 @@ def test_resume_from_every_batch_with_a_bad_shard_skipped(tmp_path):
         resumed = ShardLoader(d, **kw)
         resumed.load_state_dict(ld.state_dict())
         assert _same(list(resumed), full[n:]), f"resumed after batch {n}"
+
+
+def test_a_state_saved_at_the_very_end_of_a_slots_epoch_resumes_with_the_next_epoch(unique_set):
+    """One row a batch: the batch holding an epoch's last (padded) sequence leaves its slot at the end of that
+    epoch's pieces (cursor == len(pieces)); resumed from there, the loader reads the next epoch from its first
+    piece, as the uninterrupted loader does (in a mixture the same state arises with a batch's later rows from
+    another source). Every other batch's state resumes exactly too."""
+    d, _ = unique_set
+    kw = dict(seq_len=96, micro_batch_size=1, num_workers=0, seed=4, max_epochs=2)
+    full = list(ShardLoader(d, **kw))
+    at_end = []
+    for n in range(1, len(full)):
+        ld = ShardLoader(d, **kw)
+        _take(ld, n)
+        state = ld.state_dict()
+        slot = state["sources"][next(iter(state["sources"]))]["slots"]["0"]
+        if slot["epoch"] == 0 and slot["cursor"] == len(slot["pieces"]):
+            at_end.append(n)
+        resumed = ShardLoader(d, **kw)
+        resumed.load_state_dict(state)
+        assert _same(list(resumed), full[n:]), f"resumed after batch {n} of {len(full)}"
+    assert len(at_end) == 1
