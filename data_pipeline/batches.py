@@ -39,7 +39,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
 
-from .masking import mask_tokens, sample_keys
+from .masking import MASK_REPLACE, mask_tokens, sample_keys
 from .mixture import Mixer
 from .shards import CorruptShardError, load_shard
 from .slots import Piece, SlotState, deal
@@ -232,7 +232,8 @@ class SlotSource:
 
 def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_size: int, slot: int,
                  total_slots: int, mlm_probability: float, whole_word_mask: bool,
-                 packing: str = "document") -> Iterator[tuple[dict, BatchInfo]]:
+                 packing: str = "document",
+                 mask_replace: tuple[float, float, float] = MASK_REPLACE) -> Iterator[tuple[dict, BatchInfo]]:
     """(batch of numpy arrays, BatchInfo) per micro-batch of one slot, its rows drawn from ``sources``
     (:class:`SlotSource`, one for a plain shard set) by a :class:`~.mixture.Mixer` with ``credits`` and
     ``share`` (one per source). ``packing``: "document" numbers each row's documents in
@@ -298,7 +299,8 @@ def slot_batches(sources: list, credits, share, *, seq_len: int, micro_batch_siz
         keys = sample_keys(seeds[0], epochs, slot, samples) if single else \
             sample_keys(seeds, epochs, slot, samples, groups=origin)
         inputs, labels = mask_tokens(ids, attention, keys, vocab_size=vocab, mask_id=special_ids["mask"],
-                                     special=special, mlm_probability=mlm_probability, word_starts=word_starts)
+                                     special=special, mlm_probability=mlm_probability, word_starts=word_starts,
+                                     mask_replace=mask_replace)
         batch = {"input_ids": inputs, "attention_mask": attention, "token_type_ids": np.zeros_like(attention),
                  "labels": labels}
         for k, pos in after.items():

@@ -45,6 +45,7 @@ from .batches import (PACKINGS, BatchInfo, PackedSequence, PieceStream, Position
                       shard_sizes, slot_batches, slot_sequences)
 from .errors import DataError, UsageError
 from .manifest import check_same_tokenizer, read_manifest
+from .masking import MASK_REPLACE
 from .mixture import Source, as_sources, shares, source_seed
 from .slots import Piece, SlotState, deal, elastic_slot_states, epoch_shard_order
 from .source import RetryPolicy, ShardSource, default_retry
@@ -113,6 +114,11 @@ def upgrade_state(state: dict, sets: list) -> dict:
 # --------------------------------------------------------------------------- the loader
 
 
+def _check_rate(mlm_probability: float) -> None:
+    if not 0.0 < mlm_probability < 1.0:
+        raise UsageError(f"mlm_probability: expected a value in (0, 1), got {mlm_probability}")
+
+
 class _RankDataset(IterableDataset):
     """Picklable iterable over one rank's slots; DataLoader worker w serves local slot (w + rotate) % S."""
 
@@ -120,7 +126,8 @@ class _RankDataset(IterableDataset):
         self.sets = loader.sets
         self.kw = dict(seq_len=loader.seq_len, micro_batch_size=loader.micro_batch_size,
                        total_slots=loader.total_slots, mlm_probability=loader.mlm_probability,
-                       whole_word_mask=loader.whole_word_mask, packing=loader.packing)
+                       whole_word_mask=loader.whole_word_mask, packing=loader.packing,
+                       mask_replace=loader.mask_replace)
         self.share = [loader.shares[s.name] for s in loader.sets]
         self.skip_bad, self.verify, self.max_epochs = loader.skip_bad_shards, loader.verify_hash, loader.max_epochs
         self.dp_rank, self.slots_per_rank = loader.dp_rank, loader.slots_per_rank
@@ -248,7 +255,8 @@ class ShardLoader:
                  skip_bad_shards: bool = False, pin_memory: bool = False, max_epochs: Optional[int] = None,
                  verify_hash: bool = True, prefetch_factor: int = 2, multiprocessing_context: Optional[str] = "auto",
                  retry: Optional[RetryPolicy] = None, packing: str = "document",
-                 weights: Optional[dict] = None, prepare: Optional[Callable[[dict], dict]] = None):
+                 weights: Optional[dict] = None, prepare: Optional[Callable[[dict], dict]] = None,
+                 mask_replace: tuple[float, float, float] = MASK_REPLACE):
         if seq_len < 3:
             raise UsageError(f"seq_len: expected at least 3 ([CLS] token [SEP]), got {seq_len}")
         if micro_batch_size < 1:
@@ -257,8 +265,10 @@ class ShardLoader:
             raise UsageError(f"dp_rank: expected 0 <= dp_rank < dp_size ({dp_size}), got {dp_rank}")
         if num_workers < 0:
             raise UsageError(f"num_workers: expected >= 0, got {num_workers}")
-        if not 0.0 < mlm_probability < 1.0:
-            raise UsageError(f"mlm_probability: expected a value in (0, 1), got {mlm_probability}")
+        _check_rate(mlm_probability)
+        if len(mask_replace) != 3 or min(mask_replace) < 0 or not math.isclose(sum(mask_replace), 1.0, abs_tol=1e-6):
+            raise UsageError(f"mask_replace: expected three shares >= 0 ([MASK], random, unchanged) summing to 1, "
+                             f"got {list(mask_replace)}")
         if packing not in PACKINGS:
             raise UsageError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
         if max_epochs is not None and max_epochs < 1:
@@ -267,6 +277,7 @@ class ShardLoader:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
         self.seed, self.mlm_probability, self.whole_word_mask = seed, mlm_probability, whole_word_mask
+        self.mask_replace = tuple(mask_replace)
         self.skip_bad_shards, self.pin_memory, self.max_epochs = skip_bad_shards, pin_memory, max_epochs
         self.verify_hash, self.prefetch_factor = verify_hash, prefetch_factor
         if multiprocessing_context == "auto":
@@ -384,15 +395,20 @@ class ShardLoader:
         """End the workers of the iteration in flight (a later ``iter()`` starts new ones)."""
         self._stop_active()
 
-    def set_stage(self, seq_len: int, micro_batch_size: int, weights: Optional[dict] = None) -> None:
-        """New sequence length / micro-batch (and, given ``weights``, new shares of the sources); the next
-        ``iter()`` re-packs from the consumed position."""
+    def set_stage(self, seq_len: int, micro_batch_size: int, weights: Optional[dict] = None,
+                  mlm_probability: Optional[float] = None) -> None:
+        """New sequence length / micro-batch (and, given ``weights``, new shares of the sources; given
+        ``mlm_probability``, a new masking rate); the next ``iter()`` re-packs from the consumed position."""
         if seq_len < 3 or micro_batch_size < 1:
             raise UsageError(f"set_stage: expected seq_len >= 3 and micro_batch_size >= 1, got "
                              f"{seq_len}, {micro_batch_size}")
+        if mlm_probability is not None:
+            _check_rate(mlm_probability)
         new = shares(weights, [st.name for st in self.sets]) if weights is not None else self.shares
         self._stop_active()
         self.seq_len, self.micro_batch_size, self.shares = seq_len, micro_batch_size, new
+        if mlm_probability is not None:
+            self.mlm_probability = mlm_probability
 
     # ------------------------------------------------------------------ state
 

@@ -8,7 +8,7 @@ identically; nothing reads the OS.
 
 Rule (BERT): choose ``mlm_probability`` of the non-special, non-padding tokens for
 prediction (labels = original id, -100 elsewhere); of those, 80% become [MASK], 10% a
-random non-special token, 10% stay. With word-start marks the choice is per *word*: a
+random non-special token, 10% stay (``mask_replace`` sets another split). With word-start marks the choice is per *word*: a
 token is chosen iff the first token of its word is, so words are masked whole; the
 80/10/10 split stays per token (as Google's whole-word-masking BERT).
 """
@@ -24,7 +24,10 @@ IGNORE_INDEX = -100
 """The label of a position that is not predicted (what torch's cross-entropy ignores by default); the
 one definition, used by the model, the baselines and fine-tuning."""
 
-__all__ = ["sample_keys", "hash_uniform_bits", "mask_tokens"]
+__all__ = ["sample_keys", "hash_uniform_bits", "mask_tokens", "MASK_REPLACE"]
+
+MASK_REPLACE = (0.8, 0.1, 0.1)
+"""BERT's split of the chosen tokens: [MASK], a random token, unchanged."""
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -98,11 +101,13 @@ def hash_uniform_bits(keys: np.ndarray, seq_len: int) -> np.ndarray:
 
 def mask_tokens(input_ids: np.ndarray, attention_mask: np.ndarray, keys: np.ndarray, *, vocab_size: int,
                 mask_id: int, special: np.ndarray, mlm_probability: float = 0.15,
-                word_starts: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+                word_starts: Optional[np.ndarray] = None,
+                mask_replace: tuple[float, float, float] = MASK_REPLACE) -> tuple[np.ndarray, np.ndarray]:
     """Masked inputs and labels (both int64 [B, S]) for int64 ``input_ids`` [B, S].
 
     ``special``: bool lookup table [vocab_size], True for ids never chosen (and never drawn
     as random replacements). ``word_starts``: uint8/bool [B, S] word-start marks or None.
+    ``mask_replace``: the shares of the chosen tokens that become [MASK], a random token, and stay.
     """
     B, S = input_ids.shape
     h = hash_uniform_bits(keys, S)
@@ -120,8 +125,8 @@ def mask_tokens(input_ids: np.ndarray, attention_mask: np.ndarray, keys: np.ndar
     else:
         chosen = sel_draw & cand
     kind = (h >> np.uint64(24)) & np.uint64(0xFFFF)                  # next 16 bits: 80/10/10
-    to_mask = chosen & (kind < np.uint64(int(0.8 * 65536)))
-    to_random = chosen & ~to_mask & (kind < np.uint64(int(0.9 * 65536)))
+    to_mask = chosen & (kind < np.uint64(int(mask_replace[0] * 65536)))
+    to_random = chosen & ~to_mask & (kind < np.uint64(int((mask_replace[0] + mask_replace[1]) * 65536)))
     labels = np.where(chosen, input_ids, IGNORE_INDEX)
     out = np.where(to_mask, mask_id, input_ids)
     if to_random.any():

@@ -60,7 +60,7 @@ from data_pipeline.atomic import atomic_write_text
 from data_pipeline.command_line import CommandParser
 from launcher import profiles, slurm
 from launcher.profiles import JobFlags
-from roformer_dist.config import parse_mode, save_config
+from roformer_dist.config import DecayShape, choices, fork_overrides, parse_mode, save_config
 from roformer_dist.errors import ConfigError, run_command
 from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import SLURM_JOB_ID, RunLock, pid_start
@@ -86,6 +86,9 @@ def build_parser() -> CommandParser:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     p.add_argument("--fork", metavar="PARENT", help="start a new run from PARENT's weights (init.from=PARENT; see "
                                                  "roformer-train --help); a requeue resumes the fork itself")
+    p.add_argument("--decay", metavar="STEPS", type=int,
+                   help="with --fork: a decay branch of STEPS steps from PARENT (see roformer-train --help)")
+    p.add_argument("--decay-shape", choices=choices(DecayShape), help="with --decay: optim.decay_shape")
     p.add_argument("--cluster", choices=("slurm", "local"),
                    help="slurm, or local = this machine without SLURM (default: slurm when sbatch exists)")
     p.add_argument("--profile", help="cluster profile configs/cluster/NAME.yaml (or a YAML path): the slurm section")
@@ -120,7 +123,7 @@ def _say(msg: str) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    fork = [f"init.from={Path(args.fork).expanduser().resolve()}"] if args.fork else []
+    fork = fork_overrides(args.fork, args.decay, args.decay_shape)
     cfg = profiles.resolve(args.config, args.overrides + fork, _flags(args))
     profiles.check_data(cfg)
     cluster = args.cluster or ("slurm" if shutil.which("sbatch") else "local")

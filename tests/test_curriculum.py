@@ -69,10 +69,72 @@ def test_lr_cosine_and_constant_and_floor():
 
 def test_every_lr_schedule_the_config_offers_has_a_shape():
     """A new schedule is one entry in curriculum.SCHEDULES and its name in config.LRSchedule."""
-    from roformer_dist.config import LRSchedule, choices
+    from roformer_dist.config import DecayShape, LRSchedule, choices
     from roformer_dist.train.curriculum import SCHEDULES
 
-    assert set(SCHEDULES) == set(choices(LRSchedule))
+    assert set(SCHEDULES) == set(choices(LRSchedule)) - {"wsd"} | set(choices(DecayShape))
     for name, shape in SCHEDULES.items():
         assert shape(2.0, 0.2, 0.0) == 2.0, name             # the peak right after the warmup
         assert shape(2.0, 0.2, 1.0) in (0.2, 2.0), name      # the floor at the end (constant: the peak)
+
+
+WSD_STAGES = (StageConfig(name="a", seq_len=128, global_batch_size=8, steps=12),
+              StageConfig(name="b", seq_len=256, global_batch_size=4, steps=8))
+
+
+@pytest.mark.parametrize("shape, fall", [
+    ("linear", lambda p: 1 - p), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ("1-sqrt", lambda p: 1 - math.sqrt(p)),
+])
+def test_wsd_warms_up_holds_the_peak_then_decays_over_its_last_steps_to_the_floor(shape, fall):
+    """20 steps, 4 of warmup, a decay of 5: steps 0-3 climb, 4-14 hold 2.0, 15-19 fall (by the shape's
+    formula, progress 1/5 ... 5/5) to 0.2 at the last step."""
+    optim = OptimConfig(lr=2.0, warmup_steps=4, schedule="wsd", decay_steps=5, decay_shape=shape, min_lr_ratio=0.1)
+    trace = [lr_at(optim, WSD_STAGES, s) for s in range(20)]
+    expected = [2.0 * (s + 1) / 4 for s in range(4)] + [2.0] * 11 + [0.2 + 1.8 * fall(k / 5) for k in range(1, 6)]
+    assert trace == pytest.approx(expected)
+    assert trace[-1] == pytest.approx(0.2) and trace[14] == 2.0 > trace[15]
+    by_fraction = OptimConfig(lr=2.0, warmup_steps=4, schedule="wsd", decay_fraction=0.25, decay_shape=shape,
+                              min_lr_ratio=0.1)
+    assert [lr_at(by_fraction, WSD_STAGES, s) for s in range(20)] == trace  # 25 % of 20 steps: the same 5
+
+
+def test_the_schedule_line_names_each_phase_in_steps_and_tokens():
+    from roformer_dist.train.curriculum import describe_schedule
+
+    optim = OptimConfig(lr=2.0, warmup_steps=4, schedule="wsd", decay_steps=5, min_lr_ratio=0.1)
+    # tokens: stage a 8 x 128 = 1,024 a step (steps 1-12), stage b 4 x 256 = 1,024 a step (steps 13-20)
+    assert describe_schedule(optim, WSD_STAGES) == (
+        "lr schedule wsd (1-sqrt decay), peak 2, floor 0.2: warmup steps 1-4 (4,096 tokens), stable steps 5-15 "
+        "(11,264 tokens), decay steps 16-20 (5,120 tokens)")
+    lin = OptimConfig(lr=1.0, warmup_steps=0, schedule="linear")
+    # 10 x 1,024 + 10 x 2,048 + 10 x 4,096 tokens
+    assert describe_schedule(lin, STAGES) == ("lr schedule linear, peak 1, floor 0: decay steps 1-30 (71,680 tokens)"
+                                             "; stage(s) c set their own lr")
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["optim.decay_steps=19"], r"optim.decay_steps: the wsd decay \(19 steps\) and optim.warmup_steps \(4\) are "
+                               r"longer than the run \(18 steps"),
+    (["optim.decay_fraction=1.5"], r"optim.decay_fraction: expected a value in \(0, 1\], got 1.5"),
+    (["optim.decay_shape=exp"], r"optim.decay_shape.*'exp'"),
+    (["optim.decay_steps=-1"], r"optim.decay_steps"),
+])
+def test_bad_wsd_settings_are_refused_naming_the_key(overrides, match):
+    from roformer_dist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config("configs/experiments/debug.yaml", overrides=["optim.schedule=wsd", *overrides])
+
+
+def test_a_stage_lr_inside_the_wsd_decay_is_refused():
+    from roformer_dist.config import replace, validate
+    from roformer_dist.errors import ConfigError
+
+    cfg = load_config("configs/experiments/debug.yaml", overrides=["optim.schedule=wsd", "optim.decay_steps=4"])
+    stages = cfg.curriculum.stages
+    validate(replace(cfg, **{"curriculum.stages": (replace(stages[0], lr=5e-4), *stages[1:])}))  # before it: fine
+    last = replace(cfg, **{"curriculum.stages": (*stages[:2], replace(stages[2], lr=5e-4))})
+    with pytest.raises(ConfigError, match=r"curriculum.stages\[2\] \(s512\).lr: the stage sets its own lr within "
+                                          r"the wsd decay \(steps 15-18\)"):
+        validate(last)

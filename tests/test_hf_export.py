@@ -101,7 +101,8 @@ def test_export_is_a_complete_hf_repository(exported, small_shards):
     assert check["documents"] == 1000 and check["identical"] >= 995
     card = (exported / "README.md").read_text()
     for needle in ("| layers | 2 |", "steps: 4", "1,600 documents", "| s128 | 128 | 8 | 4 |", "| 128 |",
-                   "AutoTokenizer.from_pretrained", "roformer-finetune"):
+                   "AutoTokenizer.from_pretrained", "roformer-finetune", "| schedule | 15% |",
+                   "15% of tokens, whole-word masking; evaluated at 15%", "linear decay"):
         assert needle in card, needle
 
 

@@ -84,3 +84,46 @@ def test_whole_word_masking_masks_whole_words():
                 whole += w.all()
                 partial += not w.all()
     assert whole > 100 and partial == 0
+
+
+def test_another_replacement_split_is_realised():
+    """mask_replace (0.5, 0.3, 0.2): of ~4,800 chosen tokens half become [MASK], 30 % a random token, 20 % stay
+    (3.5-sigma bounds); the choice itself (which tokens are predicted) does not depend on the split."""
+    ids, att = _batch()
+    keys = sample_keys(7, np.zeros(len(ids)), 3, np.arange(len(ids)))
+    base_out, base_labels = mask_tokens(ids, att, keys, vocab_size=V, mask_id=4, special=_special())
+    out, labels = mask_tokens(ids, att, keys, vocab_size=V, mask_id=4, special=_special(), mask_replace=(0.5, 0.3, 0.2))
+    assert (labels == base_labels).all()
+    chosen = labels != -100
+    n = chosen.sum()
+    m = (out == 4) & chosen
+    kept = (out == ids) & chosen
+    rnd = chosen & ~m & ~kept
+    assert abs(m.sum() / n - 0.5) < 0.025 and abs(rnd.sum() / n - 0.3) < 0.023 and abs(kept.sum() / n - 0.2) < 0.02
+    assert (out[~chosen] == ids[~chosen]).all()
+
+
+def test_the_loader_masks_each_stage_at_its_rate_counted_from_the_batches(small_shards):
+    """A loader at 30 % switched by set_stage to 15 % (as the trainer does at a stage with its own rate), whole
+    words kept: the share of candidate tokens that carry a label, over 12 batches (~12,000 candidates) of each
+    stage, is within 5 binomial standard deviations of the rate."""
+    from data_pipeline.loader import ShardLoader
+
+    ld = ShardLoader(small_shards.dir, seq_len=128, micro_batch_size=8, num_workers=0, seed=5, mlm_probability=0.3)
+    special = set(ld.manifest["special_ids"].values())
+
+    def realised(n):
+        it, chosen, cand = iter(ld), 0, 0
+        for _ in range(n):
+            b = {k: np.asarray(v) for k, v in next(it).items()}
+            original = np.where(b["labels"] != -100, b["labels"], b["input_ids"])
+            is_cand = ~np.isin(original, list(special)) & (b["attention_mask"] != 0)
+            chosen += int((b["labels"] != -100).sum())
+            cand += int(is_cand.sum())
+        return chosen / cand, cand
+
+    for rate in (0.3, 0.15):
+        if rate != 0.3:
+            ld.set_stage(128, 8, mlm_probability=rate)
+        got, n = realised(12)
+        assert abs(got - rate) < 5 * (rate * (1 - rate) / n) ** 0.5, (rate, got, n)  # ~0.021, ~0.016

@@ -41,7 +41,7 @@ def test_a_resolved_run_round_trips_through_the_run_directory(small_shards, tmp_
     assert back == run
     on_disk = json.loads(path.read_text())
     assert on_disk["stages"][2]["micro_batch_size"] == 2 and on_disk["resume"] == {"checkpoint": None,
-                                                                                  "warm_start": None}
+                                                                                  "warm_start": None, "branch": None}
 
 
 def test_a_damaged_resolved_run_is_one_error_naming_the_file(small_shards, tmp_path):

@@ -118,13 +118,15 @@ def _first_set(cfg: Config) -> str:
 
 
 CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend", "data.size_alpha",
+              "data.mlm_probability", "data.eval_mlm_probability", "data.mask_replace",
               "model.max_position_embeddings", *(f"model.{k}" for k in ROPE_KEYS))
 """Settings that change what a resumed run computes without touching its parameters: logged when they differ
-(and the mixture's weights and caps, :func:`_mixture_settings`)."""
+(and the mixture's weights and caps and the stages' masking rates, :func:`_stage_settings`)."""
 
 
-def _mixture_settings(config: dict) -> dict:
-    """The mixture's weights and caps in a config dict, by dotted key (a config that predates mixtures: none)."""
+def _stage_settings(config: dict) -> dict:
+    """The mixture's weights and caps and each stage's own masking rate in a config dict, by dotted key (a
+    config that predates them: none)."""
     data = config.get("data") or {}
     out = {}
     for src in data.get("sources") or []:
@@ -133,6 +135,7 @@ def _mixture_settings(config: dict) -> dict:
     for i, st in enumerate(_get(config, "curriculum", "stages", default=[]) or []):
         for name, w in ((st or {}).get("weights") or {}).items():
             out[f"curriculum.stages[{i}].weights.{name}"] = w
+        out[f"curriculum.stages[{i}].mlm_probability"] = (st or {}).get("mlm_probability")
     return out
 
 
@@ -145,7 +148,7 @@ def changed_settings(saved_config: dict, cfg: Config) -> list[str]:
         was = _get(saved_config, section, key, default=defaults[section][key])
         if was != now[section][key]:
             out.append(f"{dotted}: {was!r} in the checkpoint, {now[section][key]!r} now")
-    was, new = _mixture_settings(saved_config), _mixture_settings(now)
+    was, new = _stage_settings(saved_config), _stage_settings(now)
     for key in sorted(set(was) | set(new), key=lambda k: (k.split(".")[0], k)):
         if was.get(key) != new.get(key):
             out.append(f"{key}: {was.get(key)!r} in the checkpoint, {new.get(key)!r} now")

@@ -1,9 +1,11 @@
 """A run's lineage: what its first weights came from (``run_dir/parent.json``), written by the trainer
-of a warm start or fork (:mod:`roformer_dist.train.warm_start`), read by exports for the model card."""
+of a warm start or fork (:mod:`roformer_dist.train.warm_start`) and by the first launch of a decay branch
+(:mod:`roformer_dist.train.decay_branch`), read by exports for the model card and by ``roformer-eval``."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from typing import Optional
 from data_pipeline.atomic import atomic_write_text
 from roformer_dist.runtime.rundir import RunDir
 
-__all__ = ["Parent", "PARENT_FILE", "write_parent", "read_parent_record"]
+__all__ = ["Parent", "PARENT_FILE", "write_parent", "read_parent_record", "config_digest"]
 
 PARENT_FILE = RunDir("").parent.name
 
@@ -34,9 +36,18 @@ class Parent:
     """sha256 of the parent's tokenizer model (checkpoints only)."""
     world_size: Optional[int] = None
     """Ranks that wrote the parent checkpoint (checkpoints only)."""
+    decay_steps: Optional[int] = None
+    """A decay branch (``init.decay_steps``): the steps of its decay from ``step`` (None: a warm start)."""
+    decay_shape: str = ""
+    """A decay branch: the decay's shape (``optim.decay_shape``)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
+
+
+def config_digest(obj) -> str:
+    """sha256 of a parent's config (a JSON-able dict), as ``Parent.config_sha256`` records it."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def write_parent(run_dir: Path, parent: Parent) -> None:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.command_line import CommandParser
-from roformer_dist.config import Config, dump_yaml, load_config
+from roformer_dist.config import Config, DecayShape, choices, dump_yaml, fork_overrides, load_config
 from roformer_dist.errors import EXIT_STATUS_HELP, ConfigError, run_command
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, exit_now
@@ -43,6 +43,11 @@ def build_parser() -> CommandParser:
                         "Face repository, a weights file): the same as init.from=PARENT; set run_dir to a new "
                         "directory. The parent is evaluated on this run's eval sets before the first step and "
                         "recorded in <run_dir>/parent.json; a restart resumes the fork itself")
+    p.add_argument("--decay", metavar="STEPS", type=int,
+                   help="with --fork: a decay branch. PARENT is a checkpoint of ours taken at its peak lr (constant, or "
+                        "wsd before its decay); this run resumes it whole and decays over STEPS steps (init.decay_steps)")
+    p.add_argument("--decay-shape", choices=choices(DecayShape),
+                   help="with --decay: the decay's shape (optim.decay_shape; default 1-sqrt)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve everything a launch would (data, mixture, stages, warm start, resume decision), "
@@ -88,8 +93,7 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
 
 def _run(args, stop: StopFlag) -> int:
     as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    fork = [f"init.from={Path(args.fork).expanduser().resolve()}"] if args.fork else []
-    cfg = _load(args.config, args.overrides + fork)
+    cfg = _load(args.config, args.overrides + fork_overrides(args.fork, args.decay, args.decay_shape))
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0

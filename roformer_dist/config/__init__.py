@@ -21,14 +21,14 @@ import from ``roformer_dist.config``, not from its modules.
 
 from roformer_dist.config.derived import (ROPE_KEYS, RopeSettings, StagePlan, data_parallel_size, effective_sinks,
                                           micro_batch_size, parse_lengths, parse_mode, rope_settings, stage_plans,
-                                          training_sources)
-from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yaml, from_dict, load_config,
-                                       parse_overrides, replace, save_config, to_dict)
+                                          training_sources, wsd_decay_steps)
+from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yaml, fork_overrides, from_dict,
+                                       load_config, parse_overrides, replace, save_config, to_dict)
 from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, CheckpointConfig, Config,
                                          CurriculumConfig, DataConfig, DeepSpeedConfig, DistBackend, DistConfig,
-                                         DocumentPositions, EvalSourceConfig, HiddenAct, InitConfig, LoggingConfig,
-                                         LogLevel, LRSchedule, MlflowSettings, ModelConfig, NewRows, OffloadDevice,
-                                         OptimConfig, SpikePolicy, WandbMode, WandbSettings,
+                                         DecayShape, DocumentPositions, EvalSourceConfig, HiddenAct, InitConfig,
+                                         LoggingConfig, LogLevel, LRSchedule, MlflowSettings, ModelConfig, NewRows,
+                                         OffloadDevice, OptimConfig, SpikePolicy, WandbMode, WandbSettings,
                                          OptimizerName, Packing, ParallelConfig, PositionEmbedding, Precision,
                                          ProfileConfig, RopeScaling, RotaryBackend, SlurmConfig, SourceConfig,
                                          StageConfig, TrainerConfig, ZeroStage, choices)
@@ -43,14 +43,14 @@ __all__ = [
     "TrainerConfig", "CheckpointConfig", "LoggingConfig", "WandbSettings", "MlflowSettings", "SlurmConfig",
     "DEFAULT_RUN_DIR_MODE", "WandbMode", "SpikePolicy",
     "HiddenAct", "PositionEmbedding", "RopeScaling", "NewRows", "RotaryBackend", "AttentionKind", "Packing",
-    "DocumentPositions", "OptimizerName", "LRSchedule", "ZeroStage", "Precision", "OffloadDevice", "DistBackend",
-    "LogLevel", "choices",
+    "DocumentPositions", "OptimizerName", "LRSchedule", "DecayShape", "ZeroStage", "Precision", "OffloadDevice",
+    "DistBackend", "LogLevel", "choices",
     # loading
-    "CONFIGS_DIR", "PRESET_DIRS", "load_config", "parse_overrides", "build", "from_dict", "to_dict", "dump_yaml",
+    "CONFIGS_DIR", "PRESET_DIRS", "load_config", "parse_overrides", "fork_overrides", "build", "from_dict", "to_dict", "dump_yaml",
     "save_config", "replace",
     # validation
     "validate", "validate_model", "validate_rope", "validate_layout", "check_tensor_split", "ConfigError",
     # derived values
     "data_parallel_size", "micro_batch_size", "ROPE_KEYS", "RopeSettings", "rope_settings", "StagePlan", "stage_plans",
-    "training_sources", "effective_sinks", "parse_mode", "parse_lengths",
+    "training_sources", "effective_sinks", "parse_mode", "parse_lengths", "wsd_decay_steps",
 ]

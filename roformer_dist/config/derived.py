@@ -1,7 +1,7 @@
 """Values computed from a config, each in one place: the data-parallel size, a stage's micro-batch, the
 rotary settings in force (:class:`RopeSettings`), each stage's plan (:class:`StagePlan`: micro-batch,
 accumulation, rotary settings, masking rate), the training mixture, the metric sinks in force, the run
-directory mode.
+directory mode, the decay steps of a ``wsd`` schedule.
 
 Code that needs one of these calls the function here rather than recomputing it; ``validate.py`` checks the
 config with the same functions.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from data_pipeline.mixture import DEFAULT_NAME
-from roformer_dist.config.schema import Config, DataConfig, LoggingConfig, ModelConfig, RopeScaling, SourceConfig, \
-    StageConfig
+from roformer_dist.config.schema import Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig, RopeScaling, \
+    SourceConfig, StageConfig
 from roformer_dist.errors import ConfigError
 
 
@@ -108,7 +108,7 @@ def stage_plans(cfg: Config, world_size: Optional[int] = None) -> tuple[StagePla
     for i, st in enumerate(cfg.curriculum.stages):
         mbs = micro_batch_size(cfg, st, world_size)
         out.append(StagePlan(i, st, mbs, max(1, st.global_batch_size // (mbs * dp)), rope_settings(cfg.model, st),
-                             cfg.data.mlm_probability))
+                             cfg.data.mlm_probability if st.mlm_probability is None else st.mlm_probability))
     return tuple(out)
 
 
@@ -149,3 +149,9 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths or bad:
         raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a positive multiple of 8")
     return lengths
+
+
+def wsd_decay_steps(optim: OptimConfig, total: int) -> int:
+    """The decay steps of ``schedule: wsd`` in a run of ``total`` steps: ``optim.decay_steps``, or
+    ``optim.decay_fraction`` of ``total`` (rounded, at least 1)."""
+    return optim.decay_steps or max(1, round(optim.decay_fraction * total))

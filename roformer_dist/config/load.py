@@ -243,6 +243,25 @@ def _check_override_key(dotted: str) -> Any:
     return cls
 
 
+def fork_overrides(parent: str | None, decay: int | None = None, decay_shape: str | None = None) -> list[str]:
+    """The overrides of ``--fork PARENT [--decay STEPS [--decay-shape SHAPE]]`` (roformer-train, roformer-submit):
+    ``init.from`` (an absolute path), and for a decay branch ``init.decay_steps`` and ``optim.decay_shape``."""
+    if parent is None:
+        if decay is not None or decay_shape is not None:
+            raise ConfigError("--decay/--decay-shape: a decay branch needs --fork PARENT (the checkpoint to decay from)")
+        return []
+    if decay_shape is not None and decay is None:
+        raise ConfigError("--decay-shape: only with --decay STEPS (a decay branch)")
+    if decay is not None and decay < 1:
+        raise ConfigError(f"--decay: expected a positive number of steps, got {decay}")
+    out = [f"init.from={Path(parent).expanduser().resolve()}"]
+    if decay is not None:
+        out.append(f"init.decay_steps={decay}")
+    if decay_shape is not None:
+        out.append(f"optim.decay_shape={decay_shape}")
+    return out
+
+
 def parse_overrides(items: list[str]) -> dict:
     """``["a.b=1", "c=x"]`` -> nested mapping with YAML-parsed values (a string key's value is taken as
     written: ``run_dir_mode=0770`` is not the YAML integer 504)."""

@@ -32,7 +32,8 @@ AttentionKind = Literal["softmax", "linear"]
 Packing = Literal["document", "cross_document"]
 DocumentPositions = Literal["restart", "continue"]
 OptimizerName = Literal["adamw", "lamb"]
-LRSchedule = Literal["linear", "cosine", "constant"]
+LRSchedule = Literal["linear", "cosine", "constant", "wsd"]
+DecayShape = Literal["linear", "cosine", "1-sqrt"]
 ZeroStage = Literal[0, 1, 2, 3]
 Precision = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu"]
@@ -157,7 +158,13 @@ class DataConfig:
     num_workers: int = 1
     """DataLoader worker processes per rank (0 = load in the training process)."""
     mlm_probability: float = 0.15
-    """Fraction of non-special tokens chosen for MLM prediction."""
+    """Fraction of non-special tokens chosen for MLM prediction in training (a stage's own
+    ``mlm_probability`` overrides it)."""
+    eval_mlm_probability: float = 0.15
+    """The masking rate of every evaluation, whatever the training rate (so that eval curves compare across
+    stages and runs); the unigram baseline is scored at the same positions."""
+    mask_replace: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    """What the chosen tokens become: shares that are [MASK], a random token and left unchanged (sum 1)."""
     whole_word_mask: bool = True
     """Mask whole words when the shards carry word-start marks (.wwm)."""
     skip_bad_shards: bool = False
@@ -192,6 +199,8 @@ class StageConfig:
     """Re-warmup steps when lr is set."""
     eval_lengths: tuple[int, ...] = ()
     """Eval sequence lengths in this stage; empty = the stage's own seq_len."""
+    mlm_probability: Optional[float] = None
+    """This stage's masking rate in training; None = data.mlm_probability."""
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights of this stage by source name (``{news: 0.3, books: 0.7}``); a source not named keeps
     its data.sources weight."""
@@ -229,6 +238,11 @@ class InitConfig:
     new_rows: NewRows = "mean"
     """Rows of a vocabulary that grew (ids beyond the parent's vocabulary): mean (the mean of the parent's
     rows) | init (the normal initialiser, model.initializer_range)."""
+    decay_steps: int = 0
+    """> 0: a decay branch. init.from names a checkpoint of ours taken at its peak lr, which this run resumes
+    whole (weights, optimizer, step, data position) and ends with a wsd decay of this many steps
+    (optim.decay_shape); the curriculum is cut or lengthened to end there (roformer_dist/train/decay_branch.py).
+    0 = a warm start."""
     check_tokenizer: bool = True
     """Refuse a parent of ours trained on shards of another tokenizer (sha256 of its model); false when the
     new vocabulary extends the parent's with the old pieces at their old ids."""
@@ -243,9 +257,16 @@ class OptimConfig:
     warmup_steps: int = 1000
     """Linear warmup steps from 0 to lr."""
     schedule: LRSchedule = "linear"
-    """Decay after warmup: linear | cosine | constant."""
+    """After the warmup: linear | cosine (decay over all the remaining steps) | constant | wsd (warmup-stable-
+    decay: lr held until the last decay_steps steps, which decay with decay_shape)."""
     min_lr_ratio: float = 0.0
     """Final LR as a fraction of lr."""
+    decay_steps: int = 0
+    """wsd: the steps of the decay, at the end of the run; 0 = decay_fraction of the run's steps."""
+    decay_fraction: float = 0.2
+    """wsd with decay_steps 0: the decay's share of the run's steps (rounded, at least 1)."""
+    decay_shape: DecayShape = "1-sqrt"
+    """wsd: the decay's shape, linear | cosine | 1-sqrt (lr falls as 1 - sqrt(progress))."""
     weight_decay: float = 0.01
     """Decoupled weight decay (not on norms and biases)."""
     beta1: float = 0.9

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 
 from data_pipeline.mixture import SOURCE_NAME
 from roformer_dist.config.derived import (RopeSettings, data_parallel_size, micro_batch_size, parse_mode, rope_settings,
-                                          training_sources)
+                                          training_sources, wsd_decay_steps)
 from roformer_dist.config.schema import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig, InitConfig,
                                          LoggingConfig, LogLevel, ModelConfig, OptimConfig, RopeScaling, SlurmConfig,
                                          TrainerConfig, choice_error, choices)
@@ -134,12 +134,23 @@ def _validate_sources(cfg: Config) -> None:
 
 def _validate_data(d: DataConfig) -> None:
     _check_choices(d, "data")
-    if not 0.0 < d.mlm_probability < 1.0:
-        raise ConfigError(f"data.mlm_probability: expected a value in (0, 1), got {d.mlm_probability}")
+    for key in ("mlm_probability", "eval_mlm_probability"):
+        _rate(getattr(d, key), f"data.{key}")
+    split = d.mask_replace
+    if len(split) != 3 or any(not isinstance(x, (int, float)) or x < 0 for x in split) or \
+            not math.isclose(sum(split), 1.0, abs_tol=1e-6):
+        raise ConfigError(f"data.mask_replace: expected three shares >= 0 of the chosen tokens ([MASK], random, "
+                          f"unchanged) that sum to 1, got {list(split)}")
     _positive(d.num_workers, "data.num_workers", allow_zero=True)
     _positive(d.url_retries, "data.url_retries")
     _positive(d.url_retry_wait_s, "data.url_retry_wait_s", allow_zero=True)
     _positive(d.url_timeout_s, "data.url_timeout_s")
+
+
+def _rate(value: Any, key: str) -> None:
+    """A masking rate: a number in (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ConfigError(f"{key}: expected a masking rate in (0, 1), got {value!r}")
 
 
 def _validate_optim(o: OptimConfig) -> None:
@@ -148,6 +159,29 @@ def _validate_optim(o: OptimConfig) -> None:
     _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio: expected a value in [0, 1], got {o.min_lr_ratio}")
+    _positive(o.decay_steps, "optim.decay_steps", allow_zero=True)
+    if not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction: expected a value in (0, 1], got {o.decay_fraction}")
+
+
+def _validate_wsd(o: OptimConfig, stages) -> None:
+    """A wsd decay fits in the run after the warmup, and no stage's own lr overrides it (after the curriculum
+    is checked)."""
+    if o.schedule != "wsd":
+        return
+    total = sum(st.steps for st in stages)
+    decay = wsd_decay_steps(o, total)
+    key = "optim.decay_steps" if o.decay_steps else "optim.decay_fraction"
+    if o.warmup_steps + decay > total:
+        raise ConfigError(f"{key}: the wsd decay ({decay} steps) and optim.warmup_steps ({o.warmup_steps}) are "
+                          f"longer than the run ({total} steps of curriculum.stages)")
+    start = 0
+    for i, st in enumerate(stages):
+        if st.lr is not None and start + st.steps > total - decay:
+            raise ConfigError(f"curriculum.stages[{i}] ({st.name}).lr: the stage sets its own lr within the wsd "
+                              f"decay (steps {total - decay + 1}-{total}), which would override it; drop the "
+                              "stage's lr or shorten the decay")
+        start += st.steps
 
 
 def _validate_deepspeed(d: DeepSpeedConfig) -> None:
@@ -255,6 +289,8 @@ def _validate_curriculum(cfg: Config, world_size: Optional[int] = None) -> None:
                 f"data-parallel size {dp} (dist.world_size {ws} / (parallel.tensor x parallel.pipeline))")
         if st.lr is not None:
             _positive(st.lr, f"{key}.lr")
+        if st.mlm_probability is not None:
+            _rate(st.mlm_probability, f"{key}.mlm_probability")
         validate_rope(rope_settings(m, st), m, key)
 
 
@@ -262,6 +298,10 @@ def _validate_init(i: InitConfig) -> None:
     _check_choices(i, "init")
     if i.load_optimizer and not i.from_:
         raise ConfigError("init.load_optimizer: true needs init.from (the checkpoint whose optimizer state to take)")
+    _positive(i.decay_steps, "init.decay_steps", allow_zero=True)
+    if i.decay_steps and not i.from_:
+        raise ConfigError("init.decay_steps: a decay branch needs init.from (the checkpoint to decay from; "
+                          "roformer-train --fork PARENT --decay STEPS)")
 
 
 def _validate_trainer(t: TrainerConfig) -> None:
@@ -323,6 +363,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_deepspeed(cfg.deepspeed)
     validate_layout(cfg, world_size)
     _validate_curriculum(cfg, world_size)
+    _validate_wsd(cfg.optim, cfg.curriculum.stages)
     _validate_init(cfg.init)
     _validate_trainer(cfg.trainer)
     _validate_checkpoint(cfg.checkpoint)

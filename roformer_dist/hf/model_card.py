@@ -40,6 +40,10 @@ def _parent(parent) -> list[str]:
     if not parent:
         return []
     at = f" at step {parent['step']}" if parent.get("step") is not None else ""
+    if parent.get("decay_steps"):
+        return [f"- a decay branch: resumed {parent.get('kind')} `{parent.get('path')}`{at} (config sha256 "
+                f"`{str(parent.get('config_sha256', ''))[:16]}...`) whole and decayed the learning rate over "
+                f"{parent['decay_steps']} steps ({parent.get('decay_shape') or 'wsd'})"]
     return [f"- initialised from: {parent.get('kind')} `{parent.get('path')}`{at} (config sha256 "
             f"`{str(parent.get('config_sha256', ''))[:16]}...`); this run continued from those weights"]
 
@@ -52,19 +56,31 @@ def _manifest_lines(name: str, path, m: dict) -> list[str]:
     return out
 
 
+def _schedule(optim) -> str:
+    """The LR schedule after the warmup, in words."""
+    if optim.schedule == "wsd":
+        decay = f"{optim.decay_steps} steps" if optim.decay_steps else f"the last {optim.decay_fraction:.0%} of steps"
+        return f"warmup-stable-decay ({optim.decay_shape} decay over {decay}, to {optim.min_lr_ratio:g} x lr)"
+    return f"{optim.schedule} decay"
+
+
 def _training(source) -> list[str]:
     cfg = source.run_config
     lines = ["## Training", ""]
     if cfg is None:
         return lines + [f"Converted from {source.description}; no training record came with it.", ""]
     t = source.trainer
-    lines += [f"Pretrained with roformer-dist (masked language modelling, {cfg.data.mlm_probability:.0%} of "
-              f"tokens{', whole-word masking' if cfg.data.whole_word_mask else ''}); exported from "
-              f"{source.description}.", "",
+    rates = [st.mlm_probability if st.mlm_probability is not None else cfg.data.mlm_probability
+             for st in cfg.curriculum.stages]
+    masking = f"{rates[0]:.0%} of tokens" if len(set(rates)) == 1 else \
+        f"{' -> '.join(f'{r:.0%}' for r in rates)} of tokens by stage"
+    lines += [f"Pretrained with roformer-dist (masked language modelling, {masking}"
+              f"{', whole-word masking' if cfg.data.whole_word_mask else ''}; evaluated at "
+              f"{cfg.data.eval_mlm_probability:.0%}); exported from {source.description}.", "",
               f"- steps: {_fmt_int(t.get('step'))}; tokens seen: {_fmt_int(t.get('tokens_seen'))}; "
               f"sequences seen: {_fmt_int(t.get('samples_seen'))}",
               f"- optimiser: {cfg.optim.name}, peak lr {cfg.optim.lr:g}, {cfg.optim.warmup_steps} warm-up steps, "
-              f"{cfg.optim.schedule} decay, weight decay {cfg.optim.weight_decay:g}; DeepSpeed ZeRO-"
+              f"{_schedule(cfg.optim)}, weight decay {cfg.optim.weight_decay:g}; DeepSpeed ZeRO-"
               f"{cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}; seed {cfg.trainer.seed}",
               *_parent(source.parent)]
     sources = training_sources(cfg.data)
@@ -81,10 +97,11 @@ def _training(source) -> list[str]:
     if source.eval_manifest is not None:
         lines += _manifest_lines("evaluation data", cfg.data.eval_shards, source.eval_manifest)
     lines += ["", "Sequence-length curriculum (stages run in order):", "",
-              "| stage | sequence length | global batch | steps | lr |", "| --- | --- | --- | --- | --- |"]
-    for st in cfg.curriculum.stages:
+              "| stage | sequence length | global batch | steps | lr | masking |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for st, rate in zip(cfg.curriculum.stages, rates):
         lr = f"{st.lr:g} (re-warm-up {st.warmup_steps})" if st.lr is not None else "schedule"
-        lines.append(f"| {st.name} | {st.seq_len} | {st.global_batch_size} | {st.steps} | {lr} |")
+        lines.append(f"| {st.name} | {st.seq_len} | {st.global_batch_size} | {st.steps} | {lr} | {rate:.0%} |")
     lines.append("")
     return lines
 

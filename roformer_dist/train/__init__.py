@@ -13,7 +13,8 @@ learning rate at a step: pure), ``data.py`` (manifests checked against the confi
 (a stage's rotary backend, chosen on rank 0), ``spikes.py`` (``trainer.spike``: a loss far above the recent ones drops its update), ``rollback.py``
 (``trainer.spike: rollback``: back to the checkpoint before a spike, past its batches), ``warm_start.py`` (a
 new run's first weights from a Hugging Face repository, a run or a weights file:
-``init.from``, forks), ``metrics.py`` (rank 0's sinks, MFU), ``sinks/`` (where metrics go: the ``Sink``
+``init.from``, forks), ``decay_branch.py`` (``init.decay_steps``: a run that resumes a stable checkpoint
+and decays), ``metrics.py`` (rank 0's sinks, MFU), ``sinks/`` (where metrics go: the ``Sink``
 protocol and its table; ``jsonl``, ``tensorboard``), ``preflight.py`` (the largest micro-batch tried on the
 GPU before DeepSpeed), ``profiling.py``
 (the ``torch.profiler`` window of ``trainer.profile``), ``evaluation.py`` (eval at each length beside the

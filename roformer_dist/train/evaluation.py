@@ -2,7 +2,8 @@
 
 The eval batches at a length L are one fixed stream: the eval shard set read as one data-parallel
 rank with no workers, ``curriculum.tokens_per_micro_batch // L`` sequences per batch, seeded by
-``trainer.seed``, masked as in training; the first ``data.eval_batches`` batches of it count. Data-parallel
+``trainer.seed``, masked at ``data.eval_mlm_probability`` whatever the training rate (whole words and
+``data.mask_replace`` as in training); the first ``data.eval_batches`` batches of it count. Data-parallel
 replica r forwards batches r, r + dp, ... (every replica runs the same number of forwards, as
 ZeRO-3 and pipeline stages need; a replica without a batch left in the last round forwards one and
 discards it), so the numbers do not depend on the world size, and ``roformer-eval`` on one process
@@ -41,7 +42,8 @@ def eval_loader(cfg: Config, length: int, eval_shards: Optional[str] = None):
 
     mbs = max(1, cfg.curriculum.tokens_per_micro_batch // length)
     return ShardLoader(eval_shards or cfg.data.eval_shards, seq_len=length, micro_batch_size=mbs, dp_rank=0,
-                       dp_size=1, num_workers=0, seed=cfg.trainer.seed, mlm_probability=cfg.data.mlm_probability,
+                       dp_size=1, num_workers=0, seed=cfg.trainer.seed,
+                       mlm_probability=cfg.data.eval_mlm_probability, mask_replace=cfg.data.mask_replace,
                        whole_word_mask=cfg.data.whole_word_mask, packing=cfg.data.packing)
 
 

@@ -21,12 +21,14 @@ from typing import Optional, Sequence
 
 from data_pipeline.manifest import read_manifest
 from data_pipeline.source import is_url
+from roformer_dist.checkpoint.lineage import read_parent_record
 from roformer_dist.checkpoint.store import Found, checkpoint_config, read_trainer_state, resolve
 from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from_state_dict
 from roformer_dist.config import Config, replace, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 from roformer_dist.train.curriculum import trained_max_len
+from roformer_dist.train.decay_branch import describe_decay
 from roformer_dist.train.evaluation import Evaluator, evaluate_model
 
 __all__ = ["Row", "Report", "Opened", "length_note", "load_model", "open_checkpoint", "evaluate_checkpoint", "format_report",
@@ -59,11 +61,13 @@ class Report:
     packing: str = "document"
     """The eval rows' data.packing."""
     rows: list[Row] = field(default_factory=list)
+    origin: str = ""
+    """Where the run came from when it is a decay branch (its parent.json, in words); else empty."""
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "step": self.step, "position_embedding": self.position_embedding,
                 "trained_max_len": self.trained_max_len, "max_position_embeddings": self.max_position_embeddings,
-                "packing": self.packing, "rows": [{"length": r.length, "loss": r.loss, "unigram_loss": r.unigram_loss, "gap": r.gap,
+                "packing": self.packing, "origin": self.origin, "rows": [{"length": r.length, "loss": r.loss, "unigram_loss": r.unigram_loss, "gap": r.gap,
                           "mlm_acc": r.mlm_acc, "most_frequent_acc": r.most_frequent_acc,
                           "predicted": r.predicted, "note": r.note} for r in self.rows]}
 
@@ -157,7 +161,7 @@ def evaluate_checkpoint(path: str | os.PathLike, lengths: Optional[Sequence[int]
     cfg, trained, model = c.cfg, c.trained, c.model
     mc = model.config
     report = Report(str(c.found.dir), c.found.step, mc.position_embedding, trained, mc.max_position_embeddings,
-                    cfg.data.packing)
+                    cfg.data.packing, origin=describe_decay(read_parent_record(c.found.dir.parent.parent)))
     evaluator = Evaluator(cfg)
     for length in c.lengths:
         ok, note = length_note(mc.position_embedding, length, trained, mc.max_position_embeddings)
@@ -179,7 +183,8 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 def format_report(report: Report) -> str:
     lines = [f"{report.checkpoint}: step {report.step}, {report.position_embedding} positions, trained up to "
-             f"length {report.trained_max_len}, eval rows packed {report.packing}",
+             f"length {report.trained_max_len}, eval rows packed {report.packing}"
+             + (f"\n  {report.origin}" if report.origin else ""),
              f"{'length':>7} {'loss':>7} {'unigram':>8} {'gap':>7} {'mlm_acc':>8}  note"]
     for r in report.rows:
         lines.append(f"{r.length:>7} {_fmt(r.loss, '.4f'):>7} {_fmt(r.unigram_loss, '.4f'):>8} "

@@ -38,6 +38,8 @@ from roformer_dist.checkpoint.lineage import Parent
 from roformer_dist.config import Config, RopeSettings, StagePlan, dump_yaml, from_dict, stage_plans, to_dict, validate
 from roformer_dist.errors import ConfigError, StorageError, exit_status
 from roformer_dist.runtime.rundir import RunDir, prepare_run_dir
+from roformer_dist.train.curriculum import describe_schedule
+from roformer_dist.train.decay_branch import BranchPoint, branch_config, branch_point, describe_decay, seed_branch
 from roformer_dist.train.data import resolve_data
 from roformer_dist.train.mixture import MixturePlan, SourcePlan, plan_mixture
 
@@ -60,11 +62,14 @@ class Resume:
     parent (a warm start), else nothing (a fresh start)."""
     checkpoint: Optional[ckpt.Found] = None
     warm_start: Optional[Parent] = None
+    branch: Optional[Parent] = None
+    """A decay branch's parent (its record in parent.json)."""
 
     def describe(self) -> str:
         if self.checkpoint is not None:
             c = self.checkpoint
-            return f"resume {c.dir} (step {c.step}, written by {c.world_size} rank(s))"
+            branch = f"; {describe_decay(dataclasses.asdict(self.branch))}" if self.branch is not None else ""
+            return f"resume {c.dir} (step {c.step}, written by {c.world_size} rank(s)){branch}"
         if self.warm_start is not None:
             return f"warm start from {self.warm_start.kind} {self.warm_start.path}"
         return "fresh start"
@@ -107,7 +112,11 @@ class ResolvedRun:
 
     def summary(self) -> str:
         """A few lines for the log: the resume decision and each stage's plan."""
-        lines = [f"resolved run ({self.world_size} rank(s)): {self.resume.describe()}"]
+        lines = [f"resolved run ({self.world_size} rank(s)): {self.resume.describe()}",
+                 f"  {describe_schedule(self.cfg.optim, self.cfg.curriculum.stages)}",
+                 "  evaluation masks {:g} of the tokens; the chosen become [MASK], a random token, unchanged in "
+                 "shares {}".format(self.cfg.data.eval_mlm_probability, "/".join(f"{x:g}" for x in
+                                                                                 self.cfg.data.mask_replace))]
         for s in self.stages:
             lines.append(f"  stage {s.index + 1} {s.name!r}: seq_len {s.seq_len}, global batch {s.global_batch_size}, "
                          f"micro-batch {s.micro_batch_size}, accumulation {s.accumulation}, masking "
@@ -130,7 +139,8 @@ class ResolvedRun:
                        for s in self.stages],
             "resume": {"checkpoint": None if found is None else {**dataclasses.asdict(found), "dir": str(found.dir)},
                        "warm_start": None if self.resume.warm_start is None else
-                       dataclasses.asdict(self.resume.warm_start)},
+                       dataclasses.asdict(self.resume.warm_start),
+                       "branch": None if self.resume.branch is None else dataclasses.asdict(self.resume.branch)},
         }
 
     @classmethod
@@ -150,8 +160,9 @@ class ResolvedRun:
                                      s["accumulation"], RopeSettings.from_dict(s["rope"]), s["mlm_probability"])
                            for s in data["stages"])
             found, parent = data["resume"]["checkpoint"], data["resume"]["warm_start"]
+            branch = data["resume"].get("branch")
             resume = Resume(None if found is None else ckpt.Found(**{**found, "dir": Path(found["dir"])}),
-                            None if parent is None else Parent(**parent))
+                            None if parent is None else Parent(**parent), None if branch is None else Parent(**branch))
             return cls(cfg, int(data["world_size"]), data["config_sha256"], data["manifests"], mixture, stages, resume,
                        RunDir(data["run_dir"]), data["launch"], tuple((n, int(lv), m) for n, lv, m in data["notes"]))
         except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -181,15 +192,22 @@ class ResolvedRun:
         return cls.from_json(data, str(path))
 
 
-def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir, read_only: bool) -> Resume:
+def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir, read_only: bool,
+            branch: Optional[BranchPoint]) -> Resume:
     """The newest usable checkpoint (damaged ones marked BAD, unless ``read_only``, and skipped), checked against
-    this config; else ``init.from``'s parent, read and fitted to the model once here (every mismatch a
-    ConfigError)."""
+    this config; else, for a decay branch, its parent's checkpoint linked into the run first; else ``init.from``'s
+    parent, read and fitted to the model once here (every mismatch a ConfigError)."""
     if cfg.checkpoint.resume:
         found = ckpt.choose_resume(run_dir.checkpoints, 0, 1, read_only=read_only)
+        if found is None and branch is not None:
+            if read_only:  # a dry run: what the first launch resumes
+                found = branch.checkpoint()
+            else:
+                seed_branch(branch, run_dir)
+                found = ckpt.choose_resume(run_dir.checkpoints, 0, 1)
         if found is not None:
             check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, world_size, manifest)
-            return Resume(checkpoint=found)
+            return Resume(checkpoint=found, branch=None if branch is None else branch.parent)
     if cfg.init.from_:
         from roformer_dist.train.warm_start import warm_start  # torch state dicts: only when there is a parent
 
@@ -209,11 +227,16 @@ def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Option
     run_dir = RunDir.of(cfg)
     with _recorded() as notes:
         resolved, manifests = resolve_data(cfg)
+        branch = None
+        if resolved.init.decay_steps:  # the curriculum and schedule of a decay branch from its parent's step
+            validate(resolved, world_size)
+            branch = branch_point(resolved, run_dir)
+            resolved = branch_config(resolved, branch.parent.step)
         validate(resolved, world_size)
         mixture = plan_mixture(resolved, manifests)
         if take_lock is not None:
             take_lock()
-        resume = _resume(resolved, world_size, next(iter(manifests.values())), run_dir, read_only)
+        resume = _resume(resolved, world_size, next(iter(manifests.values())), run_dir, read_only, branch)
     return ResolvedRun(resolved, world_size, config_sha256(cfg), manifests, mixture, stage_plans(resolved, world_size),
                        resume, run_dir, secrets.token_hex(8), tuple(notes))
 

@@ -74,21 +74,17 @@ def roll_back(tr: "Trainer", spike_step: int) -> bool:
 def skip_batches(tr: "Trainer", done: int, last: int) -> None:
     """Draw and drop the batches of steps ``done + 1`` to ``last`` (each rank its own, in each step's stage),
     then set the loader to the stage of step ``done + 1``."""
-    loader = tr.loader
     if tr.runner.reads_data:
         current, batches = None, None
         for step in range(done + 1, last + 1):
             index = stage_at(tr.stages, step - 1).index
-            plan = tr.run.stages[index]
             if index != current:
-                loader.set_stage(plan.seq_len, plan.micro_batch_size, weights=tr.plan.stage_weights(index))
-                current, batches = index, iter(loader)
+                tr.loader_stage(index)
+                current, batches = index, iter(tr.loader)
             try:
-                for _ in range(plan.accumulation):
+                for _ in range(tr.run.stages[index].accumulation):
                     next(batches)
             except (DataError, CorruptShardError) as e:
                 raise data_error(e, f"skipping the batches of step {step} (a loss-spike rollback)") from None
             tr.beat("rollback")
-    index = stage_at(tr.stages, done).index
-    plan = tr.run.stages[index]
-    loader.set_stage(plan.seq_len, plan.micro_batch_size, weights=tr.plan.stage_weights(index))
+    tr.loader_stage(stage_at(tr.stages, done).index)

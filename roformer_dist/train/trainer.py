@@ -165,7 +165,7 @@ class Trainer(EvalSteps):
 
         torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
         model = RoFormerForMaskedLM(cfg.model)
-        if found and cfg.init.from_ and env.rank == 0:
+        if found and cfg.init.from_ and not cfg.init.decay_steps and env.rank == 0:
             log.info("init.from %s not read: resuming this run's own checkpoint", cfg.init.from_)
         if run.resume.warm_start is not None:
             self.parent, weights = warm_start(cfg, self.manifest["tokenizer"]["sha256"])
@@ -188,7 +188,7 @@ class Trainer(EvalSteps):
                                   seed=cfg.trainer.seed, mlm_probability=plan.mlm_probability,
                                   whole_word_mask=cfg.data.whole_word_mask, skip_bad_shards=cfg.data.skip_bad_shards,
                                   pin_memory=torch.cuda.is_available(), packing=cfg.data.packing,
-                                  weights=self.plan.stage_weights(first.index),
+                                  weights=self.plan.stage_weights(first.index), mask_replace=cfg.data.mask_replace,
                                   prepare=None if cfg.parallel.pipeline > 1 else
                                   batch_plan(cfg.model, self.engine.device.type))
         # dropout: one stream per replica and pipeline stage, shared by the tensor ranks of a stage
@@ -257,9 +257,18 @@ class Trainer(EvalSteps):
         self._resumed_dir = found.dir
 
     # ------------------------------------------------------------------ steps
+    def loader_stage(self, index: int) -> None:
+        """Point the loader at stage ``index``: its length, micro-batch, source weights and masking rate."""
+        st = self.run.stages[index]
+        self.loader.set_stage(st.seq_len, st.micro_batch_size, weights=self.plan.stage_weights(index),
+                              mlm_probability=st.mlm_probability)
+
     def switch_stage(self, index: int) -> None:
         st = self.run.stages[index]
-        self.loader.set_stage(st.seq_len, st.micro_batch_size, weights=self.plan.stage_weights(index))
+        if st.mlm_probability != self.loader.mlm_probability:
+            log.info("stage %r: masking %g of the tokens (was %g)", st.name, st.mlm_probability,
+                     self.loader.mlm_probability)
+        self.loader_stage(index)
         self.faults.point("stage.switch")
         self.runner.set_stage(st, choose_kernel=self.choose_rotary_backend)  # the stage's rotary settings too
         if st.rope != self._rope and (st.rope != rope_settings(self.cfg.model) or self._rope is not None):

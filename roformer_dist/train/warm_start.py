@@ -20,16 +20,15 @@ The trainer records the parent in ``run_dir/parent.json`` (:mod:`roformer_dist.c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from roformer_dist.checkpoint.compat import parameter_shapes
-from roformer_dist.checkpoint.lineage import Parent
+from roformer_dist.checkpoint.compat import changed_settings, parameter_shapes
+from roformer_dist.checkpoint.lineage import Parent, config_digest
 from roformer_dist.checkpoint.store import read_trainer_state, resolve, state_file
 from roformer_dist.checkpoint.weights import WEIGHTS_NAME, load_checkpoint_weights, load_weights
 from roformer_dist.config import Config, ModelConfig, to_dict
@@ -50,10 +49,6 @@ FREE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original
 """Settings that may differ (no parameters, or none with rotary positions): each difference is logged."""
 _EMBEDDINGS, _BIAS = "embeddings.word_embeddings.weight", "head.bias"
 _MAX_SHAPES = 8
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _hf_kind(path: Path) -> Optional[str]:
@@ -90,21 +85,21 @@ def read_parent(source: str) -> tuple[Parent, ModelConfig, dict]:
     if p.is_dir() and (model_type := _hf_kind(p)):
         cfg, sd = _read_hf(p, model_type)
         raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
-        return Parent(HF_KINDS[model_type], str(p), config_sha256=_sha256_json(raw)), cfg, sd
+        return Parent(HF_KINDS[model_type], str(p), config_sha256=config_digest(raw)), cfg, sd
     if p.is_file() or (p / WEIGHTS_NAME).is_file() and not state_file(p, 0).exists():
         file = p if p.is_file() else p / WEIGHTS_NAME
         try:
             cfg, sd = load_weights(file)
         except (CheckpointError, ConfigError) as e:
             raise ConfigError(f"init.from: {e}") from None
-        return Parent("weights", str(file), config_sha256=_sha256_json(to_dict(cfg))), cfg, sd
+        return Parent("weights", str(file), config_sha256=config_digest(to_dict(cfg))), cfg, sd
     try:
         found = resolve(p)
         cfg, sd = load_checkpoint_weights(found)
         state = read_trainer_state(found.dir, 0)
     except CheckpointError as e:
         raise ConfigError(f"init.from: {e}") from None
-    return (Parent("checkpoint", str(found.dir), found.step, _sha256_json(state.config), state.tokenizer_sha256,
+    return (Parent("checkpoint", str(found.dir), found.step, config_digest(state.config), state.tokenizer_sha256,
                    found.world_size), cfg, sd)
 
 
@@ -179,6 +174,8 @@ def warm_start(cfg: Config, tokenizer_sha256: str = "") -> tuple[Parent, dict]:
     if init.load_optimizer:
         _check_optimizer_source(parent, cfg)
     out, notes = adapt(parent_cfg, sd, cfg.model, init.new_rows)
+    if parent.kind == "checkpoint":  # e.g. the masking rates a new phase changes
+        notes += changed_settings(read_trainer_state(Path(parent.path), 0).config, cfg)
     for note in notes:
         log.info("warm start: %s", note)
     return parent, out
