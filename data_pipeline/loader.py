@@ -407,8 +407,7 @@ class ShardLoader:
         new = shares(weights, [st.name for st in self.sets]) if weights is not None else self.shares
         self._stop_active()
         self.seq_len, self.micro_batch_size, self.shares = seq_len, micro_batch_size, new
-        if mlm_probability is not None:
-            self.mlm_probability = mlm_probability
+        self.mlm_probability = self.mlm_probability if mlm_probability is None else mlm_probability
 
     # ------------------------------------------------------------------ state
 

@@ -100,6 +100,7 @@ def describe_schedule(optim: OptimConfig, stages: tuple[StageConfig, ...]) -> st
     return (f"lr schedule {optim.schedule}{shape}, peak {optim.lr:g}, floor {optim.lr * optim.min_lr_ratio:g}: "
             f"{phases}" + (f"; stage(s) {', '.join(own)} set their own lr" if own else ""))
 
+
 Schedule = Callable[[float, float, float], float]
 """(peak, floor, progress in [0, 1] after the warmup) -> the learning rate."""
 
