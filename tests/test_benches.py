@@ -43,6 +43,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "packing": ("packing", "trained x eval packing"),
     "parity": ("parity", "ours no worse than HF's by more than the run-to-run spread"),
     "parallel_memory": ("parallel_memory", "params MiB/rank"),
+    "recipe": ("recipe", "the 100 % branch equals (c) of seed"),
     "profile_e2e": ("profile_e2e", "Where a step goes"),
     "rope_decay": ("rope_decay", "relative upper bound B(r)"),
     "rotary": ("rotary", "fwd+bwd ms"),
@@ -50,7 +51,8 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
-SLOW = {"ablation", "chaos", "checkpoint_stall", "context_extension", "curriculum", "parity", "e2e", "linear_attention", "packing", "profile_e2e"}
+SLOW = {"ablation", "chaos", "checkpoint_stall", "context_extension", "curriculum", "parity", "e2e", "linear_attention", "packing", "profile_e2e",
+        "recipe"}
 """About 30 s or more on 2 quiet cores, tiny as they are (several training processes each; twice that on a
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate", "parity": "accelerate"}
@@ -148,6 +150,23 @@ def check_profile_e2e(lines: list[dict], tail: str, stdout: str) -> None:
 
 
 CHECKS["profile_e2e"] = check_profile_e2e
+
+
+def check_recipe(lines: list[dict], tail: str, stdout: str) -> None:
+    """bench/recipe.py --tiny: (a) and (c) with two seeds each (different losses: the seed matters), three decay
+    branches of one stable run (12 steps: branched at 4, 6 and 10) beside separate runs of the 40 % and 70 %
+    budgets, and the 100 % branch ending exactly where (c) of the first seed ends."""
+    import math
+
+    (line,) = [x for x in lines if x.get("bench") == "recipe"]
+    losses, branches = line["losses"], line["branches"]
+    assert set(losses) == {"a", "c"} and all(len(v) == 2 and v[0] != v[1] for v in losses.values()), tail
+    assert [(b["branch_step"], b["decay_steps"]) for b in branches] == [(4, 1), (6, 2), (10, 2)], tail
+    assert all(math.isfinite(b["loss"]) for b in branches) and branches[-1]["loss"] == losses["c"][0], tail
+    assert [b.get("separate") is not None for b in branches] == [True, True, False], tail
+
+
+CHECKS["recipe"] = check_recipe
 
 
 def check_curriculum(lines: list[dict], tail: str, stdout: str) -> None:

@@ -116,7 +116,8 @@ def test_two_decay_branches_from_one_stable_checkpoint_carry_its_state_and_leave
     peak, floor = 0.002, 0.0002
     assert all(math.isclose(r["lr"], floor + (peak - floor) * (1 - math.sqrt(k / 4)), rel_tol=1e-9)
                for k, r in enumerate(sqrt, 1))
-    assert all(math.isclose(r["lr"], floor + (peak - floor) * (1 - k / 6), rel_tol=1e-9) for k, r in enumerate(linear, 1))
+    assert all(math.isclose(r["lr"], floor + (peak - floor) * (1 - k / 6), rel_tol=1e-9)
+               for k, r in enumerate(linear, 1))
     record = json.loads((tmp_path / "sqrt" / "parent.json").read_text())
     assert (record["kind"], record["path"], record["step"], record["decay_steps"], record["decay_shape"]) == \
         ("checkpoint", str(at10), 10, 4, "1-sqrt")
@@ -133,3 +134,27 @@ def test_two_decay_branches_from_one_stable_checkpoint_carry_its_state_and_leave
         resolve_run(early, read_only=True)
     with pytest.raises(ConfigError, match="--decay/--decay-shape: a decay branch needs --fork PARENT"):
         fork_overrides(None, 4)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("data.eval_mlm_probability=1.5", r"data.eval_mlm_probability: expected a masking rate in \(0, 1\), got 1.5"),
+    ("data.mlm_probability=0", r"data.mlm_probability: expected a masking rate in \(0, 1\), got 0"),
+    ("data.mask_replace=[0.8,0.2]", r"data.mask_replace: expected three shares >= 0 .* got \[0.8, 0.2\]"),
+    ("data.mask_replace=[0.8,0.3,0.1]", r"data.mask_replace: .*that sum to 1, got \[0.8, 0.3, 0.1\]"),
+])
+def test_bad_masking_settings_are_refused_naming_the_key(override, match):
+    from roformer_dist.config import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config("configs/experiments/debug.yaml", overrides=[override])
+
+
+def test_a_bad_stage_masking_rate_is_refused_naming_the_stage():
+    from roformer_dist.config import load_config, validate
+
+    cfg = load_config("configs/experiments/debug.yaml")
+    stages = cfg.curriculum.stages
+    with pytest.raises(ConfigError, match=r"curriculum.stages\[1\] \(s256\).mlm_probability: expected a masking "
+                                          r"rate in \(0, 1\), got 1.0"):
+        validate(replace(cfg, **{"curriculum.stages": (stages[0], replace(stages[1], mlm_probability=1.0),
+                                                       stages[2])}))

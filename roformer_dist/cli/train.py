@@ -44,8 +44,9 @@ def build_parser() -> CommandParser:
                         "directory. The parent is evaluated on this run's eval sets before the first step and "
                         "recorded in <run_dir>/parent.json; a restart resumes the fork itself")
     p.add_argument("--decay", metavar="STEPS", type=int,
-                   help="with --fork: a decay branch. PARENT is a checkpoint of ours taken at its peak lr (constant, or "
-                        "wsd before its decay); this run resumes it whole and decays over STEPS steps (init.decay_steps)")
+                   help="with --fork: a decay branch. PARENT is a checkpoint of ours taken at its peak lr (constant, "
+                        "or wsd before its decay); this run resumes it whole and decays over STEPS steps "
+                        "(init.decay_steps)")
     p.add_argument("--decay-shape", choices=choices(DecayShape),
                    help="with --decay: the decay's shape (optim.decay_shape; default 1-sqrt)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

@@ -248,7 +248,8 @@ def fork_overrides(parent: str | None, decay: int | None = None, decay_shape: st
     ``init.from`` (an absolute path), and for a decay branch ``init.decay_steps`` and ``optim.decay_shape``."""
     if parent is None:
         if decay is not None or decay_shape is not None:
-            raise ConfigError("--decay/--decay-shape: a decay branch needs --fork PARENT (the checkpoint to decay from)")
+            raise ConfigError("--decay/--decay-shape: a decay branch needs --fork PARENT (the checkpoint to decay "
+                              "from)")
         return []
     if decay_shape is not None and decay is None:
         raise ConfigError("--decay-shape: only with --decay STEPS (a decay branch)")
