@@ -116,7 +116,7 @@ class FakeRunner:
 
 
 class FakeLoader:
-    def set_stage(self, seq_len, mbs, weights=None):
+    def set_stage(self, seq_len, mbs, weights=None, mlm_probability=None):
         pass
 
     def __iter__(self):

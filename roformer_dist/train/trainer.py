@@ -264,10 +264,9 @@ class Trainer(EvalSteps):
                               mlm_probability=st.mlm_probability)
 
     def switch_stage(self, index: int) -> None:
-        st = self.run.stages[index]
-        if st.mlm_probability != self.loader.mlm_probability:
-            log.info("stage %r: masking %g of the tokens (was %g)", st.name, st.mlm_probability,
-                     self.loader.mlm_probability)
+        st, was = self.run.stages[index], self.run.stages[self.stage_index]
+        if st.mlm_probability != was.mlm_probability:
+            log.info("stage %r: masking %g of the tokens (was %g)", st.name, st.mlm_probability, was.mlm_probability)
         self.loader_stage(index)
         self.faults.point("stage.switch")
         self.runner.set_stage(st, choose_kernel=self.choose_rotary_backend)  # the stage's rotary settings too
@@ -426,6 +425,10 @@ class Trainer(EvalSteps):
         while True:
             at = stage_at(self.stages, s.step)
             if at.index != self.stage_index:
+                # the new stage's DataLoader workers are forked with no checkpoint writer thread running: a fork
+                # beside the writer once stalled a rank for 16 s and once hung a launch
+                # (docs/architecture/trainer-loop.md)
+                self.finish_saves()
                 self.switch_stage(at.index)
                 batches = self._batches()
             lr = lr_at(self.cfg.optim, self.stages, s.step)
