@@ -116,11 +116,10 @@ def spread(values: list[float]) -> dict:
 
 def ner_scores(config: str, overrides: list[str], run_dirs: dict[str, Path], out: Path) -> dict:
     """Each run exported to HF and fine-tuned on the demo's NER task (the demo's settings and baselines)."""
-    from roformer_dist.cli.demo import build_parser as demo_parser
-    from roformer_dist.demo.data import data_paths, prepare_ner, run
-    from roformer_dist.demo.results import ner_downstream
+    from roformer_dist.demo.data import DataSettings, data_paths, prepare_ner, run
+    from roformer_dist.demo.results import NerSettings, ner_downstream
 
-    settings = demo_parser().parse_args([])
+    settings = argparse.Namespace(**vars(DataSettings()), **vars(NerSettings()))
     cfg = C.load_experiment("recipe", config, overrides)
     ner_dir = prepare_ner(data_paths(cfg), settings)
     scores = {}

@@ -43,7 +43,7 @@ from data_pipeline.command_line import CommandParser
 from roformer_dist.config import load_config
 from roformer_dist.demo.data import DEMO_CONFIG, DataSettings, DemoError, check_run_matches_data, console_script, \
     data_paths, prepare, prepare_ner, run
-from roformer_dist.demo.results import downstream, eval_results, ner_downstream, write_curves
+from roformer_dist.demo.results import NerSettings, downstream, eval_results, ner_downstream, write_curves
 from roformer_dist.runtime.rundir import RunDir
 
 
@@ -121,10 +121,11 @@ def build_parser() -> CommandParser:
                    help="NER fine-tuning sentences (from the pretraining lines)")
     p.add_argument("--ner-dev", type=int, default=data.ner_dev,
                    help="held-out NER sentences (lines never pretrained on)")
-    p.add_argument("--ner-epochs", type=int, default=8)
-    p.add_argument("--ner-lr", type=float, default=5e-4)
-    p.add_argument("--ner-batch-size", type=int, default=32)
-    p.add_argument("--ner-max-length", type=int, default=128)
+    ner = NerSettings()
+    p.add_argument("--ner-epochs", type=int, default=ner.ner_epochs)
+    p.add_argument("--ner-lr", type=float, default=ner.ner_lr)
+    p.add_argument("--ner-batch-size", type=int, default=ner.ner_batch_size)
+    p.add_argument("--ner-max-length", type=int, default=ner.ner_max_length)
     p.add_argument("--fresh", action="store_true", help="delete the demo's data and run directory first")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for roformer-train")
     return p

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.atomic import atomic_write_text
@@ -97,6 +98,15 @@ def downstream(paths: dict, hf_dir: Path, out_root: Path, args) -> dict:
                 "ngram_baseline": ["--baseline", "ngram"]}
     return _finetune_variants(variants, common, out_root,
                               {"accuracy": "last_dev_accuracy", "macro_f1": "last_dev_macro_f1"})
+
+
+@dataclass(frozen=True)
+class NerSettings:
+    """The NER fine-tuning of the demo (the defaults of ``make demo``'s ``--ner-*`` flags)."""
+    ner_epochs: int = 8
+    ner_lr: float = 5e-4
+    ner_batch_size: int = 32
+    ner_max_length: int = 128
 
 
 def ner_downstream(ner_dir: Path, hf_dir: Path, out_root: Path, args) -> dict:
