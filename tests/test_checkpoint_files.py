@@ -164,6 +164,19 @@ def test_a_damaged_step_directory_named_explicitly_is_refused_and_marked(tmp_pat
     assert ckpt.is_bad(d)
 
 
+def test_resolve_read_only_makes_the_same_choice_and_marks_nothing(tmp_path):
+    """A dry run's resolve (a warm start's or a decay branch's parent): the checkpoint before a damaged one, or a
+    refusal of a damaged step directory, with nothing marked BAD."""
+    for step in (4, 8):
+        save(tmp_path, step)
+    flip_byte(tmp_path / "step_00000008" / "trainer_state_rank1.pt", 200)
+    assert ckpt.resolve(tmp_path, read_only=True).tag == "step_00000004"
+    with pytest.raises(CheckpointError, match=r"step_00000008: damaged \(training would skip it\): .*rank1.pt"):
+        ckpt.resolve(tmp_path / "step_00000008", read_only=True)
+    assert not ckpt.is_bad(tmp_path / "step_00000008")
+    assert ckpt.resolve(tmp_path).tag == "step_00000004" and ckpt.is_bad(tmp_path / "step_00000008")
+
+
 def test_a_checkpoint_from_before_checksums_is_still_resumed(tmp_path):
     d = save(tmp_path, 4)
     without_hashes(d)

@@ -235,13 +235,14 @@ CHECKPOINT_FORMS = ("a run directory, its checkpoints/ directory, or a checkpoin
                     "holding trainer_state_rank0.pt")
 
 
-def resolve(path: str | os.PathLike) -> Found:
+def resolve(path: str | os.PathLike, read_only: bool = False) -> Found:
     """The checkpoint a user names, for ``to-hf``, ``roformer-eval``, fine-tuning and forks: the rule training
     resumes by. A run directory or a ``checkpoints/`` directory -> its newest complete checkpoint not marked
     BAD whose files check out (``latest`` is only a hint); a step directory -> itself, refused when it is
     incomplete or marked BAD. Its files are checked as a resume checks them (presence, size, content hash,
     structure): a damaged checkpoint is marked BAD, naming the file, and a run directory falls
-    back to the one before it. CheckpointError naming the path otherwise."""
+    back to the one before it. CheckpointError naming the path otherwise. ``read_only`` (a dry run): the same
+    choice, nothing marked."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or run directory")
@@ -260,6 +261,8 @@ def resolve(path: str | os.PathLike) -> Found:
             raise CheckpointError(f"{p}: unreadable {COMPLETE} marker ({short_error(e)})") from None
         problems = check_share(found, 0, 1)
         if problems:
+            if read_only:
+                raise CheckpointError(f"{p}: damaged (training would skip it): {'; '.join(problems)}")
             _reject(found, problems)
             raise CheckpointError(f"{p}: damaged, now marked {BAD} (training skips it too): {'; '.join(problems)}")
         return found
@@ -272,7 +275,8 @@ def resolve(path: str | os.PathLike) -> Found:
             if rejected:
                 log.warning("using %s instead (the newest usable checkpoint)", found.tag)
             return found
-        _reject(found, problems)
+        if not read_only:
+            _reject(found, problems)
         rejected.append(f"{found.tag}: " + "; ".join(problems))
     if rejected:
         raise CheckpointError(f"{root}: no usable checkpoint ({' | '.join(rejected)})")

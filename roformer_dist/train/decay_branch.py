@@ -43,20 +43,22 @@ class BranchPoint:
     parent: Parent
     found: "ckpt.Found | None" = None
 
-    def checkpoint(self) -> "ckpt.Found":
-        """The parent's checkpoint, checked (read again when this launch took the step from parent.json)."""
+    def checkpoint(self, read_only: bool = False) -> "ckpt.Found":
+        """The parent's checkpoint, checked (read again when this launch took the step from parent.json; a
+        damaged one marked BAD unless ``read_only``)."""
         if self.found is not None:
             return self.found
         try:
-            return ckpt.resolve(Path(self.parent.path))
+            return ckpt.resolve(Path(self.parent.path), read_only)
         except CheckpointError as e:
             raise ConfigError(f"init.from: the decay branch's parent checkpoint: {e}") from None
 
 
-def branch_point(cfg: Config, run_dir: RunDir) -> BranchPoint:
+def branch_point(cfg: Config, run_dir: RunDir, read_only: bool = False) -> BranchPoint:
     """The branch point of ``cfg`` (``init.decay_steps`` > 0): the step recorded in ``parent.json`` by an
     earlier launch of this run, else ``init.from``'s checkpoint, checked (a checkpoint of ours, taken at the
-    parent's peak learning rate). ConfigError naming the key otherwise."""
+    parent's peak learning rate; a damaged one marked BAD unless ``read_only``). ConfigError naming the key
+    otherwise."""
     if not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume: a decay branch (init.decay_steps) resumes its parent's checkpoint; "
                           "leave checkpoint.resume true")
@@ -67,7 +69,7 @@ def branch_point(cfg: Config, run_dir: RunDir) -> BranchPoint:
                               f"{record.get('decay_steps')} decay steps; keep it, or branch into a new run_dir")
         return BranchPoint(Parent(**{k: v for k, v in record.items() if k in Parent.__dataclass_fields__}))
     try:
-        found = ckpt.resolve(Path(cfg.init.from_).expanduser())
+        found = ckpt.resolve(Path(cfg.init.from_).expanduser(), read_only)
     except CheckpointError as e:
         raise ConfigError(f"init.from: a decay branch (init.decay_steps {cfg.init.decay_steps}) starts from a "
                           f"checkpoint of ours: {e}") from None

@@ -201,7 +201,7 @@ def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir, read_
         found = ckpt.choose_resume(run_dir.checkpoints, 0, 1, read_only=read_only)
         if found is None and branch is not None:
             if read_only:  # a dry run: what the first launch resumes
-                found = branch.checkpoint()
+                found = branch.checkpoint(read_only=True)
             else:
                 seed_branch(branch, run_dir)
                 found = ckpt.choose_resume(run_dir.checkpoints, 0, 1)
@@ -211,7 +211,7 @@ def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir, read_
     if cfg.init.from_:
         from roformer_dist.train.warm_start import warm_start  # torch state dicts: only when there is a parent
 
-        parent, _ = warm_start(cfg, manifest["tokenizer"]["sha256"])
+        parent, _ = warm_start(cfg, manifest["tokenizer"]["sha256"], read_only)
         return Resume(warm_start=parent)
     return Resume()
 
@@ -230,7 +230,7 @@ def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Option
         branch = None
         if resolved.init.decay_steps:  # the curriculum and schedule of a decay branch from its parent's step
             validate(resolved, world_size)
-            branch = branch_point(resolved, run_dir)
+            branch = branch_point(resolved, run_dir, read_only)
             resolved = branch_config(resolved, branch.parent.step)
         validate(resolved, world_size)
         mixture = plan_mixture(resolved, manifests)

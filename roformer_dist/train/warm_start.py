@@ -75,8 +75,9 @@ def _read_hf(path: Path, model_type: str) -> tuple[ModelConfig, dict]:
         raise ConfigError(f"init.from: {path}: transformers cannot load it ({e})") from None
 
 
-def read_parent(source: str) -> tuple[Parent, ModelConfig, dict]:
-    """``(Parent, its ModelConfig, its fp32 state dict with our key names)`` of what ``init.from`` names."""
+def read_parent(source: str, read_only: bool = False) -> tuple[Parent, ModelConfig, dict]:
+    """``(Parent, its ModelConfig, its fp32 state dict with our key names)`` of what ``init.from`` names (a
+    damaged checkpoint of ours marked BAD unless ``read_only``)."""
     p = Path(source).expanduser()
     if not p.exists():
         raise ConfigError(f"init.from: {source}: no such file or directory (expected a Hugging Face repository, a "
@@ -94,7 +95,7 @@ def read_parent(source: str) -> tuple[Parent, ModelConfig, dict]:
             raise ConfigError(f"init.from: {e}") from None
         return Parent("weights", str(file), config_sha256=config_digest(to_dict(cfg))), cfg, sd
     try:
-        found = resolve(p)
+        found = resolve(p, read_only)
         cfg, sd = load_checkpoint_weights(found)
         state = read_trainer_state(found.dir, 0)
     except CheckpointError as e:
@@ -158,12 +159,12 @@ def _grow(t: torch.Tensor, size: int, how: str, std: float) -> torch.Tensor:
     return torch.cat([t, new], dim=0)
 
 
-def warm_start(cfg: Config, tokenizer_sha256: str = "") -> tuple[Parent, dict]:
+def warm_start(cfg: Config, tokenizer_sha256: str = "", read_only: bool = False) -> tuple[Parent, dict]:
     """``(Parent, state dict for RoFormerForMaskedLM(cfg.model))`` of ``cfg.init``; every refusal is one
     ConfigError (a missing or unreadable parent, another tokenizer, mismatched shapes, an optimizer that
-    cannot be taken)."""
+    cannot be taken). ``read_only`` (a dry run): a damaged parent checkpoint is not marked BAD."""
     init = cfg.init
-    parent, parent_cfg, sd = read_parent(init.from_)
+    parent, parent_cfg, sd = read_parent(init.from_, read_only)
     if parent.kind == "checkpoint" and init.check_tokenizer and parent.tokenizer_sha256 and tokenizer_sha256 \
             and parent.tokenizer_sha256 != tokenizer_sha256:
         raise ConfigError(
