@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,20 @@ def test_ner_downstream_and_the_curves_png(small_shards, peoples_daily, tmp_path
     png = tmp_path / "curves.png"
     assert write_curves(run_dir, png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not write_curves(tmp_path / "empty", tmp_path / "none.png")
+
+
+def test_the_machine_line_names_what_changes_the_figures():
+    """The demo's summary names the CPU, the kernels torch runs (lowered by ATEN_CPU_CAPABILITY, which changes
+    the figures), the cores and the torch build."""
+    code = "import json; from roformer_dist.demo.results import machine; print(json.dumps(machine()))"
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | {"PYTHONPATH": str(ROOT)}
+    runs = {cap: json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                           env=env | ({"ATEN_CPU_CAPABILITY": cap} if cap else {})).stdout)
+            for cap in ("", "avx2")}
+    runs["default"] = runs.pop("")
+    import torch
+
+    assert runs["default"]["kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert runs["avx2"]["kernels"] in ("AVX2", "DEFAULT")  # no lower than the request; DEFAULT without AVX2
+    assert runs["default"]["cpu"] and runs["default"]["cpu"] == runs["avx2"]["cpu"]
+    assert runs["default"]["cores"] == (os.cpu_count() or 1) and runs["default"]["torch"] == torch.__version__

@@ -43,7 +43,7 @@ from data_pipeline.command_line import CommandParser
 from roformer_dist.config import load_config
 from roformer_dist.demo.data import DEMO_CONFIG, DataSettings, DemoError, check_run_matches_data, console_script, \
     data_paths, prepare, prepare_ner, run
-from roformer_dist.demo.results import NerSettings, downstream, eval_results, ner_downstream, write_curves
+from roformer_dist.demo.results import NerSettings, downstream, eval_results, machine, ner_downstream, write_curves
 from roformer_dist.runtime.rundir import RunDir
 
 
@@ -90,6 +90,10 @@ def summarize(summary: dict) -> None:
     print(f"  open it with: {console_script('tensorboard')} --logdir {summary['tensorboard']} --port 6006")
     if summary.get("curves"):
         print(f"Curves:        {summary['curves']}  (eval loss per length beside the unigram baseline)")
+    if "machine" in summary:
+        m = summary["machine"]
+        print(f"machine:       {m['cpu']}, {m['kernels']} kernels, {m['cores']} cores, torch {m['torch']}  (the "
+              "figures repeat to the last digit on the same CPU model, core count and torch)")
     m = summary["minutes"]
     print(f"demo finished in {m['total']} min (data {m['data']}, pretraining {m['pretraining']}, downstream "
           f"{m['downstream']}); summary in {summary['summary_path']}")
@@ -194,7 +198,7 @@ def _main(args) -> int:
         "minutes": {"data": round((t1 - t0) / 60, 1), "pretraining": round((t2 - t1) / 60, 1),
                     "downstream": round((t4 - t3) / 60, 1), "total": round((t4 - t0) / 60, 1)},
         "hf_dir": str(hf_dir), "tensorboard": str(RunDir(run_dir).tb), "summary_path": str(summary_path),
-        "curves": str(curves) if curves else None,
+        "curves": str(curves) if curves else None, "machine": machine(),
     }
     atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
     summarize(summary)

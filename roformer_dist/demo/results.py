@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,28 @@ from roformer_dist.finetune.run import run as finetune_run
 from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.train.plots import line_plot
+
+
+def machine() -> dict:
+    """What decides the demo's figures besides the code and the seeds (docs/guides/demo.md, "Reproducibility"):
+    the CPU (vendor, family and model: the math libraries pick their kernels by it), the instruction set of
+    torch's own kernels (``ATEN_CPU_CAPABILITY`` lowers it), the core count (a rank takes cores / ranks threads,
+    fine-tuning one per core) and the torch build."""
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in ("vendor_id", "cpu family", "model", "model name"):
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        cpu += f" ({info.get('vendor_id', '?')} family {info['cpu family']} model {info.get('model', '?')})"
+    return {"cpu": cpu, "kernels": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count() or 1,
+            "torch": torch.__version__}
 
 
 def eval_results(run_dir: Path, prefix: str = "eval") -> dict:
