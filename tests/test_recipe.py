@@ -135,6 +135,17 @@ def test_two_decay_branches_from_one_stable_checkpoint_carry_its_state_and_leave
     with pytest.raises(ConfigError, match="--decay/--decay-shape: a decay branch needs --fork PARENT"):
         fork_overrides(None, 4)
 
+    # a dry run of a branch from the parent run, whose newest checkpoint is damaged: it plans the branch from the
+    # checkpoint before and marks nothing in the parent (a launch would mark it BAD)
+    state = parent / "checkpoints" / "step_00000018" / "trainer_state_rank0.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    state.write_bytes(bytes(data))
+    damaged = _tree_digest(parent)
+    newest = make_cfg(small_shards, tmp_path / "newest", *PARENT, *fork_overrides(str(parent), 2), world_size=1)
+    assert resolve_run(newest, read_only=True).resume.branch.step == 16
+    assert _tree_digest(parent) == damaged and not (tmp_path / "newest").exists()
+
 
 @pytest.mark.parametrize("override, match", [
     ("data.eval_mlm_probability=1.5", r"data.eval_mlm_probability: expected a masking rate in \(0, 1\), got 1.5"),

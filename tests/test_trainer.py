@@ -14,8 +14,10 @@ import torch
 
 from roformer_dist.testing import run_distributed
 from roformer_dist.config import load_config
+from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
-from trainer_runs import (DEBUG, SCHEDULE, assert_traces_equal, make_cfg, reference_run, train, trace)
+from trainer_runs import (DEBUG, SCHEDULE, assert_traces_equal, make_cfg, records, reference_run, train,
+                          trace)
 from trainer_runs import cli_overrides as _cli_overrides
 from trainer_runs import rank_pids as _rank_pids
 from trainer_runs import run_cli as _run_cli
@@ -45,6 +47,34 @@ def test_zero_two_ranks_equal_one_rank(small_shards, tmp_path, stage):
     train(two)
     # fp32; reductions over ranks vs over accumulation steps differ in summation order only
     assert_traces_equal(trace(tmp_path / "one"), trace(tmp_path / "two"), tol=1e-5)
+
+
+def test_two_runs_of_the_same_recipe_log_the_same_figures_at_every_step(small_shards, tmp_path):
+    """Reproducibility as a user meets it: ``roformer-train`` twice with the same config into two run directories
+    (2 ranks, a DataLoader worker each, a stage switch, an asynchronous save and an eval on the way) logs the
+    same loss, accuracy and lr at every step and the same eval losses, to the last bit; the weights are equal."""
+    stages = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 8, steps: 4}, "
+              "{name: s256, seq_len: 256, global_batch_size: 4, steps: 4}]")
+    runs = [tmp_path / "first", tmp_path / "second"]
+    for run in runs:
+        proc = _run_cli(_cli_overrides(small_shards, run, stages, "trainer.log_every=1", "trainer.save_every=4",
+                                       "checkpoint.async=true", "trainer.eval_every=4"))
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+
+    def figures(run):  # every record without its timings
+        return [{k: v for k, v in r.items() if "time" not in k and not k.endswith("_s")} for r in records(run)]
+
+    assert [r["step"] for r in figures(runs[0])] == list(range(1, 9))
+    assert figures(runs[0]) == figures(runs[1])
+    evals = [{tag: values for tag, values in read_scalars(run / "tb").items() if tag.startswith("eval/")}
+             for run in runs]
+    assert [step for step, _ in evals[0]["eval/loss"]] == [4, 8]
+    assert evals[0] == evals[1]
+    weights = [torch.load(run / "checkpoints" / "step_00000008" / "mp_rank_00_model_states.pt",
+                          weights_only=False)["module"] for run in runs]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 # --------------------------------------------------------------------------- exact resume
