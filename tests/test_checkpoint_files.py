@@ -22,6 +22,7 @@ from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.config import load_config, to_dict
 from roformer_dist.errors import CheckpointError, StorageError
 from roformer_dist.checkpoint.trainer_state import TrainCounters, TrainerState
+from trainer_runs import flip_byte
 
 DEBUG = Path(__file__).resolve().parent.parent / "configs" / "experiments" / "debug.yaml"
 WORLD = 2
@@ -129,13 +130,6 @@ def test_a_file_that_does_not_load_is_named_even_at_its_saved_size(tmp_path):
     without_hashes(d)  # an older checkpoint: size and structure still catch it
     problems = ckpt.check_share(ckpt.find_resume(tmp_path), 0, 1)
     assert len(problems) == 1 and "mp_rank_00_model_states.pt: unreadable" in problems[0]
-
-
-def flip_byte(path, at=None):
-    data = bytearray(path.read_bytes())
-    i = len(data) // 2 if at is None else at
-    data[i] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def test_a_flipped_byte_that_still_loads_is_caught_by_its_hash_and_the_checkpoint_before_is_used(tmp_path, caplog):

@@ -39,8 +39,6 @@ def test_grow_preset_holds_tokens_per_stage_roughly_equal():
     assert max(tokens) / min(tokens) < 1.05
 
 
-
-
 def test_stable_decay_preset_decays_exactly_over_its_last_stage_at_the_lower_masking_rate():
     cfg = load_config(overrides=["model=base", "curriculum=stable_decay", "optim.schedule=wsd",
                                  "optim.decay_shape=1-sqrt", "optim.min_lr_ratio=0.02"])
@@ -52,6 +50,8 @@ def test_stable_decay_preset_decays_exactly_over_its_last_stage_at_the_lower_mas
     assert phases["decay"] == (last_start + 1, total_steps(stages))
     assert lr_at(cfg.optim, stages, last_start - 1) == cfg.optim.lr
     assert lr_at(cfg.optim, stages, last_start) < cfg.optim.lr
+
+
 STAGES = (StageConfig(name="a", seq_len=128, global_batch_size=8, steps=10),
           StageConfig(name="b", seq_len=256, global_batch_size=8, steps=10),
           StageConfig(name="c", seq_len=512, global_batch_size=8, steps=10, lr=5e-4, warmup_steps=4))

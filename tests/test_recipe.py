@@ -25,7 +25,7 @@ from roformer_dist.train.length_report import evaluate_checkpoint
 from roformer_dist.train.resolved import resolve_run
 from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.stop import EXIT_DONE
-from trainer_runs import make_cfg, records, train
+from trainer_runs import flip_byte, make_cfg, records, train
 
 WSD = ("optim.schedule=wsd", "optim.warmup_steps=4", "optim.decay_steps=4", "optim.decay_shape=1-sqrt",
        "optim.min_lr_ratio=0.1", "optim.lr=0.002", "trainer.log_every=1", "trainer.save_every=1")
@@ -137,10 +137,7 @@ def test_two_decay_branches_from_one_stable_checkpoint_carry_its_state_and_leave
 
     # a dry run of a branch from the parent run, whose newest checkpoint is damaged: it plans the branch from the
     # checkpoint before and marks nothing in the parent (a launch would mark it BAD)
-    state = parent / "checkpoints" / "step_00000018" / "trainer_state_rank0.pt"
-    data = bytearray(state.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    state.write_bytes(bytes(data))
+    flip_byte(parent / "checkpoints" / "step_00000018" / "trainer_state_rank0.pt")
     damaged = _tree_digest(parent)
     newest = make_cfg(small_shards, tmp_path / "newest", *PARENT, *fork_overrides(str(parent), 2), world_size=1)
     assert resolve_run(newest, read_only=True).resume.branch.step == 16

@@ -29,9 +29,9 @@ from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.errors import EXIT_ABORTED, EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_LOCKED, EXIT_STORAGE
 from roformer_dist.runtime.runlock import HOLDER_FILE
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
-from trainer_runs import (SCHEDULE, assert_traces_equal, children, cli_overrides, copy_run, live_group_members,
-                          make_cfg, rank_pids, reference_run, run_cli, steps_done, train, trace, wait_for_group_gone,
-                          wait_for_step)
+from trainer_runs import (SCHEDULE, assert_traces_equal, children, cli_overrides, copy_run, flip_byte,
+                          live_group_members, make_cfg, rank_pids, reference_run, run_cli, steps_done, train, trace,
+                          wait_for_group_gone, wait_for_step)
 
 SLOW = {"ROFORMER_STEP_DELAY_S": "1.0"}  # the signals land between steps; few steps per launch
 SCHEDULED_SAVES = {4, 6, 8, 12, 16, 18}  # trainer.save_every=4 and the stage ends of the debug curriculum
@@ -219,20 +219,13 @@ def test_damaged_checkpoints_fall_back_and_a_failing_eval_loses_nothing(small_sh
     assert_traces_equal(trace(reference), trace(run), tol=1e-6)
 
 
-def _flip_a_byte(path: Path) -> None:
-    """One bit of the tensor data (a third into the archive; its index is at the end): it still loads."""
-    data = bytearray(path.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def test_a_flipped_byte_is_caught_by_verify_to_hf_and_resume_and_the_checkpoint_before_is_used(
         small_shards, tmp_path, reference, capsys):
     from roformer_dist.cli.convert import main as convert
 
     optim = Path("checkpoints") / "step_00000018" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     run = copy_run(reference, tmp_path / "run")
-    _flip_a_byte(run / optim)
+    flip_byte(run / optim)
     size = (run / optim).stat().st_size
     assert size == (reference / optim).stat().st_size
 
@@ -250,7 +243,7 @@ def test_a_flipped_byte_is_caught_by_verify_to_hf_and_resume_and_the_checkpoint_
 
     # resume, on a fresh copy: from step 16, and the run ends as the uninterrupted one
     run2 = copy_run(reference, tmp_path / "run2")
-    _flip_a_byte(run2 / optim)
+    flip_byte(run2 / optim)
     assert train(make_cfg(small_shards, run2, "trainer.save_every=4")) == [EXIT_DONE, EXIT_DONE]
     log = (run2 / "logs" / "rank0.log").read_text()
     assert "step_00000018 is damaged" in log and "its content changed since it was saved" in log

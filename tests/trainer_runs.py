@@ -75,6 +75,14 @@ def reference_run(tmp_path_factory, shards) -> Path:
     return run_dir
 
 
+def flip_byte(path: Path, at=None) -> None:
+    """Flip one bit of ``path``'s byte ``at`` (default: a third into the file, in a checkpoint archive's tensor
+    data, ahead of its index: the file still loads; only its content hash tells)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3 if at is None else at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def copy_run(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("REFERENCE_DONE"))
     return dst
