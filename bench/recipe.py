@@ -26,7 +26,9 @@ NER task (entity F1, beside random initialisation and the dictionary baseline, a
 Writes under OUT (default runs/recipe): a run directory per variant and seed (``a_today_s1234``, ...),
 ``e_stable``, ``e_branch40`` ... and ``e_separate40`` ...; ``recipe.json`` (every figure), ``recipe.png`` (final
 eval loss at 512 per recipe, seeds as points; the branches against budget). A run already complete is not
-trained again. Ends with one JSON line: ratio = (a)'s mean eval loss / the best recipe's (> 1: it beats (a)).
+trained again. The table also gives each seed's loss minus (a)'s at the same seed: runs of one seed share their
+initial weights, data order and eval masks, so that difference is what the recipe alone changes. Ends with one
+JSON line: ratio = (a)'s mean eval loss / the best recipe's (> 1: it beats (a)).
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ def spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "spread": max(values) - min(values), "values": values}
 
 
+def paired(values: list[float], baseline: list[float]) -> list[float]:
+    """Each seed's loss minus the baseline's at the same seed. Runs of one seed share their initial weights, data
+    order and eval masks (``trainer.seed``), so the difference leaves out what the seed alone moves."""
+    return [v - b for v, b in zip(values, baseline)]
+
+
 def ner_scores(config: str, overrides: list[str], run_dirs: dict[str, Path], out: Path) -> dict:
     """Each run exported to HF and fine-tuned on the demo's NER task (the demo's settings and baselines)."""
     from roformer_dist.demo.data import DataSettings, data_paths, prepare_ner, run
@@ -191,6 +199,9 @@ def main(argv=None) -> int:
         if None in losses:
             raise SystemExit(f"recipe: ({n}) has no eval at {length}; see its logs under {out}")
         table[n] = {**spread(losses), "unigram": final_eval(next(iter(by_seed.values())), length).get("unigram_loss")}
+    for n, t in table.items():
+        if "a" in table:
+            t["vs_a"] = paired(t["values"], table["a"]["values"])
 
     branches = []
     if "e" in wanted:
@@ -221,8 +232,10 @@ def main(argv=None) -> int:
 
     print(f"\nfinal eval loss at {length} (15 % masking; nats per masked token), {len(seeds)} seed(s):")
     rows = [[f"({n}) {VARIANTS[n]}", " ".join(f"{x:.4f}" for x in t["values"]), f"{t['mean']:.4f}",
-             f"{t['spread']:.4f}", f"{t['unigram']:.4f}", f"{t['unigram'] - t['mean']:+.4f}"] for n, t in table.items()]
-    C.print_table(["recipe", "by seed", "mean", "spread", "unigram", "gain over unigram"], rows)
+             f"{t['spread']:.4f}", f"{t['unigram']:.4f}", f"{t['unigram'] - t['mean']:+.4f}",
+             " ".join(f"{x:+.4f}" for x in t.get("vs_a", []))] for n, t in table.items()]
+    C.print_table(["recipe", "by seed", "mean", "spread", "unigram", "gain over unigram", "minus (a), same seed"],
+                  rows)
     best = min(table, key=lambda n: table[n]["mean"]) if table else None
     if best and "a" in table:
         margin = table["a"]["mean"] - table[best]["mean"]
@@ -256,7 +269,8 @@ def main(argv=None) -> int:
     print(f"report: {out / 'recipe.json'}" + (f"; plot: {png}" if plotted else ""))
     if best and "a" in table:
         C.emit("recipe", table[best]["mean"], table["a"]["mean"], "nats", table["a"]["mean"] / table[best]["mean"],
-               best=best, losses={n: t["values"] for n, t in table.items()}, branches=branches)
+               best=best, losses={n: t["values"] for n, t in table.items()}, branches=branches,
+               minus_a={n: t["vs_a"] for n, t in table.items()})
     else:
         C.emit("recipe", 0.0, 0.0, "nats", 0.0, note="needs (a) and another recipe", branches=branches)
     return 0

@@ -153,14 +153,16 @@ CHECKS["profile_e2e"] = check_profile_e2e
 
 
 def check_recipe(lines: list[dict], tail: str, stdout: str) -> None:
-    """bench/recipe.py --tiny: (a) and (c) with two seeds each (different losses: the seed matters), three decay
-    branches of one stable run (12 steps: branched at 4, 6 and 10) beside separate runs of the 40 % and 70 %
-    budgets, and the 100 % branch ending exactly where (c) of the first seed ends."""
+    """bench/recipe.py --tiny: (a) and (c) with two seeds each (different losses: the seed matters), each seed's
+    difference from (a) of the same seed, three decay branches of one stable run (12 steps: branched at 4, 6 and
+    10) beside separate runs of the 40 % and 70 % budgets, and the 100 % branch ending exactly where (c) of the
+    first seed ends."""
     import math
 
     (line,) = [x for x in lines if x.get("bench") == "recipe"]
     losses, branches = line["losses"], line["branches"]
     assert set(losses) == {"a", "c"} and all(len(v) == 2 and v[0] != v[1] for v in losses.values()), tail
+    assert line["minus_a"] == {n: [x - a for x, a in zip(v, losses["a"])] for n, v in losses.items()}, tail
     assert [(b["branch_step"], b["decay_steps"]) for b in branches] == [(4, 1), (6, 2), (10, 2)], tail
     assert all(math.isfinite(b["loss"]) for b in branches) and branches[-1]["loss"] == losses["c"][0], tail
     assert [b.get("separate") is not None for b in branches] == [True, True, False], tail
