@@ -148,14 +148,16 @@ def variant_curricula(base: dict, paper: list[dict], scale: float = 1.0, long: O
     ``base``: the config's curriculum (``to_dict``), variant (a) with its steps scaled; its last stage's
     length is the final length (the eval length of every stage of every variant). ``paper``: the stages of
     paper_zh.yaml (their lengths and step proportions); consecutive stages that end up at the same length
-    are one stage of (c) (a stage switch restarts the DataLoader, a cost one stage per length does not pay)."""
+    are one stage of (c) (a stage switch restarts the DataLoader, a cost one stage per length does not pay).
+    Every stage of every variant masks at ``data.mlm_probability``: the base's own per-stage rates are dropped,
+    so the variants differ in their lengths only."""
     stages = [dict(st) for st in base["stages"]]
     per_step = tokens_per_step(stages)
     target = stages[-1]["seq_len"]
     long = target if long is None else long
     steps = scaled_steps([st["steps"] for st in stages], scale)
     for st, n in zip(stages, steps):
-        st.update(steps=n, eval_lengths=[target])
+        st.update(steps=n, eval_lengths=[target], mlm_probability=None)   # every variant masks at one rate
     total = sum(steps)
     tpmb = base["tokens_per_micro_batch"]
     shares = apportion([st["steps"] for st in paper], total)

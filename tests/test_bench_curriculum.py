@@ -74,7 +74,8 @@ def test_scale_rounds_each_stage_and_keeps_the_totals_equal(bench, paper):
 
 
 def test_the_demo_config_makes_three_valid_variants(bench, paper, tmp_path):
-    """The demo's curriculum qualifies as a base (one tokens-per-step), and each variant loads as a config."""
+    """The demo's curriculum qualifies as a base (one tokens-per-step), and each variant loads as a config that
+    masks at one rate in every stage (the demo's own per-stage rates dropped)."""
     from roformer_dist.config import CONFIGS_DIR, load_config, to_dict
 
     demo = CONFIGS_DIR / "experiments" / "demo.yaml"
@@ -84,6 +85,7 @@ def test_the_demo_config_makes_three_valid_variants(bench, paper, tmp_path):
         path.write_text(yaml.safe_dump(c))
         cfg = load_config(demo, [f"curriculum={path}"])
         assert {st.eval_lengths for st in cfg.curriculum.stages} == {(cs["a"]["stages"][-1]["seq_len"],)}
+        assert {st.mlm_probability for st in cfg.curriculum.stages} == {None}
     assert len({sum(st["steps"] for st in c["stages"]) for c in cs.values()}) == 1
 
 
