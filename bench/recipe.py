@@ -18,7 +18,7 @@ checks that they end equal. With
 ``--ner`` (the default) the best recipe's first-seed model and (a)'s are exported and fine-tuned on the demo's
 NER task (entity F1, beside random initialisation and the dictionary baseline, as ``make demo`` does).
 
-    python bench/recipe.py                 # everything on 2 quiet cores: about 2 hours
+    python bench/recipe.py                 # everything on 2 quiet cores: about 2.5 hours
     python bench/recipe.py --variants a,c --seeds 1 --no-ner
     python bench/recipe.py --tiny          # (a), (c) and (e): the debug model on tiny shards, 1 rank, 12 steps
                                            # a run (2 stages of 6), 2 seeds, no NER
@@ -141,6 +141,13 @@ def ner_scores(config: str, overrides: list[str], run_dirs: dict[str, Path], out
     return scores
 
 
+def ner_lines(ner: dict) -> list[str]:
+    """One line per fine-tuned recipe: the entity F1 of each model (pretrained, random init, dictionary); the
+    example counts beside them are left out."""
+    return [f"NER ({n}), entity F1: " + ", ".join(f"{k} {v['f1']:.4f}" for k, v in scores.items()
+                                                  if isinstance(v, dict)) for n, scores in ner.items()]
+
+
 def plot(path: Path, table: dict, branches: list[dict], length: str) -> bool:
     from roformer_dist.train.plots import line_plot
 
@@ -200,7 +207,8 @@ def main(argv=None) -> int:
         losses = [final_eval(d, length).get("loss") for d in by_seed.values()]
         if None in losses:
             raise SystemExit(f"recipe: ({n}) has no eval at {length}; see its logs under {out}")
-        table[n] = {**spread(losses), "unigram": final_eval(next(iter(by_seed.values())), length).get("unigram_loss")}
+        unigram = statistics.fmean(final_eval(d, length).get("unigram_loss") for d in by_seed.values())
+        table[n] = {**spread(losses), "unigram": unigram}   # the seeds' own (their eval masks differ)
     for n, t in table.items():
         if "a" in table:
             t["vs_a"] = paired(t["values"], table["a"]["values"])
@@ -255,10 +263,10 @@ def main(argv=None) -> int:
             same = branches[-1]["loss"] == c_loss
             print(f"the 100 % branch {'equals' if same else 'DIFFERS from'} (c) of seed {seeds[0]} "
                   f"({branches[-1]['loss']:.4f} vs {c_loss:.4f})")
-    ner = ner_scores(args.config, args.overrides, {n: runs[n][seeds[0]] for n in {"a", best} if n in runs},
+    ner = ner_scores(args.config, args.overrides, {n: runs[n][seeds[0]] for n in sorted({"a", best}) if n in runs},
                      out) if args.ner and best else {}
-    for n, scores in ner.items():
-        print(f"NER ({n}): " + ", ".join(f"{k} F1 {v.get('f1')}" for k, v in scores.items()))
+    for line in ner_lines(ner):
+        print(line)
 
     png = out / "recipe.png"
     plotted = plot(png, table, branches, length)

@@ -241,6 +241,20 @@ def test_e2e_watch_retries_a_real_abort_once_and_raises_at_the_second(tmp_path, 
                    lambda: None, timeout=1.0)
 
 
+def test_recipe_ner_lines_take_the_f1_of_each_model_and_skip_the_example_counts(monkeypatch):
+    """bench/recipe.py --ner prints one line per recipe from roformer_dist.demo.results.ner_downstream's result,
+    whose models sit beside the example counts (an int there once ended a 2-hour bench at its last line)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import recipe
+
+    model = {"f1": 0.61428, "precision": 0.6225, "recall": 0.6062, "seconds": 84.1}
+    ner = {"a": {"pretrained": dict(model, f1=0.555), "random_init": dict(model, f1=0.4629), "train_examples": 1000,
+                 "dev_examples": 1000},
+           "d": {"pretrained": model, "dictionary": dict(model, f1=0.5735), "train_examples": 1000}}
+    assert recipe.ner_lines(ner) == ["NER (a), entity F1: pretrained 0.5550, random_init 0.4629",
+                                     "NER (d), entity F1: pretrained 0.6143, dictionary 0.5735"]
+
+
 def test_e2e_compile_adds_the_compiled_configurations_with_their_switches(tmp_path, monkeypatch):
     """--compile: ours with trainer.compile=true, HF with TrainingArguments(torch_compile=True), each compared
     with its own kind."""
