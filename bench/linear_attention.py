@@ -186,7 +186,8 @@ def mlm_part(a) -> dict:
     common = [*data_args(data, a.tiny), f"model={a.mlm_model}", stage,
               "dist.world_size=1", "deepspeed.zero_stage=0", "trainer.save_every=0", "trainer.eval_every=0",
               "trainer.log_every=25", f"data.eval_batches={a.mlm_eval_batches}", "optim.lr=1e-3",
-              "optim.warmup_steps=15", "optim.min_lr_ratio=0.1", "checkpoint.resume=false", "logging.tensorboard=true"]
+              "optim.schedule=linear", "optim.warmup_steps=15", "optim.min_lr_ratio=0.1", "checkpoint.resume=false",
+              "logging.tensorboard=true"]
     results = {}
     for name, overrides in MLM_VARIANTS.items():
         run_dir = Path(a.run_root) / name.replace(" ", "").replace(",", "_").replace("+", "_")
