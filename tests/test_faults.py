@@ -75,15 +75,31 @@ def _mixture(shards, run):
     sources = (f"data.sources=[{{name: news, shards: '{shards.dir}', weight: 0.7}}, "
                f"{{name: held, shards: '{shards.eval_dir}', weight: 0.3}}]")
     return [o for o in cli_overrides(shards, run, "trainer.save_every=4", "trainer.eval_every=4",
-                                     "trainer.log_every=2", "checkpoint.async=true") if not o.startswith("data.shards")] \
+                                     "trainer.log_every=2", "checkpoint.async=true",
+                                     f"dist.hang_timeout_s={HANG_TIMEOUT_S}") if not o.startswith("data.shards")] \
         + ["data.shards=", sources]
 
 
+LAUNCH_TIMEOUT_S = 300
+HANG_TIMEOUT_S = 60
+"""The launches' own hang watchdog (dist.hang_timeout_s) fires well before the test gives up on them."""
+
+
 def _launch(over, env=None):
-    proc = run_cli(over, env)
-    out, _ = proc.communicate(timeout=300)
+    """One launch to its end. One that runs past LAUNCH_TIMEOUT_S gets SIGABRT first: with the interpreter's
+    fault handler on, each process prints every thread's stack, and the test fails with them."""
+    proc = run_cli(over, {"PYTHONFAULTHANDLER": "1", **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the launch ran past {LAUNCH_TIMEOUT_S} s; its output and stacks:\n{out[-12000:]}")
     assert wait_for_group_gone(proc.pid) == []
     assert "Traceback" not in out, out[-3000:]
+    assert "no progress for" not in out, out[-12000:]  # the hang watchdog's report, with the ranks' points
     return proc.returncode, out
 
 
