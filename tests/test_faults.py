@@ -16,6 +16,7 @@ at a fixed point:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -70,6 +71,11 @@ def test_an_orphaned_loader_worker_does_not_report_the_broken_connection():
     assert seen == [ConnectionResetError, ValueError]
 
 
+LAUNCH_TIMEOUT_S = 300
+HANG_TIMEOUT_S = 60
+"""The launches' own hang watchdog (dist.hang_timeout_s) fires well before the test gives up on them."""
+
+
 def _mixture(shards, run):
     """The debug run on a two-source mixture (the training and held-out sets share their tokenizer)."""
     sources = (f"data.sources=[{{name: news, shards: '{shards.dir}', weight: 0.7}}, "
@@ -78,11 +84,6 @@ def _mixture(shards, run):
                                      "trainer.log_every=2", "checkpoint.async=true",
                                      f"dist.hang_timeout_s={HANG_TIMEOUT_S}") if not o.startswith("data.shards")] \
         + ["data.shards=", sources]
-
-
-LAUNCH_TIMEOUT_S = 300
-HANG_TIMEOUT_S = 60
-"""The launches' own hang watchdog (dist.hang_timeout_s) fires well before the test gives up on them."""
 
 
 def _launch(over, env=None):
@@ -94,7 +95,8 @@ def _launch(over, env=None):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGABRT)
         time.sleep(5)
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # all gone on the SIGABRT already
+            os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"the launch ran past {LAUNCH_TIMEOUT_S} s; its output and stacks:\n{out[-12000:]}")
     assert wait_for_group_gone(proc.pid) == []
