@@ -16,7 +16,6 @@ at a fixed point:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -31,7 +30,7 @@ from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.faults import Faults, PointFault
 from roformer_dist.runtime.jit_builds import lock_holders
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
-from trainer_runs import cli_overrides, records, run_cli, wait_for_group_gone
+from trainer_runs import cli_overrides, finish, records, run_cli, wait_for_group_gone
 
 
 def test_fault_specs_parse_and_bad_ones_name_what_is_expected():
@@ -87,22 +86,13 @@ def _mixture(shards, run):
 
 
 def _launch(over, env=None):
-    """One launch to its end. One that runs past LAUNCH_TIMEOUT_S gets SIGABRT first: with the interpreter's
-    fault handler on, each process prints every thread's stack, and the test fails with them."""
-    proc = run_cli(over, {"PYTHONFAULTHANDLER": "1", **(env or {})})
-    try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        time.sleep(5)
-        with contextlib.suppress(ProcessLookupError):  # all gone on the SIGABRT already
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the launch ran past {LAUNCH_TIMEOUT_S} s; its output and stacks:\n{out[-12000:]}")
+    """One launch to its end (one past LAUNCH_TIMEOUT_S fails the test with every process's stacks)."""
+    proc = run_cli(over, env)
+    rc, out = finish(proc, LAUNCH_TIMEOUT_S)
     assert wait_for_group_gone(proc.pid) == []
     assert "Traceback" not in out, out[-3000:]
     assert "no progress for" not in out, out[-12000:]  # the hang watchdog's report, with the ranks' points
-    return proc.returncode, out
+    return rc, out
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.errors import EXIT_ABORTED, EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_LOCKED, EXIT_STORAGE
 from roformer_dist.runtime.runlock import HOLDER_FILE
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
-from trainer_runs import (SCHEDULE, assert_traces_equal, children, cli_overrides, copy_run, flip_byte,
+from trainer_runs import (SCHEDULE, assert_traces_equal, children, cli_overrides, copy_run, finish, flip_byte,
                           live_group_members, make_cfg, rank_pids, reference_run, run_cli, steps_done, train, trace,
                           wait_for_group_gone, wait_for_step)
 
@@ -41,11 +41,6 @@ NO_TRACEBACK = ("Traceback", "KeyboardInterrupt", "resource_tracker", "Logging e
 @pytest.fixture(scope="module")
 def reference(small_shards, tmp_path_factory):
     return reference_run(tmp_path_factory, small_shards)
-
-
-def finish(proc, timeout=240):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
 
 
 def latest_step(run_dir) -> int:

@@ -8,6 +8,7 @@ loss trace with it, step by step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from roformer_dist.testing import live_group_members, run_distributed
 from roformer_dist.config import load_config
@@ -97,10 +100,27 @@ def cli_overrides(shards, run_dir, *extra):
 
 
 def run_cli(overrides, env=None, prefix=(), config=DEBUG, **kw):
-    """`roformer-train` (as ``python -m``) in its own process group and session, as a shell would start it."""
+    """`roformer-train` (as ``python -m``) in its own process group and session, as a shell would start it; with
+    the interpreter's fault handler on, so that :func:`finish` can have its processes print their stacks."""
     return subprocess.Popen([*prefix, sys.executable, "-m", "roformer_dist.cli.train", "--config", str(config),
-                             *overrides], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+                             *overrides], env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **kw)
+
+
+def finish(proc, timeout=240) -> tuple[int, str]:
+    """Wait for a :func:`run_cli` launch to end: (exit status, output). One still running after ``timeout`` s gets
+    SIGABRT (each process prints every thread's stack), then SIGKILL, and the test fails with that output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(5)
+        with contextlib.suppress(ProcessLookupError):  # all gone on the SIGABRT already
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the launch ran past {timeout} s; its output and stacks:\n{out[-12000:]}")
+    return proc.returncode, out
 
 
 def steps_done(run_dir) -> int:
