@@ -209,8 +209,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"recipe: ({n}) has no eval at {length}; see its logs under {out}")
         unigram = statistics.fmean(final_eval(d, length).get("unigram_loss") for d in by_seed.values())
         table[n] = {**spread(losses), "unigram": unigram}   # the seeds' own (their eval masks differ)
-    for n, t in table.items():
-        if "a" in table:
+    if "a" in table:
+        for t in table.values():
             t["vs_a"] = paired(t["values"], table["a"]["values"])
 
     branches = []
