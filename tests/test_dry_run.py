@@ -108,3 +108,25 @@ def test_submit_dry_run_prints_the_batch_script_and_the_plan(small_shards, tmp_p
     assert "# resolved run (2 rank(s)): fresh start" in out and "largest micro-batch that fits" in out
     assert out.split("\n# dry run of ")[1].count("\n# ") >= 8  # the plan as comments: still a batch script
     assert not (tmp_path / "run").exists()
+
+
+def test_packed_documents_cost_no_score_mask_where_a_kernel_takes_them_without_one():
+    """On CUDA flex attention (or flash-attn's varlen) takes packed documents without an S x S mask, so the
+    estimate leaves out the bias per row and layer; with attention dropout, on CPU, or with the blocks asked
+    for, it stays in."""
+    from roformer_dist.nn.documents import flash_varlen_available
+    from roformer_dist.train.dry_run import _maskless
+    from roformer_dist.train.memory_estimate import estimate_stage
+
+    def cfg(*overrides):
+        return load_config(None, ["model=base", "model.vocab_size=21128", "deepspeed.precision=bf16",
+                                  "model.attention_probs_dropout_prob=0", *overrides])
+
+    flex = cfg()
+    assert _maskless(flex, "cuda") and not _maskless(flex, "cpu")
+    assert not _maskless(cfg("model.document_attention=blocks"), "cuda")
+    assert _maskless(cfg("model.attention_probs_dropout_prob=0.1"), "cuda") == flash_varlen_available()
+    plan = stage_plans(flex)[-1]
+    saved = (estimate_stage(flex, plan, maskless=False).layers_per_sample
+             - estimate_stage(flex, plan, maskless=True).layers_per_sample)
+    assert abs(saved - plan.seq_len ** 2 * 2 * flex.model.num_hidden_layers) <= 1   # bf16: 2 bytes per score

@@ -2,8 +2,11 @@
 
 The ground truth is each document run by itself: for every document of a packed row, the packed
 logits equal the logits of its tokens as a batch of one (softmax and linear attention, rotary and
-absolute positions, both forms of the layout: length blocks and the dense block-diagonal mask, every
-rotary kernel this machine can run, the varlen path through its CPU stand-in). The tensor- and
+absolute positions, every form of the layout: length blocks, the dense block-diagonal mask and flex
+attention's block-sparse mask (torch's own flex attention where no gradient is taken, its CPU stand-in
+where one is: torch 2.13 has no flex backward on CPU), every rotary kernel this machine can run, the
+varlen path through its CPU stand-in). The flex tiles classified on the host equal torch's
+``create_block_mask``; on a GPU flex attention's forward and backward equal the blocks'. The tensor- and
 pipeline-parallel layouts are compared with the plain model on document-numbered batches in
 tests/test_parallel.py; exact and elastic resume run with the loader's default (document) packing in
 tests/test_loader.py and tests/test_trainer.py.
@@ -64,10 +67,20 @@ ROWS = [[5, 9, 3, 7, 1], [20, 4], [24]]   # several documents; two; one whole ro
 S = 25
 
 
-@pytest.fixture(params=["blocks", "dense_mask"])
+def flex_or_stand_in(q, k, v, mask):
+    """Flex attention itself where no gradient is needed (CPU: forward only), else its stand-in."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return (Dm.flex_reference if needs_grad else Dm._flex)(q, k, v, mask)
+
+
+@pytest.fixture(params=["blocks", "dense_mask", "flex"])
 def form(request, monkeypatch):
-    """Force the layout's form: length blocks, or one call with a block-diagonal mask."""
+    """Force the layout's form: length blocks, one call with a block-diagonal mask, or flex attention's
+    block-sparse mask (softmax attention; linear attention keeps its blocks)."""
     monkeypatch.setattr(Dm, "BLOCKS_BELOW", 1e9 if request.param == "blocks" else 0.0)
+    if request.param == "flex":
+        monkeypatch.setattr(Dm, "kernel_for", lambda setting, kind, device: "flex" if kind == "softmax" else "blocks")
+        monkeypatch.setattr(Dm, "flex_kernel", flex_or_stand_in)
     return request.param
 
 
@@ -84,9 +97,12 @@ def assert_each_document_as_alone(model, ids, mask, tol=2e-5):
 def test_each_document_of_a_packed_row_computes_what_it_computes_alone(form, attention, positions):
     model = make(tiny(attention=attention, position_embedding=positions, rotary_value=True)).eval()
     ids, mask = packed_batch(ROWS, S)
-    layout = row_layout(mask, True)
+    layout = row_layout(mask, True, kernel=Dm.kernel_for("auto", attention, "cpu"), blocks_only=attention == "linear")
     if attention == "softmax":   # linear attention always takes the blocks (per-document sums)
-        assert isinstance(layout.mask, DocumentPlan) == (form == "blocks")
+        expected = {"blocks": DocumentPlan, "dense_mask": torch.Tensor, "flex": Dm.FlexMask}[form]
+        assert isinstance(layout.mask, expected)
+    else:
+        assert isinstance(layout.mask, DocumentPlan)
     assert_each_document_as_alone(model, ids, mask)
     with torch.no_grad():   # and the same rows with a 0/1 mask do attend across documents
         crossed = model(ids, (mask > 0).long()).logits
@@ -183,7 +199,7 @@ def test_varlen_path_equals_the_blocks(monkeypatch):
     cos, sin = R.rotary_tables(S, 8)
     out = []
     for varlen in (False, True):
-        plan = row_layout(mask, True, cos, sin, blocks_only=True, varlen=varlen).mask
+        plan = row_layout(mask, True, cos, sin, blocks_only=True, kernel="varlen" if varlen else "blocks").mask
         assert (plan.varlen is not None) == varlen
         ctx = attention_core("softmax", qkv, plan, cos, sin, "reference", True, 0.0)
         (grad,) = torch.autograd.grad((ctx * torch.arange(ctx.numel()).view_as(ctx).sin()).sum(), qkv)
@@ -203,6 +219,116 @@ def test_flash_varlen_kernel_equals_its_reference_on_gpu():
     got = Dm._flash_varlen(q, k, v, cu, 26, 0.0)
     ref = Dm.varlen_reference(q.float(), k.float(), v.float(), cu, 26, 0.0)
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def random_document_mask(rng, B, S, pad_inside=False):
+    """(B, S) document numbers: runs of random length, some rows padded at the end (or in the middle)."""
+    mask = np.zeros((B, S), np.int64)
+    for b in range(B):
+        p, k = 0, 1
+        while p < S and not (p and rng.random() < 0.15):
+            n = int(rng.integers(1, S // 2 + 2))
+            mask[b, p:p + n] = k
+            p, k = p + n, k + 1
+            if pad_inside and rng.random() < 0.2:
+                p += int(rng.integers(1, 4))
+    return mask
+
+
+@pytest.mark.parametrize("S,block", [(25, 8), (64, 16), (300, 128), (512, 128)])
+def test_flex_tiles_classified_on_the_host_equal_torchs_create_block_mask(S, block):
+    """The partial and full tiles of every row (and their order) from the host's interval arithmetic equal
+    what torch's ``create_block_mask`` finds by evaluating ``same document`` at every score; also where S
+    is not a multiple of the tile and where padding sits between documents."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rng = np.random.default_rng(S)
+    for trial in range(12):
+        mask = random_document_mask(rng, 3, S, pad_inside=trial % 3 == 0)
+        plan = Dm.plan_rows(mask, True, kernel="flex")
+        if plan.form != "flex":   # a draw of one document per row takes no document mask at all
+            continue
+        doc = plan.doc
+        want = create_block_mask(lambda b, h, q, kv: doc[b, q] == doc[b, kv], 3, None, S, S, device="cpu",
+                                 BLOCK_SIZE=block)
+        got = Dm.flex_tiles(doc.numpy(), block)
+        for name, mine in zip(("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"), got):
+            np.testing.assert_array_equal(mine, getattr(want, name).numpy(), err_msg=f"S {S} trial {trial} {name}")
+
+
+def test_flex_attention_equals_its_stand_in_and_the_blocks(monkeypatch):
+    """Several tiles per row (8-token tiles on rows of 25): torch's flex attention (forward, CPU) equals the
+    stand-in, and the stand-in's forward and backward equal the blocks', at the attention core with rotary
+    on q, k and v."""
+    from roformer_dist.nn.attention import attention_core
+
+    monkeypatch.setattr(Dm, "FLEX_BLOCK", 8)
+    ids, mask = packed_batch(ROWS, S)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, S, 3, 4, 8, generator=g, requires_grad=True)
+    cos, sin = R.rotary_tables(S, 8)
+    flex = row_layout(mask, True, cos, sin, kernel="flex")
+    assert isinstance(flex.mask, Dm.FlexMask) and flex.mask.block_mask.BLOCK_SIZE == (8, 8)
+    with torch.no_grad():
+        real = attention_core("softmax", qkv, flex.mask, flex.cos, flex.sin, "reference", True, 0.0)
+        monkeypatch.setattr(Dm, "flex_kernel", Dm.flex_reference)
+        stand_in = attention_core("softmax", qkv, flex.mask, flex.cos, flex.sin, "reference", True, 0.0)
+    torch.testing.assert_close(real, stand_in, atol=1e-5, rtol=1e-5)
+    out = []
+    for layout in (flex, row_layout(mask, True, cos, sin, blocks_only=True)):
+        ctx = attention_core("softmax", qkv, layout.mask, layout.cos, layout.sin, "reference", True, 0.0)
+        (grad,) = torch.autograd.grad((ctx * torch.arange(ctx.numel()).view_as(ctx).sin()).sum(), qkv)
+        out.append((ctx, grad))
+    valid = (mask > 0)[..., None]
+    torch.testing.assert_close(out[0][0] * valid, out[1][0] * valid, atol=1e-5, rtol=1e-5)
+    grad_valid = valid[..., None, None]   # padding's q, k, v: the blocks never read them
+    torch.testing.assert_close(out[0][1] * grad_valid, out[1][1] * grad_valid, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention trains on CUDA only (no CPU backward)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_on_gpu_equals_the_blocks_forward_and_backward(dtype):
+    """torch's compiled flex attention (128-token tiles, rows of 300 with documents across tile edges)
+    against the blocks on the same GPU, in the model's attention core."""
+    from roformer_dist.nn.attention import attention_core
+
+    rng = np.random.default_rng(1)
+    mask = torch.from_numpy(random_document_mask(rng, 4, 300)).cuda()
+    mask[0, :40], mask[0, 40:] = 1, 2   # at least one row of two documents
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(4, 300, 3, 4, 64, generator=g).cuda().to(dtype).requires_grad_(True)
+    cos, sin = (t.cuda() for t in R.rotary_tables(300, 64))
+    out = []
+    for kernel in ("flex", "blocks"):
+        layout = row_layout(mask, True, cos, sin, kernel=kernel, blocks_only=kernel == "blocks")
+        ctx = attention_core("softmax", qkv, layout.mask, layout.cos, layout.sin, "reference", False, 0.0)
+        weights = torch.arange(ctx.numel(), device="cuda").view_as(ctx).sin().to(dtype)
+        (grad,) = torch.autograd.grad((ctx * weights).float().sum(), qkv)
+        out.append((ctx.float(), grad.float()))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    valid = (mask > 0)[..., None]
+    torch.testing.assert_close(out[0][0] * valid, out[1][0] * valid, atol=tol, rtol=tol)
+    grad_valid = valid[..., None, None]
+    torch.testing.assert_close(out[0][1] * grad_valid, out[1][1] * grad_valid, atol=tol, rtol=tol)
+
+
+def test_the_document_kernel_is_chosen_by_device_and_asked_for_kernels_are_checked():
+    from roformer_dist.config import validate_model
+    from roformer_dist.nn.model import batch_plan
+
+    assert Dm.kernel_for("auto", "softmax", "cpu") == "blocks"
+    assert Dm.kernel_for("auto", "softmax", "cuda") == ("varlen" if Dm.flash_varlen_available() else "flex")
+    assert Dm.kernel_for("flex", "linear", "cuda") == "blocks"
+    assert Dm.kernel_for("flex", "softmax", "cpu") == "flex"
+    with pytest.raises(ConfigError, match="model.document_attention: flex trains on CUDA only"):
+        batch_plan(tiny(document_attention="flex"), "cpu")
+    with pytest.raises(ConfigError, match="model.document_attention: varlen needs flash-attn"):
+        batch_plan(tiny(document_attention="varlen"), "cpu")
+    with pytest.raises(ConfigError, match="model.document_attention: flex is a softmax kernel"):
+        validate_model(tiny(attention="linear", document_attention="flex"))
+    with pytest.raises(ConfigError, match="model.document_attention"):
+        load_config(None, ["model=debug", "model.document_attention=sparse"])
+    assert batch_plan(tiny(), "cpu").args[1] == "blocks"
 
 
 def test_whole_rows_pass_no_mask_and_padded_rows_a_key_mask(monkeypatch):

@@ -26,8 +26,9 @@ from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yam
                                        load_config, parse_overrides, replace, save_config, to_dict)
 from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, CheckpointConfig, Config,
                                          CurriculumConfig, DataConfig, DeepSpeedConfig, DistBackend, DistConfig,
-                                         DecayShape, DocumentPositions, EvalSourceConfig, HiddenAct, InitConfig,
-                                         LoggingConfig, LogLevel, LRSchedule, MlflowSettings, ModelConfig, NewRows,
+                                         DecayShape, DocumentAttention, DocumentPositions, EvalSourceConfig,
+                                         HiddenAct, InitConfig, LoggingConfig, LogLevel, LRSchedule, MlflowSettings,
+                                         ModelConfig, NewRows,
                                          OffloadDevice, OptimConfig, SpikePolicy, WandbMode, WandbSettings,
                                          OptimizerName, Packing, ParallelConfig, PositionEmbedding, Precision,
                                          ProfileConfig, RopeScaling, RotaryBackend, SlurmConfig, SourceConfig,
@@ -43,7 +44,8 @@ __all__ = [
     "TrainerConfig", "CheckpointConfig", "LoggingConfig", "WandbSettings", "MlflowSettings", "SlurmConfig",
     "DEFAULT_RUN_DIR_MODE", "WandbMode", "SpikePolicy",
     "HiddenAct", "PositionEmbedding", "RopeScaling", "NewRows", "RotaryBackend", "AttentionKind", "Packing",
-    "DocumentPositions", "OptimizerName", "LRSchedule", "DecayShape", "ZeroStage", "Precision", "OffloadDevice",
+    "DocumentAttention", "DocumentPositions", "OptimizerName", "LRSchedule", "DecayShape", "ZeroStage", "Precision",
+    "OffloadDevice",
     "DistBackend", "LogLevel", "choices",
     # loading
     "CONFIGS_DIR", "PRESET_DIRS", "load_config", "parse_overrides", "fork_overrides", "build", "from_dict", "to_dict", "dump_yaml",

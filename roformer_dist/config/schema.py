@@ -31,6 +31,7 @@ RotaryBackend = Literal["auto", "reference", "compiled", "triton", "apex", "flas
 AttentionKind = Literal["softmax", "linear"]
 Packing = Literal["document", "cross_document"]
 DocumentPositions = Literal["restart", "continue"]
+DocumentAttention = Literal["auto", "blocks", "flex", "varlen"]
 OptimizerName = Literal["adamw", "lamb"]
 LRSchedule = Literal["linear", "cosine", "constant", "wsd"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
@@ -94,6 +95,13 @@ class ModelConfig:
     """Positions in rows that carry document numbers (``data.packing: document``): restart (each
     document counts from 0, as if it were alone) | continue (the row's positions). No parameters: a
     resumed run may change it."""
+    document_attention: DocumentAttention = "auto"
+    """The kernel that keeps packed documents apart (softmax attention; see roformer_dist/nn/documents.py):
+    blocks (documents of similar length gathered into dense batches, or one block-diagonal mask: the CPU's
+    choice) | flex (torch's flex attention with a block-sparse mask, one call per layer; trains on CUDA only)
+    | varlen (flash-attn's varlen kernel, documents end to end; CUDA, half precision, flash-attn installed) |
+    auto (varlen where flash-attn is installed, else flex on CUDA, blocks on CPU). No parameters: a resumed
+    run may change it."""
     rope_theta: float = 10000.0
     """Rotary base: pair i turns by ``m / rope_theta**(2i/d)`` at position m (RoFormer: 10000). Raising it
     slows every rotation (ModernBERT's context extension). No parameters: a stage, a resume or a fork may

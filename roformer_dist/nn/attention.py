@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from roformer_dist.config import AttentionKind
 from roformer_dist.nn import documents
-from roformer_dist.nn.documents import DocumentPlan, RowMask
+from roformer_dist.nn.documents import DocumentPlan, FlexMask, RowMask
 from roformer_dist.nn.rotary import run_kernel
 
 
@@ -107,8 +107,10 @@ def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: RowMask,
     """Projections (B, S, 3, H, D) -> context (B, S, H * D).
 
     ``attn_mask``: bool (B, 1, 1, S), True = attend (softmax also takes an additive float mask), None,
-    or a :class:`~roformer_dist.nn.documents.DocumentPlan` (attention inside each packed document; it
-    carries its own rotary tables). ``cos``/``sin``: fp32 (S, D/2) rotary tables (or (B, S, D/2), one
+    a :class:`~roformer_dist.nn.documents.DocumentPlan` (attention inside each packed document; it
+    carries its own rotary tables) or a :class:`~roformer_dist.nn.documents.FlexMask` (softmax only:
+    flex attention over the rows, or SDPA with its dense form when there is dropout).
+    ``cos``/``sin``: fp32 (S, D/2) rotary tables (or (B, S, D/2), one
     per row), None for absolute positions. ``kernel``: the rotary kernel (``rotary.model_kernel``, chosen
     before the forward; called through ``rotary.run_kernel``, no resolution here).
     ``dropout_p``: on the softmax probabilities (0 in eval)."""
@@ -125,7 +127,13 @@ def attention_core(kind: AttentionKind, qkv: torch.Tensor, attn_mask: RowMask,
         return ctx.reshape(B, S, -1)
     if cos is not None:
         q, k = run_kernel(kernel, q, k, cos, sin)
-    ctx = softmax_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if isinstance(attn_mask, FlexMask):
+        if dropout_p == 0.0:
+            ctx = documents.flex_kernel(q, k, v, attn_mask)
+            return ctx.transpose(1, 2).reshape(B, S, -1)
+        attn_mask = attn_mask.dense()   # flex attention has no dropout
+    ctx = softmax_attention(q, k, v, attn_mask, dropout_p)
     return ctx.transpose(1, 2).reshape(B, S, -1)
 
 

@@ -38,14 +38,32 @@ carries each block's rotary tables ((L, D/2) shared when restarting, (n, L, D/2)
 continuing); the dense form passes one table per row ((B, S, D/2)); :class:`Layout` carries the
 (B, S) position ids for learned absolute positions.
 
-On CUDA with flash-attn installed, softmax attention in half precision takes flash-attn's varlen
-kernel over the documents laid end to end (``cu_seqlens``) instead of the blocks; its CPU stand-in
-:func:`varlen_reference` (one SDPA call per document) is what the tests compare with.
+The kernel (``model.document_attention``, :func:`kernel_for`). The blocks and the dense mask above are
+what ``blocks`` does, the CPU's choice (measured in bench/packing.py). On CUDA softmax attention takes
+one kernel call per layer over the whole micro-batch instead, without gathers into blocks:
+
+``varlen``
+    flash-attn's varlen kernel over the documents laid end to end (``cu_seqlens``), when flash-attn is
+    installed (half precision); its CPU stand-in :func:`varlen_reference` (one SDPA call per document) is
+    what the tests compare with;
+``flex``
+    torch's flex attention on the rows as they are, with a block-sparse mask (:class:`FlexMask`): the
+    (128 x 128) tiles of the score matrix that no document crosses are skipped, those inside one
+    document computed without a mask, only the tiles on a document boundary apply ``same document``
+    per score. The tiles are classified on the host from the mask alone (:func:`flex_tiles`, in the
+    loader's workers with the rest of the plan), so the step reads nothing back. Flex attention has no
+    dropout: with ``attention_probs_dropout_prob > 0`` the same plan runs SDPA with the block-diagonal
+    mask. torch 2.13 runs flex attention's forward on CPU but not its backward; :func:`flex_reference`
+    (SDPA with the block-diagonal mask) stands in for it in the CPU tests of the backward.
+
+``auto`` is ``varlen`` on CUDA when flash-attn is installed, else ``flex`` on CUDA, else ``blocks``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Union
 
@@ -58,6 +76,9 @@ BLOCK_RATIO = 2.0
 BLOCKS_BELOW = 0.35
 """Blocks are used when their attention work (sum n L^2) is at most this fraction of the rows' (B S^2);
 else one dense call with a block-diagonal mask, which costs about what the rows cost (bench/packing.py)."""
+FLEX_BLOCK = 128
+"""Side of a flex-attention tile (queries x keys): torch's default sparse block size, which its CUDA
+kernels are tuned for."""
 
 
 @dataclass
@@ -91,8 +112,22 @@ class DocumentPlan:
     varlen: Optional[Varlen] = None
 
 
-RowMask = Union[None, torch.Tensor, DocumentPlan]
-"""What the layers take as ``attn_mask``: nothing, a bool key-padding or block-diagonal mask, or a plan."""
+@dataclass
+class FlexMask:
+    """The rows' documents for flex attention: ``block_mask`` (torch's ``BlockMask``, tiles from
+    :func:`flex_tiles`) and ``doc`` (B, S), each token's document (0 = padding), which the boundary
+    tiles read per score."""
+    block_mask: object
+    doc: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """The same mask as a bool (B, 1, S, S), True = attend: for SDPA (dropout, the CPU stand-in)."""
+        return self.doc[:, None, :, None] == self.doc[:, None, None, :]
+
+
+RowMask = Union[None, torch.Tensor, DocumentPlan, FlexMask]
+"""What the layers take as ``attn_mask``: nothing, a bool key-padding or block-diagonal mask, a plan of
+blocks, or a flex mask."""
 
 
 def segments(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -160,7 +195,8 @@ class RowPlan:
     without reading anything back from the device.
 
     ``form``: ``whole`` (no mask), ``padding`` (a key-padding mask from the mask itself), ``blocks``
-    (a :class:`DocumentPlan`) or ``dense`` (a block-diagonal mask from ``doc``)."""
+    (a :class:`DocumentPlan`), ``dense`` (a block-diagonal mask from ``doc``) or ``flex`` (a
+    :class:`FlexMask` from ``doc`` and ``tiles``)."""
     form: str
     restart: bool
     positions: Optional[torch.Tensor] = None   # (B, S) each token's position (blocks, dense)
@@ -169,13 +205,14 @@ class RowPlan:
     inverse: Optional[torch.Tensor] = None
     lengths: Optional[np.ndarray] = None
     varlen: Optional[HostVarlen] = None
-    doc: Optional[torch.Tensor] = None         # (B, S) each token's document over the batch, 0 = padding (dense)
+    doc: Optional[torch.Tensor] = None         # (B, S) each token's document over the batch, 0 = padding (dense, flex)
+    tiles: Optional[tuple] = None              # flex_tiles(doc): four int32 tensors (flex)
 
     def _map(self, fn) -> "RowPlan":
         def t(x):
             return None if x is None else fn(x)
         return replace(self, positions=t(self.positions), slots=t(self.slots), inverse=t(self.inverse),
-                       doc=t(self.doc),
+                       doc=t(self.doc), tiles=None if self.tiles is None else tuple(fn(x) for x in self.tiles),
                        blocks=[HostBlock(b.shape, t(b.key_mask), t(b.keep), t(b.rows)) for b in self.blocks],
                        varlen=None if self.varlen is None else replace(
                            self.varlen, order=fn(self.varlen.order), cu_seqlens=fn(self.varlen.cu_seqlens),
@@ -190,9 +227,9 @@ class RowPlan:
         return self._map(lambda x: x.pin_memory())
 
 
-def plan_rows(attention_mask, restart: bool, *, blocks_only: bool = False, varlen: bool = False) -> RowPlan:
+def plan_rows(attention_mask, restart: bool, *, blocks_only: bool = False, kernel: str = "blocks") -> RowPlan:
     """The host's part of :func:`row_layout` for a (B, S) mask given on the host (a CPU tensor or an
-    array). ``restart``: positions restart at each document; ``blocks_only`` / ``varlen``: as in
+    array). ``restart``: positions restart at each document; ``blocks_only`` / ``kernel``: as in
     :func:`row_layout`."""
     host = attention_mask.numpy() if isinstance(attention_mask, torch.Tensor) else np.asarray(attention_mask)
     B, S = host.shape
@@ -202,17 +239,55 @@ def plan_rows(attention_mask, restart: bool, *, blocks_only: bool = False, varle
             return RowPlan("whole", restart)                             # whole rows: nothing to mask
         return RowPlan("padding", restart)                               # one document per row
     positions = _positions(starts, B, S, restart)
+    rows = torch.from_numpy(positions).view(B, S)
+    if kernel == "flex" and not blocks_only:
+        doc = _document_numbers(host, starts)
+        return RowPlan("flex", restart, positions=rows, doc=torch.from_numpy(doc),
+                       tiles=tuple(torch.from_numpy(t) for t in flex_tiles(doc, FLEX_BLOCK)))
     groups = group_by_length(lengths)
     work = sum(len(g) * float(lengths[g[0]]) ** 2 for g in groups)
-    rows = torch.from_numpy(positions).view(B, S)
-    if blocks_only or varlen or work <= BLOCKS_BELOW * B * S * S:
-        return _plan(B, S, starts, lengths, groups, positions, restart, varlen, rows)
+    if blocks_only or kernel == "varlen" or work <= BLOCKS_BELOW * B * S * S:
+        return _plan(B, S, starts, lengths, groups, positions, restart, kernel == "varlen", rows)
     # few, long documents (short rows): one call with a block-diagonal mask costs about what the rows do
-    doc = np.zeros(B * S, np.int64)
+    return RowPlan("dense", restart, positions=rows, doc=torch.from_numpy(_document_numbers(host, starts)))
+
+
+def _document_numbers(host: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """(B, S) each token's document, numbered over the batch from 1; padding 0 (it attends only to padding,
+    so no row is empty)."""
+    doc = np.zeros(host.size, np.int64)
     doc[starts] = 1
-    doc = np.cumsum(doc)                     # each token's document, numbered over the batch
-    doc[host.reshape(-1) == 0] = 0           # padding: 0 (it attends only to padding, so no row is empty)
-    return RowPlan("dense", restart, positions=rows, doc=torch.from_numpy(doc.reshape(B, S)))
+    doc = np.cumsum(doc)
+    doc[host.reshape(-1) == 0] = 0
+    return doc.reshape(host.shape)
+
+
+def flex_tiles(doc: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Which (block x block) tiles of each row's score matrix flex attention computes, from (B, S) document
+    numbers (any ints; a score is kept where query and key have the same one): ``kv_num_blocks`` (B, 1, n)
+    and ``kv_indices`` (B, 1, n, n) of the *partial* tiles (some scores kept, some not: the mask is applied
+    per score) and the same two of the *full* tiles (every score kept, no mask applied), n = ceil(S / block),
+    in ``BlockMask.from_kv_blocks``'s layout (each row's indices ascending, the unused ones after them).
+    A tile that reaches past S is never full. int32 arrays, as torch's ``create_block_mask`` makes them."""
+    B, S = doc.shape
+    n = -(-S // block)
+    ids, inverse = np.unique(doc, return_inverse=True)
+    present = np.zeros((B, n, len(ids)), np.float32)                  # tile t of row b holds document d
+    rows = np.repeat(np.arange(B), S)
+    present[rows, np.tile(np.arange(S) // block, B), inverse.reshape(-1)] = 1.0
+    shared = present @ present.transpose(0, 2, 1) > 0                 # (B, n, n): a document in both tiles
+    single = present.sum(-1) == 1                                     # one document fills the tile ...
+    inside = np.arange(n) * block + block <= S                        # ... and the tile ends within S
+    one = single & inside[None]
+    full = shared & one[:, :, None] & one[:, None, :]
+    partial = shared & ~full
+
+    def ordered(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        counts = dense.sum(-1).astype(np.int32)[:, None]
+        indices = np.argsort(~dense, axis=-1, kind="stable").astype(np.int32)[:, None]
+        return counts, indices
+
+    return (*ordered(partial), *ordered(full))
 
 
 def _positions(starts: np.ndarray, B: int, S: int, restart: bool) -> np.ndarray:
@@ -269,9 +344,11 @@ def device_layout(plan: RowPlan, attention_mask: torch.Tensor, cos: Optional[tor
     if plan.form == "padding":
         return Layout(attention_mask.bool()[:, None, None, :], cos, sin, None)
     B, S = plan.positions.shape
-    if plan.form == "dense":
-        doc = plan.doc
-        mask = doc[:, None, :, None] == doc[:, None, None, :]                    # (B, 1, S, S)
+    if plan.form in ("dense", "flex"):
+        if plan.form == "dense":
+            mask = plan.doc[:, None, :, None] == plan.doc[:, None, None, :]     # (B, 1, S, S)
+        else:
+            mask = FlexMask(_block_mask(plan.tiles, plan.doc), plan.doc)
         if cos is not None and plan.restart:
             rows = plan.positions.reshape(-1)
             cos, sin = cos.index_select(0, rows).view(B, S, -1), sin.index_select(0, rows).view(B, S, -1)
@@ -297,28 +374,83 @@ def device_layout(plan: RowPlan, attention_mask: torch.Tensor, cos: Optional[tor
 
 
 def row_layout(attention_mask: Optional[torch.Tensor], restart: bool, cos: Optional[torch.Tensor] = None,
-               sin: Optional[torch.Tensor] = None, *, blocks_only: bool = False, varlen: bool = False) -> Layout:
+               sin: Optional[torch.Tensor] = None, *, blocks_only: bool = False, kernel: str = "blocks") -> Layout:
     """The layers' inputs for a (B, S) mask (see the module docstring). ``cos``/``sin``: the (S, D/2)
     rotary tables of the row, None without rotary. ``blocks_only``: never the dense block-diagonal mask
-    (linear attention needs per-document sums). ``varlen``: also lay the documents out for a varlen
-    kernel. Reads the mask on the host (one copy; a sync on a GPU): the training loop ships the
-    :class:`RowPlan` from the loader instead (:func:`plan_rows`, :func:`device_layout`)."""
+    nor a flex mask (linear attention needs per-document sums). ``kernel`` (:func:`kernel_for`): ``blocks``,
+    ``varlen`` (also lay the documents out for a varlen kernel) or ``flex`` (a :class:`FlexMask`). Reads
+    the mask on the host (one copy; a sync on a GPU): the training loop ships the :class:`RowPlan` from the
+    loader instead (:func:`plan_rows`, :func:`device_layout`)."""
     if attention_mask is None:
         return Layout(None, cos, sin, None)
-    plan = plan_rows(attention_mask.detach().cpu(), restart, blocks_only=blocks_only, varlen=varlen)
+    plan = plan_rows(attention_mask.detach().cpu(), restart, blocks_only=blocks_only, kernel=kernel)
     return device_layout(plan.to(attention_mask.device), attention_mask, cos, sin)
 
 
-# --------------------------------------------------------------------------- varlen kernels
+# --------------------------------------------------------------------------- the kernels
 
 
 def flash_varlen_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def uses_varlen(kind: str, device: torch.device) -> bool:
-    """Whether plans for this attention on ``device`` should carry the varlen layout."""
-    return kind == "softmax" and torch.device(device).type == "cuda" and flash_varlen_available()
+def flex_available() -> bool:
+    """torch has flex attention (2.5 and later)."""
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def kernel_for(setting: str, kind: str, device) -> str:
+    """``model.document_attention`` (``setting``) for ``kind`` attention on ``device``: ``blocks``, ``flex``
+    or ``varlen`` (see the module docstring). Linear attention always takes the blocks."""
+    if kind != "softmax":
+        return "blocks"
+    if setting != "auto":
+        return setting
+    if torch.device(device).type != "cuda":
+        return "blocks"
+    if flash_varlen_available():
+        return "varlen"
+    return "flex" if flex_available() else "blocks"
+
+
+def _block_mask(tiles: tuple, doc: torch.Tensor):
+    """torch's ``BlockMask`` of :func:`flex_tiles`' tiles (on ``doc``'s device), ``same document`` on the
+    boundary tiles."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def same_document(b, h, q, kv):
+        return doc[b, q] == doc[b, kv]
+
+    S = doc.shape[1]
+    return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_document, seq_lengths=(S, S))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, mask: FlexMask):
+    """torch's flex attention, (B, H, S, D) each -> (B, H, S, D). Compiled on CUDA (its fused kernel; eager
+    flex attention computes the whole score matrix); on CPU eager, forward only (torch 2.13)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cpu" and not torch.compiler.is_compiling():
+        return _compiled_flex()(q, k, v, block_mask=mask.block_mask)
+    with warnings.catch_warnings():   # eager on purpose (its warning says to compile, for speed)
+        warnings.filterwarnings("ignore", message=".*without torch.compile")
+        return flex_attention(q, k, v, block_mask=mask.block_mask)
+
+
+def flex_reference(q, k, v, mask: FlexMask):
+    """What flex attention computes with ``mask``: SDPA with its block-diagonal mask (forward and backward)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense())
+
+
+# Swappable (the tests' stand-in for the backward on CPU), as varlen_kernel is.
+flex_kernel = _flex
 
 
 def _flash_varlen(q, k, v, cu_seqlens, max_len, dropout_p):
@@ -351,5 +483,6 @@ def varlen_applies(plan: DocumentPlan, qkv: torch.Tensor) -> bool:
 
 __all__ = ["row_layout", "plan_rows", "device_layout", "RowPlan", "HostBlock", "HostVarlen", "Layout",
            "DocumentPlan", "Block", "Varlen", "RowMask", "segments", "group_by_length",
-           "BLOCK_RATIO", "BLOCKS_BELOW", "uses_varlen", "varlen_reference", "varlen_applies",
-           "flash_varlen_available"]
+           "BLOCK_RATIO", "BLOCKS_BELOW", "varlen_reference", "varlen_applies",
+           "flash_varlen_available", "flex_available", "kernel_for", "flex_tiles", "FlexMask", "flex_reference",
+           "FLEX_BLOCK"]

@@ -34,8 +34,10 @@ from torch.utils.checkpoint import checkpoint
 
 from data_pipeline.masking import IGNORE_INDEX
 from roformer_dist.config import ModelConfig, rope_settings, validate_model
+from roformer_dist.errors import ConfigError
+from roformer_dist.nn import documents
 from roformer_dist.nn.attention import attention_core
-from roformer_dist.nn.documents import Layout, RowMask, RowPlan, device_layout, plan_rows, uses_varlen
+from roformer_dist.nn.documents import Layout, RowMask, RowPlan, device_layout, plan_rows
 from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
 
@@ -265,24 +267,41 @@ def masked_lm_loss(logits: torch.Tensor, target: torch.Tensor, criterion=cross_e
     return criterion(logits.float(), target)
 
 
-def plan_batch_rows(cfg: ModelConfig, attention_mask, varlen: bool) -> RowPlan:
+def document_kernel(cfg: ModelConfig, device) -> str:
+    """How this model attends within packed documents on ``device``: ``blocks``, ``flex`` or ``varlen``
+    (``model.document_attention``, ``documents.kernel_for``)."""
+    return documents.kernel_for(cfg.document_attention, cfg.attention, device)
+
+
+def plan_batch_rows(cfg: ModelConfig, attention_mask, kernel: str) -> RowPlan:
     """The host's part of :func:`layer_inputs` for a (B, S) mask on the host (``documents.plan_rows`` with
-    this model's settings); ``varlen``: ``documents.uses_varlen`` on the device that will run it."""
+    this model's settings); ``kernel``: :func:`document_kernel` on the device that will run it."""
     return plan_rows(attention_mask, cfg.document_positions == "restart", blocks_only=cfg.attention == "linear",
-                     varlen=varlen)
+                     kernel=kernel)
 
 
 def batch_plan(cfg: ModelConfig, device_type: str):
     """What the loader's workers add to each training batch (``ShardLoader(prepare=...)``), so that the
     training step reads nothing back from the device: the document layout (``layout``, a
     ``documents.RowPlan``), the predicted positions (``predicted``) and the number of tokens (``num_tokens``,
-    an int). ``device_type``: where the model runs (it decides the varlen layout)."""
-    return functools.partial(_batch_plan, cfg, uses_varlen(cfg.attention, torch.device(device_type)))
+    an int). ``device_type``: where the model runs (it decides the document kernel). Flex attention trains
+    only on CUDA (torch has no backward for it on CPU), varlen only with flash-attn on CUDA: asked for
+    elsewhere, a ConfigError."""
+    kernel = document_kernel(cfg, torch.device(device_type))
+    if kernel == "flex" and (device_type != "cuda" or not documents.flex_available()):
+        raise ConfigError("model.document_attention: flex trains on CUDA only, with torch >= 2.5 (torch "
+                          f"{torch.__version__} on {device_type} has no backward for flex attention there); "
+                          "use auto or blocks")
+    if kernel == "varlen" and (device_type != "cuda" or not documents.flash_varlen_available()):
+        raise ConfigError(f"model.document_attention: varlen needs flash-attn and a CUDA device (here: {device_type}, "
+                          f"flash-attn {'installed' if documents.flash_varlen_available() else 'not installed'}); "
+                          "use auto or blocks")
+    return functools.partial(_batch_plan, cfg, kernel)
 
 
-def _batch_plan(cfg: ModelConfig, varlen: bool, batch: dict) -> dict:
+def _batch_plan(cfg: ModelConfig, kernel: str, batch: dict) -> dict:
     mask = batch["attention_mask"]
-    return {"layout": plan_batch_rows(cfg, mask, varlen), "predicted": predicted_index(batch["labels"]),
+    return {"layout": plan_batch_rows(cfg, mask, kernel), "predicted": predicted_index(batch["labels"]),
             "num_tokens": int(mask.count_nonzero())}
 
 
@@ -297,7 +316,7 @@ def layer_inputs(cfg: ModelConfig, rotary: Optional[RotaryCache], attention_mask
     if attention_mask is None:
         return Layout(None, cos, sin, None)
     if plan is None:
-        plan = plan_batch_rows(cfg, attention_mask.detach().cpu(), uses_varlen(cfg.attention, device)).to(device)
+        plan = plan_batch_rows(cfg, attention_mask.detach().cpu(), document_kernel(cfg, device)).to(device)
     return device_layout(plan, attention_mask, cos, sin)
 
 

@@ -12,7 +12,8 @@ documents (``layer_inputs``), the gather of the predicted rows (``select_predict
 The head and the loss (``model.predict``) run on N predicted rows, N changing every batch: they are
 compiled once per stage with N as the only dynamic size (``maybe_mark_dynamic``), not once per N.
 A batch whose packed documents take the block plan (``documents.DocumentPlan``: blocks of data-dependent
-shapes) runs its attention cores eagerly, and each layer's projections / FFN compiled
+shapes) or flex attention (``documents.FlexMask``; flex attention compiled on its own, as eager calls
+it) runs its attention cores eagerly, and each layer's projections / FFN compiled
 (``RoFormerLayer.project`` -> eager ``attend`` -> ``RoFormerLayer.finish``, one compiled graph shared by
 all layers). Evaluation (``eval()`` or no grad) calls the eager model: eval lengths differ from the
 stage's, and compiling them would be a recompile per length for a few batches.
@@ -41,7 +42,7 @@ from typing import Optional
 import torch
 
 from roformer_dist.config import Config
-from roformer_dist.nn.documents import DocumentPlan
+from roformer_dist.nn.documents import DocumentPlan, FlexMask
 from roformer_dist.nn.model import rotary_kernel_of
 from roformer_dist.runtime.rundir import RunDir
 
@@ -140,7 +141,7 @@ class StageCompiler:
     def stack(self, input_ids, token_type_ids, mask, cos, sin, positions) -> torch.Tensor:
         if not self._compiling():
             return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
-        if not isinstance(mask, DocumentPlan):
+        if not isinstance(mask, (DocumentPlan, FlexMask)):
             return self._compiled["stack"](input_ids, token_type_ids, mask, cos, sin, positions)
         if self.model.gradient_checkpointing:
             return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
@@ -149,7 +150,7 @@ class StageCompiler:
         for layer in self.model.layers:
             kernel = layer.attention.kernel_for(cos, hidden.device)
             qkv, out_weight = c["project"](layer, hidden, kernel)
-            ctx = layer.attention.attend(qkv, mask, cos, sin, kernel)  # the plan's blocks: eager
+            ctx = layer.attention.attend(qkv, mask, cos, sin, kernel)  # blocks, or flex (compiled on its own): eager
             hidden = c["finish"](layer, hidden, ctx, out_weight)
         return hidden
 

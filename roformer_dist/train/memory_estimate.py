@@ -16,7 +16,8 @@ tensor x pipeline slice holds; ``d``: the data-parallel degree):
                 attention output and its copy, two LayerNorm inputs and one output, the FFN's two f-wide
                 tensors); with dropout a byte per element for its masks; softmax attention without a fused
                 kernel (attention dropout on CPU) also a S x S float per head and its mask; packed documents
-                (``data.packing: document``) without flash-attn's varlen kernel a S x S bias per row; then the
+                (``data.packing: document``) a S x S bias per row, unless a kernel takes them without one
+                (flash-attn's varlen, or flex attention without attention dropout); then the
                 embeddings' h and the head at the predicted positions (the masking rate of B S tokens):
                 h + 3 e elements and, as fp32, the scores, their log-softmax and, in backward, two
                 gradients of them (V each). Activation checkpointing keeps one h per layer and token plus
@@ -111,7 +112,7 @@ class StageMemory:
                           room // (self.layers_per_sample + self.head_per_sample)))
 
 
-def _per_sample(cfg: Config, plan: StagePlan, device: str, varlen: bool) -> tuple[int, int]:
+def _per_sample(cfg: Config, plan: StagePlan, device: str, maskless: bool) -> tuple[int, int]:
     """(layers, head) activation bytes of one sequence (see the module docstring), on the busiest pipeline
     stage, with the micro-batches a pipeline keeps in flight."""
     m, d, par = cfg.model, cfg.deepspeed, cfg.parallel
@@ -124,7 +125,7 @@ def _per_sample(cfg: Config, plan: StagePlan, device: str, varlen: bool) -> tupl
     if m.attention == "softmax" and m.attention_probs_dropout_prob > 0 and device == "cpu":
         # the eager path: scores' softmax and the dropped probabilities (w each) and the dropout mask (a byte)
         per_token += heads / t * seq_len * (2 * w + 1)
-    elif m.attention == "softmax" and cfg.data.packing == "document" and not varlen:
+    elif m.attention == "softmax" and cfg.data.packing == "document" and not maskless:
         # rows of several documents: SDPA takes the block-diagonal mask as an additive (S x S) bias of the
         # compute dtype and keeps it for backward, in every layer (the worst case of documents.row_layout)
         per_token += seq_len * w
@@ -141,10 +142,11 @@ def _per_sample(cfg: Config, plan: StagePlan, device: str, varlen: bool) -> tupl
 
 
 def estimate_stage(cfg: Config, plan: StagePlan, world_size: Optional[int] = None, device: str = "cuda",
-                   varlen: bool = False) -> StageMemory:
+                   maskless: bool = False) -> StageMemory:
     """The estimate for one rank in stage ``plan`` of ``cfg`` (resolved: the vocabulary known) at ``world_size``
     ranks (default dist.world_size). ``device``: ``cuda`` or ``cpu`` (the attention path differs on CPU);
-    ``varlen``: packed documents go through flash-attn's varlen kernel (no mask; CUDA, half precision)."""
+    ``maskless``: packed documents go through a kernel that takes no S x S mask (flash-attn's varlen, or flex
+    attention without attention dropout; CUDA)."""
     d = cfg.deepspeed
     dp = max(1, data_parallel_size(cfg, world_size))
     w = 2 if d.precision in ("bf16", "fp16") else 4
@@ -157,7 +159,7 @@ def estimate_stage(cfg: Config, plan: StagePlan, world_size: Optional[int] = Non
     master = 0 if (z == 0 and w == 4) else 4
     optimizer = 0 if d.offload_optimizer == "cpu" else (params * (8 + master)) // (1 if z == 0 else dp)
     buckets = DS_REDUCE_BUCKET * w if z >= 1 else 0
-    layers, head = _per_sample(cfg, plan, device, varlen)
+    layers, head = _per_sample(cfg, plan, device, maskless)
     return StageMemory(plan.name, plan.seq_len, plan.micro_batch_size, params, weights, gradients, optimizer,
                        buckets, layers, head)
 
