@@ -437,7 +437,9 @@ def _flex(q, k, v, mask: FlexMask):
     flex attention computes the whole score matrix); on CPU eager, forward only (torch 2.13)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if q.device.type != "cpu" and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():   # inside a compiled model: traced with it
+        return flex_attention(q, k, v, block_mask=mask.block_mask)
+    if q.device.type != "cpu":
         return _compiled_flex()(q, k, v, block_mask=mask.block_mask)
     with warnings.catch_warnings():   # eager on purpose (its warning says to compile, for speed)
         warnings.filterwarnings("ignore", message=".*without torch.compile")

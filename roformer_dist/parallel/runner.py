@@ -50,6 +50,7 @@ from roformer_dist.nn.rotary import model_kernel, set_rope
 from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir
 from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
+from roformer_dist.runtime.phases import phase
 
 log = logging.getLogger(__name__)
 
@@ -313,12 +314,14 @@ class ParallelRunner:
         times = self.times
         for i in range(gas):
             t_data = time.perf_counter()
-            batch = next(batches)
+            with phase("data"):
+                batch = next(batches)
             times.data += time.perf_counter() - t_data
             started = times.forward_start()
             if delay_s and i == 0:
                 time.sleep(delay_s)
-            out = engine(**_on(batch, engine.device))
+            with phase("forward"):
+                out = engine(**_on(batch, engine.device))
             times.forward_end(started)
             loss = out.loss * float("nan") if inject_nan else out.loss
             if inject_spike != 1:
@@ -329,11 +332,13 @@ class ParallelRunner:
             spiked = None if spike_above is None else loss.detach() > spike_above
             micro.append(_micro_batch_stats(loss.detach(), out.accuracy, out.num_predicted, spiked))
             # a constant factor (no gradient through the choice): 1 keeps the gradients exact, NaN drops the update
-            engine.backward(loss if spiked is None else loss * torch.where(spiked, float("nan"), 1.0))
+            with phase("backward"):
+                engine.backward(loss if spiked is None else loss * torch.where(spiked, float("nan"), 1.0))
             if i == 0 and self.compiler is not None:
                 self.compiler.first_step_done(time.perf_counter() - t0)  # no-op after a stage's first
             if i < gas - 1:
-                engine.step()
+                with phase("optimizer"):
+                    engine.step()
         pending = torch.stack(micro).sum(0)
         if not self._reporting("loss"):
             pending = torch.zeros_like(pending)
@@ -344,7 +349,8 @@ class ParallelRunner:
             if stats.skipped:
                 for p in engine.module.parameters():
                     p.grad = None
-        engine.step()
+        with phase("optimizer"):
+            engine.step()
         return stats
 
     def _pipeline_train(self, batches, stats: StepStats, inject_nan: bool) -> None:

@@ -10,7 +10,8 @@ through the environment), ``heartbeat.py`` (each rank's progress and the watchdo
 left by killed builds removed, live builds waited for), ``cuda_arch.py`` (``TORCH_CUDA_ARCH_LIST`` as
 DeepSpeed's op builder reads it, set only while a DeepSpeed op builds), ``deepspeed_import.py``
 (``import deepspeed`` without the mlflow import of its autotuner: a second per process), ``host_reads.py`` (what a piece of code reads back
-from the device: the syncs of a GPU step, found on any device).
+from the device: the syncs of a GPU step, found on any device), ``phases.py`` (a step's phases marked for the
+profiler, and the table of where a step goes from a trace).
 
 May import: ``roformer_dist.errors``, ``roformer_dist.config`` (the run directory mode), ``data_pipeline.atomic``
 (the lock record's atomic write), the standard library, torch.distributed and tensorboard (lazily).

@@ -8,6 +8,9 @@ steps N .. N+K-1 and write, under ``<run_dir>/profile/``:
   ``<worker>.pt.trace.json`` convention, so the TensorBoard profiler plugin (``torch-tb-profiler``, not a
   dependency) also finds it: ``tensorboard --logdir <run_dir>/profile``.
 - ``key_averages_steps_N-M.txt``: the top operators by self CPU time (and by self CUDA time on a GPU).
+- ``phases_steps_N-M.txt`` and ``.json``: where a step goes (``runtime/phases.py``): each phase's wall time
+  (data, forward, backward, optimizer, other) and, on a GPU, the device time each launched, of which NCCL,
+  the GPU's busy and idle time and the launches a step.
 
 The loop calls :meth:`ProfileWindow.before_step` and :meth:`ProfileWindow.after_step` around each step and
 :meth:`ProfileWindow.close` at the end, also when it ends early (a stop inside the window writes the steps
@@ -19,12 +22,14 @@ failing to write them is a warning, never fatal.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from roformer_dist.runtime.phases import format_step_table, read_trace, step_table
 from roformer_dist.runtime.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -126,16 +131,21 @@ class ProfileWindow:
                         self.start, self.end)
         trace = self.dir / f"trace_{span}.pt.trace.json"
         table = self.dir / f"key_averages_{span}.txt"
+        phases = self.dir / f"phases_{span}"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(trace))
             table.write_text(self._tables(prof, span), encoding="utf-8")
-        except OSError as e:  # a view of the run, like TensorBoard: the run goes on
+            steps = step_table(read_trace(trace))
+            if steps is not None:
+                phases.with_suffix(".json").write_text(json.dumps(steps, indent=1) + "\n", encoding="utf-8")
+                phases.with_suffix(".txt").write_text(format_step_table(steps), encoding="utf-8")
+        except (OSError, ValueError) as e:  # a view of the run, like TensorBoard: the run goes on
             log.warning("profile of %s not written: %s", span, e)
             return
         log.info("profile of %s: %s (open it in https://ui.perfetto.dev or chrome://tracing; TensorBoard with "
-                 "torch-tb-profiler: tensorboard --logdir %s); top operators: %s", span.replace("_", " "), trace,
-                 self.dir, table)
+                 "torch-tb-profiler: tensorboard --logdir %s); top operators: %s; where a step goes: %s",
+                 span.replace("_", " "), trace, self.dir, table, phases.with_suffix(".txt"))
 
     @staticmethod
     def _tables(prof: torch.profiler.profile, span: str) -> str:
