@@ -8,10 +8,12 @@ projection gives). Both inputs are contiguous and hold the same number of elemen
 interleaved repeats in one process.
 
 GB/s = bytes a rotary must move (read q, k and write q', k' in forward, the same for the grads in
-backward) / time: the figure to compare with the device's memory bandwidth.
+backward) / time: the figure to compare with the device's memory bandwidth. On a GPU whose datasheet
+bandwidth is known (``roformer_dist.train.metrics.PEAK_MEMORY_TBPS``) the table gives each figure's share
+of it, and the JSON line the best backend's (the goal: >= 50 % at the base shapes, B 64, S 512 and 1536).
 
     python bench/rotary.py                         # CPU, 2 threads
-    python bench/rotary.py --device cuda --backends reference,compiled,triton,flash_attn
+    python bench/rotary.py --device cuda --batch 64 --dtypes bf16 --backends reference,compiled,triton,flash_attn
     python bench/rotary.py --tiny                  # B=1, H=2, D=16, S in {32, 64}: the same table in seconds
 """
 
@@ -22,6 +24,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 import torch
 
 from roformer_dist.nn.rotary import RotaryCache, apply_rotary
+from roformer_dist.train.metrics import peak_memory_bandwidth
 
 
 def parse_args(argv=None):
@@ -57,6 +60,11 @@ def main(argv=None) -> None:
     B, H, D = a.batch, a.heads, a.head_dim
     cache = RotaryCache(D, max(int(s) for s in a.seqs.split(",")))
     rows, results = [], {}
+    peak = peak_memory_bandwidth(torch.cuda.get_device_name()) if a.device == "cuda" else None
+
+    def gbps(rate: float) -> str:
+        return f"{rate / 1e9:.3g}" + ("" if peak is None else f" ({rate / peak:.0%})")
+
     for S in (int(s) for s in a.seqs.split(",")):
         cos, sin = cache.get(S, a.device)
         for dname in a.dtypes.split(","):
@@ -96,15 +104,16 @@ def main(argv=None) -> None:
                 t = times[name]
                 fwd = times.get(name + ":fwd")
                 rows.append([S, dname, name, t * 1e3, "-" if fwd is None else f"{fwd * 1e3:.3g}",
-                             f"{times['hf'] / t:.2f}x", 2 * nbytes / t / 1e9,
-                             "-" if fwd is None else f"{nbytes / fwd / 1e9:.3g}"])
-                results[(S, dname, name)] = t
-    print(f"rotary q,k fwd+bwd  B={B} H={H} D={D}  device={a.device}{threads}")
+                             f"{times['hf'] / t:.2f}x", gbps(2 * nbytes / t), "-" if fwd is None else gbps(nbytes / fwd)])
+                results[(S, dname, name)] = (t, 2 * nbytes / t)
+    where = "" if peak is None else f", peak memory bandwidth {peak / 1e9:.0f} GB/s (datasheet)"
+    print(f"rotary q,k fwd+bwd  B={B} H={H} D={D}  device={a.device}{threads}{where}")
     C.print_table(["S", "dtype", "impl", "fwd+bwd ms", "fwd ms", "vs hf", "GB/s fwd+bwd", "GB/s fwd"], rows)
     S0, d0 = int(a.seqs.split(",")[0]), a.dtypes.split(",")[0]
-    best = min(backends, key=lambda b: results[(S0, d0, b)])
-    ours, base = results[(S0, d0, best)], results[(S0, d0, "hf")]
-    C.emit("rotary", ours, base, "s", base / ours, backend=best, seq=S0, dtype=d0, device=a.device)
+    best = min(backends, key=lambda b: results[(S0, d0, b)][0])
+    (ours, rate), (base, _) = results[(S0, d0, best)], results[(S0, d0, "hf")]
+    C.emit("rotary", ours, base, "s", base / ours, backend=best, seq=S0, dtype=d0, device=a.device, batch=B,
+           gbps=round(rate / 1e9, 1), peak_share=None if peak is None else round(rate / peak, 3))
 
 
 if __name__ == "__main__":

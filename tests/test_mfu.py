@@ -121,3 +121,16 @@ def test_flops_per_token_matches_an_independent_count(attention):
     slope = (per_token[128] - per_token[16]) / (128 - 16)  # forward FLOPs per token per position
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     assert slope == pytest.approx(4 * L * h if attention == "softmax" else 0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("name, tbps", [
+    ("NVIDIA H200", 4.8), ("NVIDIA H200 NVL", 4.8), ("NVIDIA H100 80GB HBM3", 3.35), ("NVIDIA H100 PCIe", 2.0),
+    ("NVIDIA H100 NVL", 3.9), ("NVIDIA A100-SXM4-80GB", 2.039), ("NVIDIA A100 80GB PCIe", 1.935),
+    ("NVIDIA A100-PCIE-40GB", 1.555), ("NVIDIA L40S", 0.864), ("Tesla V100S-PCIE-32GB", 1.134),
+    ("NVIDIA GH200 480GB", None), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_peak_memory_bandwidth_follows_the_gpu(name, tbps):
+    """The first pattern that matches wins: PCIe and NVL parts before the SXM entry, GH200 (HBM3 or HBM3e)
+    unknown rather than taken for an H200 or H100."""
+    got = metrics.peak_memory_bandwidth(name)
+    assert got == (None if tbps is None else pytest.approx(tbps * 1e12)), name

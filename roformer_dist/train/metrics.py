@@ -68,6 +68,35 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
+# Peak memory (HBM / GDDR) bandwidth in TB/s by GPU, from NVIDIA's datasheets; searched as PEAK_TFLOPS is.
+# GH200 is left out (its figure depends on the memory fitted: HBM3 or HBM3e).
+PEAK_MEMORY_TBPS: tuple[tuple[str, float], ...] = (
+    (r"(?<!G)H200", 4.8),
+    (r"H100.*NVL", 3.9),
+    (r"H100.*PCIe", 2.0),
+    (r"(?<!G)H100", 3.35),
+    (r"A100.*80GB.*PCIe|A100.*PCIe.*80GB", 1.935),
+    (r"A100.*80GB", 2.039),
+    (r"A100", 1.555),
+    (r"L40S|\bL40\b", 0.864),
+    (r"\bA40\b", 0.696),
+    (r"\bA10\b", 0.6),
+    (r"\bL4\b", 0.3),
+    (r"\bT4\b", 0.32),
+    (r"V100S", 1.134),
+    (r"V100", 0.9),
+)
+
+
+def peak_memory_bandwidth(name: str) -> Optional[float]:
+    """Peak memory bandwidth in bytes/s of the GPU named ``name`` (``torch.cuda.get_device_name()``), None
+    when :data:`PEAK_MEMORY_TBPS` does not know it."""
+    for pattern, tbps in PEAK_MEMORY_TBPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return tbps * 1e12
+    return None
+
+
 def matmul_precision(precision: str) -> MatmulPrecision:
     """The precision a run's matmuls run at: ``deepspeed.precision`` (fp32 | bf16 | fp16), with fp32 read as
     tf32 when ``torch.backends.cuda.matmul.allow_tf32`` is on (PyTorch's default is off)."""
