@@ -130,3 +130,25 @@ def test_packed_documents_cost_no_score_mask_where_a_kernel_takes_them_without_o
     saved = (estimate_stage(flex, plan, maskless=False).layers_per_sample
              - estimate_stage(flex, plan, maskless=True).layers_per_sample)
     assert abs(saved - plan.seq_len ** 2 * 2 * flex.model.num_hidden_layers) <= 1   # bf16: 2 bytes per score
+
+
+def test_the_reduce_buckets_follow_the_deepspeed_keys():
+    """The estimate's bucket is ``deepspeed.reduce_bucket_size`` elements, two of them with ``overlap_comm``
+    (ZeRO-2 double-buffers); what DeepSpeed is handed carries the same keys."""
+    from roformer_dist.parallel.engine import deepspeed_config
+    from roformer_dist.train.memory_estimate import estimate_stage
+
+    def at(*overrides):
+        cfg = load_config(None, ["model=base", "model.vocab_size=21128", "deepspeed.precision=bf16", *overrides])
+        plan = stage_plans(cfg)[-1]
+        return estimate_stage(cfg, plan).buckets, deepspeed_config(cfg, plan)["zero_optimization"]
+
+    default, zero = at()
+    assert default == 500_000_000 * 2 and zero["reduce_bucket_size"] == 500_000_000 and not zero["overlap_comm"]
+    small, zero = at("deepspeed.reduce_bucket_size=50000000", "deepspeed.allgather_bucket_size=20000000",
+                     "deepspeed.overlap_comm=true")
+    assert small == 2 * 50_000_000 * 2
+    assert (zero["reduce_bucket_size"], zero["allgather_bucket_size"], zero["overlap_comm"]) == (50_000_000,
+                                                                                               20_000_000, True)
+    with pytest.raises(ConfigError, match="deepspeed.reduce_bucket_size: expected a positive number"):
+        at("deepspeed.reduce_bucket_size=0")

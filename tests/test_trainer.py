@@ -49,6 +49,20 @@ def test_zero_two_ranks_equal_one_rank(small_shards, tmp_path, stage):
     assert_traces_equal(trace(tmp_path / "one"), trace(tmp_path / "two"), tol=1e-5)
 
 
+def test_zero2_buckets_and_overlap_change_how_gradients_move_not_the_training(small_shards, tmp_path):
+    """deepspeed.reduce_bucket_size / allgather_bucket_size / overlap_comm: 2 ranks with buckets of 20,000
+    elements (the debug model's gradients in dozens of them) and the reduction overlapped with backward
+    follow the default run (one bucket, no overlap)."""
+    runs = {}
+    for name, extra in (("default", ()), ("buckets", ("deepspeed.reduce_bucket_size=20000",
+                                                      "deepspeed.allgather_bucket_size=20000",
+                                                      "deepspeed.overlap_comm=true"))):
+        runs[name] = tmp_path / name
+        train(make_cfg(small_shards, runs[name], STAGES_1, "trainer.stop_at_step=4", "deepspeed.zero_stage=2",
+                       *extra, world_size=2))
+    assert_traces_equal(trace(runs["default"]), trace(runs["buckets"]), tol=1e-5)
+
+
 def test_two_runs_of_the_same_recipe_log_the_same_figures_at_every_step(small_shards, tmp_path):
     """Reproducibility as a user meets it: ``roformer-train`` twice with the same config into two run directories
     (2 ranks, a DataLoader worker each, a stage switch, an asynchronous save and an eval on the way) logs the

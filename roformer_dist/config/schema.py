@@ -299,6 +299,15 @@ class DeepSpeedConfig:
     """Recompute each layer's activations in backward."""
     initial_loss_scale_power: int = 16
     """fp16: initial loss scale is 2**this."""
+    reduce_bucket_size: int = 500_000_000
+    """ZeRO 1-3: gradient elements reduced per collective (DeepSpeed's ``reduce_bucket_size``; its default).
+    Smaller buckets start reducing earlier in backward (with ``overlap_comm``) at more calls' latency."""
+    allgather_bucket_size: int = 500_000_000
+    """ZeRO 1-2: parameter elements gathered per collective after the optimizer step (DeepSpeed's default)."""
+    overlap_comm: bool = False
+    """ZeRO 1-3: reduce gradient buckets on a side stream while backward goes on (DeepSpeed's
+    ``overlap_comm``), at the price of a second gradient buffer. Off until measured on GPUs (docs/guides/
+    parallelism.md, "ZeRO buckets")."""
 
 
 @dataclass(frozen=True)

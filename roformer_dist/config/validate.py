@@ -189,6 +189,10 @@ def _validate_wsd(o: OptimConfig, stages) -> None:
 
 def _validate_deepspeed(d: DeepSpeedConfig) -> None:
     _check_choices(d, "deepspeed")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        value = getattr(d, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"deepspeed.{key}: expected a positive number of elements, got {value!r}")
     if d.offload_optimizer == "cpu" and d.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer: cpu offload needs deepspeed.zero_stage >= 1")
 

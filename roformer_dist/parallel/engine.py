@@ -40,7 +40,10 @@ def deepspeed_config(cfg: Config, stage: StagePlan, load_universal: bool = False
     d = cfg.deepspeed
     zero: dict = {"stage": d.zero_stage}
     if d.zero_stage >= 1:
-        zero.update(contiguous_gradients=True, overlap_comm=False, reduce_scatter=True)
+        zero.update(contiguous_gradients=True, overlap_comm=d.overlap_comm, reduce_scatter=True,
+                    reduce_bucket_size=d.reduce_bucket_size)
+        if d.zero_stage <= 2:
+            zero["allgather_bucket_size"] = d.allgather_bucket_size
     if d.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if d.zero_stage == 3:

@@ -9,8 +9,8 @@ tensor x pipeline slice holds; ``d``: the data-parallel degree):
     gradients   P w            ZeRO-1/2/3: P w / d (the averaged partition)
     optimizer   8 P (Adam's two fp32 moments) + 4 P (the fp32 master copy; ZeRO-0 in fp32 has none), / d
                 under ZeRO-1/2/3; 0 on the GPU when ``offload_optimizer: cpu``
-    buckets     ZeRO-1/2: ``reduce_bucket_size`` elements of w (DeepSpeed allocates the whole bucket in every
-                backward); ZeRO-3: its reduce bucket the same way
+    buckets     ZeRO-1/2: ``deepspeed.reduce_bucket_size`` elements of w (DeepSpeed allocates the whole bucket
+                in every backward), twice with ``deepspeed.overlap_comm``; ZeRO-3: its reduce bucket the same way
     activations what autograd keeps from forward to backward at the stage's micro-batch B and length S:
                 per layer and token 11 h + 2 f elements (the layer's input, q k v, the rotated q and k, the
                 attention output and its copy, two LayerNorm inputs and one output, the FFN's two f-wide
@@ -39,12 +39,10 @@ from roformer_dist.config import Config, ModelConfig, StagePlan, data_parallel_s
 from roformer_dist.errors import ConfigError
 
 __all__ = ["StageMemory", "parameter_count", "estimate_stage", "parse_bytes", "format_bytes",
-           "HEADROOM", "DS_REDUCE_BUCKET", "DS_PREFETCH_BUCKET"]
+           "HEADROOM", "DS_PREFETCH_BUCKET"]
 
 HEADROOM = 0.10
 """The share of a device's memory the estimate leaves free (CUDA context, NCCL buffers, allocator slack)."""
-DS_REDUCE_BUCKET = int(5e8)
-"""DeepSpeed's default ``reduce_bucket_size`` (elements), which ``parallel/engine.py`` leaves in place."""
 DS_PREFETCH_BUCKET = int(5e7)
 """``stage3_prefetch_bucket_size`` as ``parallel/engine.py`` sets it (elements)."""
 
@@ -158,7 +156,8 @@ def estimate_stage(cfg: Config, plan: StagePlan, world_size: Optional[int] = Non
     gradients = params * w if z == 0 else params * w // dp
     master = 0 if (z == 0 and w == 4) else 4
     optimizer = 0 if d.offload_optimizer == "cpu" else (params * (8 + master)) // (1 if z == 0 else dp)
-    buckets = DS_REDUCE_BUCKET * w if z >= 1 else 0
+    # overlap_comm under ZeRO-1/2: DeepSpeed keeps two buckets, one filling while the other is reduced
+    buckets = d.reduce_bucket_size * w * (2 if d.overlap_comm and z < 3 else 1) if z >= 1 else 0
     layers, head = _per_sample(cfg, plan, device, maskless)
     return StageMemory(plan.name, plan.seq_len, plan.micro_batch_size, params, weights, gradients, optimizer,
                        buckets, layers, head)
