@@ -131,3 +131,28 @@ def test_compiled_dropout_draws_the_eager_mask(tmp_path):
     got = g(x)
     assert ((want == 0) == (got == 0)).all()           # the same units dropped
     torch.testing.assert_close(got, want)
+
+
+def test_compile_mode_reaches_the_layers_graph_only(monkeypatch, tmp_path):
+    """trainer.compile_mode: the layers' graph (static shapes) takes it, the head (N rows changing every
+    batch) and the split path's pieces keep the default; an unknown mode is refused by name."""
+    import torch
+
+    from roformer_dist.nn.model import RoFormerForMaskedLM, set_rotary_kernel
+    from roformer_dist.parallel import compiled
+
+    modes = {}
+
+    def spy(fn, **kw):
+        modes[getattr(fn, "__name__", "?")] = kw.get("mode", "default")
+        return fn
+
+    monkeypatch.setattr(torch, "compile", spy)
+    cfg = load_config(overrides=["model=debug", "model.vocab_size=100", "trainer.compile_mode=reduce-overhead"])
+    model = RoFormerForMaskedLM(cfg.model)
+    set_rotary_kernel(model, "reference")
+    compiled.StageCompiler(model, tmp_path, cfg.trainer.compile_mode).compile_stage("s128", 128, 4)
+    assert modes == {"stack": "reduce-overhead", "predict": "default", "_embed": "default",
+                     "_layer_project": "default", "_layer_finish": "default"}
+    with pytest.raises(ConfigError, match="trainer.compile_mode"):
+        load_config(overrides=["trainer.compile_mode=fastest"])

@@ -40,6 +40,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 OffloadDevice = Literal["none", "cpu"]
 DistBackend = Literal["auto", "gloo", "nccl"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
 
 
 def choices(choice_type: Any) -> tuple:
@@ -378,6 +379,11 @@ class TrainerConfig:
     tensor parallelism or ZeRO-3."""
     compile_cache_dir: str = ""
     """Where compiled artefacts are cached across restarts ("" = run_dir/compile_cache)."""
+    compile_mode: CompileMode = "default"
+    """``torch.compile``'s mode for the model's layers (the part with static shapes): default |
+    reduce-overhead (CUDA graphs: one replay instead of a launch per kernel; CUDA only, ignored on CPU) |
+    max-autotune-no-cudagraphs (inductor tries kernel configurations, a longer compile) | max-autotune (both).
+    The head and loss, whose number of rows changes every batch, always compile in the default mode."""
     profile: ProfileConfig = ProfileConfig()
     """A ``torch.profiler`` window: steps [start_step, start_step + steps) of rank 0."""
 

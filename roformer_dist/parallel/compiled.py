@@ -1,6 +1,6 @@
 """``trainer.compile``: ``torch.compile`` of the model, once per curriculum stage, with static shapes.
 
-    compiler = StageCompiler(engine.module, compile_cache_dir(cfg))   # sets the cache dir first
+    compiler = StageCompiler(engine.module, compile_cache_dir(cfg), cfg.trainer.compile_mode)  # sets the cache dir
     compiler.compile_stage(stage.name, seq_len, micro_batch)          # at setup and at each stage switch
     ...the stage's first training step...                              # compiles (or loads from the cache)
     compiler.first_step_done(seconds)                                  # logs what compiling took
@@ -17,6 +17,10 @@ it) runs its attention cores eagerly, and each layer's projections / FFN compile
 (``RoFormerLayer.project`` -> eager ``attend`` -> ``RoFormerLayer.finish``, one compiled graph shared by
 all layers). Evaluation (``eval()`` or no grad) calls the eager model: eval lengths differ from the
 stage's, and compiling them would be a recompile per length for a few batches.
+
+Mode (``trainer.compile_mode``): the layers' graph (``stack``) compiles in the configured mode, so that
+``reduce-overhead`` replays a whole stage's forward (and AOT-autograd's backward) as CUDA graphs; the head,
+with its changing number of rows, and the per-layer pieces of the split path stay in the default mode.
 
 Numerics: inductor reorders and fuses float arithmetic, so losses equal the eager model's up to
 rounding (tests/test_compile.py: relative 1e-4 over a short run). Dropout draws its masks through torch's
@@ -100,8 +104,8 @@ class StageCompiler:
     the model's ``forward`` calls them) and recompiles them per stage. ``model``: the engine's module, a
     ``RoFormerForMaskedLM`` (``parallel.tensor`` keeps its class)."""
 
-    def __init__(self, model: torch.nn.Module, cache_dir: Path):
-        self.model, self.cache_dir = model, cache_dir
+    def __init__(self, model: torch.nn.Module, cache_dir: Path, mode: str = "default"):
+        self.model, self.cache_dir, self.mode = model, cache_dir, mode
         configure_inductor(cache_dir)
         self.eager_stack, self.eager_predict = model.stack, model.predict
         model.stack, model.predict = self.stack, self.predict
@@ -117,7 +121,7 @@ class StageCompiler:
         torch._dynamo.reset()  # the previous stage's graphs: not needed again, and not counted in the limit
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         static = dict(dynamic=False)
-        self._compiled = {"stack": torch.compile(self.eager_stack, fullgraph=True, **static),
+        self._compiled = {"stack": torch.compile(self.eager_stack, fullgraph=True, mode=self.mode, **static),
                           "predict": torch.compile(self.eager_predict, **static),
                           "embed": torch.compile(_embed, fullgraph=True, **static),
                           "project": torch.compile(_layer_project, fullgraph=True, **static),

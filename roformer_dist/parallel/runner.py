@@ -216,7 +216,8 @@ class ParallelRunner:
         self.times = RankTimes(engine.device)
         """This rank's data wait and forward time (non-pipeline layouts), for the straggler spread."""
         # trainer.compile: the model compiled per stage (set_stage); config refuses it with pipeline stages
-        self.compiler = StageCompiler(engine.module, compile_cache_dir(cfg)) if cfg.trainer.compile else None
+        self.compiler = (StageCompiler(engine.module, compile_cache_dir(cfg), cfg.trainer.compile_mode)
+                         if cfg.trainer.compile else None)
 
     # ------------------------------------------------------------------ topology facts for the trainer
     @property
