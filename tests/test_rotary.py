@@ -199,11 +199,22 @@ def triton_device(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("S, H, D", [(24, 3, 16), (7, 5, 12), (13, 16, 64)],
-                         ids=["even", "odd_len_heads_dims", "several_position_tiles"])
+                         ids=["even", "odd_len_heads_dims", "several_row_tiles"])
 def test_triton_backend_matches_reference(triton_device, dtype, S, H, D):
     """Forward and backward, q and k as strided views of one fused projection; odd lengths, head counts
-    and head sizes; (13, 16, 64) spans several position tiles with a partial last one."""
+    and head sizes (D 12: 6 pairs in a tile of 8); (13, 16, 64) spans several tiles of rows (64 rows of
+    D 64 each) with a partial last one."""
     _compare_backend("triton", triton_device, dtype, S=S, H=H, D=D)
+
+
+def test_triton_rotates_q_and_k_of_different_head_counts(triton_device):
+    """x1 and x2 of different shapes (a launch each) still rotate each at its positions."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 4, 8, generator=g).to(triton_device)
+    k = torch.randn(2, 9, 2, 8, generator=g).to(triton_device)
+    cos, sin = R.rotary_tables(9, 8, device=triton_device)
+    for got, ref in zip(R.apply_rotary(q, k, cos, sin, "triton"), R.apply_rotary(q, k, cos, sin, "reference")):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
 
 
 def test_triton_backend_matches_reference_with_scaled_tables(triton_device):

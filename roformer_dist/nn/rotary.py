@@ -322,9 +322,9 @@ def load_triton() -> None:
         _TRITON = (rotary_triton.rope_kernel, triton.next_power_of_2, triton.cdiv)
 
 
-TRITON_TILE = 2048
-"""Elements of one (positions x heads x pairs) tile of the Triton kernel: enough work per program to
-hide latency on a GPU, and few programs for the CPU interpreter."""
+TRITON_TILE = 4096
+"""Elements of x1 one program of the Triton kernel rotates (whole rows of D): enough contiguous work per
+program to stream at memory speed on a GPU, and few programs for the CPU interpreter."""
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -334,28 +334,30 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_launch(x1, x2, cos, sin, backward: bool):
-    """One kernel launch rotating x1 and (if given) x2, (B, S, H, D) each with any head/position strides."""
+    """One kernel launch rotating x1 and (if given) x2, (B, S, H, D) each with any head/position strides;
+    x1 and x2 of different head counts take a launch each."""
     if _TRITON is None:
         load_triton()
     kernel, next_pow2, cdiv = _TRITON
+    if x2 is not None and x2.shape != x1.shape:
+        return _triton_launch(x1, None, cos, sin, backward)[0], _triton_launch(x2, None, cos, sin, backward)[0]
     x1 = _as_4d(x1)
     x2 = _as_4d(x2) if x2 is not None else None
-    B, S, H1, D = x1.shape
-    H2 = x2.shape[2] if x2 is not None else 0
+    B, S, H, D = x1.shape
     o1 = torch.empty(x1.shape, dtype=x1.dtype, device=x1.device)
     o2 = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device) if x2 is not None else o1
     x2_ = x2 if x2 is not None else x1
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
-    block_h = min(next_pow2(max(H1, H2, 1)), 16)
-    block_d = next_pow2(D // 2)
-    block_s = max(1, min(next_pow2(S), TRITON_TILE // (block_h * block_d)))
-    kernel[(cdiv(S, block_s), B)](
+    block_d2 = next_pow2(D // 2)
+    block_r = max(1, TRITON_TILE // (2 * block_d2))
+    rows = B * S * H
+    kernel[(cdiv(rows, block_r),)](
         x1, x2_, o1, o2, cos, sin,
         x1.stride(0), x1.stride(1), x1.stride(2), x2_.stride(0), x2_.stride(1), x2_.stride(2),
         o1.stride(0), o1.stride(1), o1.stride(2), o2.stride(0), o2.stride(1), o2.stride(2),
-        S, H1, H2, D // 2,
-        HAS_X2=x2 is not None, BACKWARD=backward, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d,
+        rows, S, H, D // 2,
+        HAS_X2=x2 is not None, BACKWARD=backward, BLOCK_R=block_r, BLOCK_D2=block_d2,
     )
     return o1, (o2 if x2 is not None else None)
 
