@@ -69,6 +69,20 @@ timing as part 1 (step end times; the bare steps note theirs in the worker).
     python bench/e2e.py --tiny          # both parts, each configuration once (but hf): debug model, seq 64, 4 steps
     python bench/e2e.py --part e2e --compile   # eager and compiled, both sides, at 128 and 512
 
+On a GPU (``--device cuda``, part 1 only; ``bench/gpu_check.sh`` runs it on one GPU): every rank on its own GPU,
+``--precision bf16`` on both sides (roformer-train's ``deepspeed.precision``, HF's ``TrainingArguments(bf16=True)``;
+HF's fused AdamW is its default there too), NCCL. HF's ``RoFormerForMaskedLM`` has only its eager attention
+(transformers gives it no SDPA or flash-attention implementation), so HF's best is ``--compile``'s
+``hf_compile``. Both sides wait for the device at every step, so that each step's end time is the device's:
+roformer-train reads its losses every step (``trainer.log_every=1``), and HF's step-time callback synchronizes the
+device. Each side's training loss over its last ``LOSS_STEPS`` steps (the same number of tokens seen on both)
+is printed and in the JSON line (``loss``), next to the speed: both must learn alike. ``--shards DIR`` takes a
+shard set built elsewhere (HF's copy then goes under ``--data``), ``--num-workers`` roformer-train's
+``data.num_workers`` (HF reads its copy from memory).
+
+    python bench/e2e.py --part e2e --device cuda --precision bf16 --ranks 1 --model-preset base --dropout 0 \
+        --seq 512 --global-batch 512=64 --configs ours_compile hf_compile --shards data/gpu/train --num-workers 4
+
 ``--tiny`` builds its shard set from 400 lines of People's Daily (vocabulary 3000) in a temporary directory,
 keeps the machine's TORCH_EXTENSIONS_DIR (a JIT build of DeepSpeed's ops into a fresh cache takes minutes)
 and leaves out the configuration ``hf``, the one launch that ``bench/hf_trainer_mlm.py --tiny`` makes too
@@ -105,6 +119,8 @@ E2E_CONFIGS = ("ours", "hf", "hf_ds")
 COMPILED_CONFIGS = ("ours_compile", "hf_compile")
 """--compile adds these: ``trainer.compile=true`` and ``TrainingArguments(torch_compile=True)`` (DDP)."""
 OVERHEAD_CONFIGS = ("train_1rank", "bare_torch", "bare_ds")
+LOSS_STEPS = 5
+"""The training loss reported beside the speed: the mean over each run's last LOSS_STEPS steps."""
 OURS_OF = {"ours": "ours", "hf": "ours", "hf_ds": "ours", "ours_compile": "ours_compile", "hf_compile": "ours_compile"}
 """The roformer-train configuration each one is compared with: eager with eager, compiled with compiled."""
 LABELS = {"ours": "roformer-train", "hf": "HF Trainer (DDP, gloo)", "hf_ds": "HF Trainer + DeepSpeed ZeRO-2",
@@ -146,6 +162,13 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--model-preset", default="small", help="model preset of every configuration (configs/model/)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank, NCCL, every step synchronized on both sides (part 1 only)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="training precision of both sides")
+    p.add_argument("--shards", type=Path, default=None,
+                   help="a shard set built elsewhere, not People's Daily built under --data (HF's copy goes there)")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="roformer-train's data.num_workers (default: its own, 1)")
     p.add_argument("--data", type=Path, default=C.REPO / "data" / "bench",
                    help="where the shard set and HF's copy of it are built once (default: data/bench)")
     p.add_argument("--work", type=Path, default=None, help="run directories (default: a temporary directory)")
@@ -169,6 +192,8 @@ def parse_args(argv=None):
         a.crash_attempts[config] = int(n or 1)
     if a.steps < a.skip + 3:
         p.error(f"--steps {a.steps}: needs at least --skip + 3 = {a.skip + 3} steps")
+    if a.device == "cuda" and a.part != "e2e":
+        p.error("--device cuda: part 1 only (--part e2e); part 2's bare steps run on the CPU")
     a.batch = {}
     for item in a.global_batch:
         seq, _, n = item.partition("=")
@@ -183,8 +208,10 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------- data
 
 def shard_set(a) -> Path:
-    """The shard set of every configuration, built once under --data: all of People's Daily at vocabulary
-    8000 (pd_v8000/), or with --tiny the tiny train set of _common.tiny_shards (train/)."""
+    """The shard set of every configuration: --shards, else built once under --data: all of People's Daily at
+    vocabulary 8000 (pd_v8000/), or with --tiny the tiny train set of _common.tiny_shards (train/)."""
+    if a.shards is not None:
+        return a.shards
     return C.tiny_shards(a.data)[0] if a.tiny else C.peoples_daily_shards(a.data / "pd_v8000")
 
 
@@ -204,7 +231,8 @@ def prepare(a, shards: Optional[Path] = None) -> tuple[Path, Path]:
     from roformer_dist.hf.tokenizer import write_tokenizer_files
 
     shards = shards or shard_set(a)
-    hf_dir = shards.with_name(shards.name + "_hf")
+    # beside the shard set it copies, or under --data for a set given with --shards (which may be read-only)
+    hf_dir = a.data / f"{shards.name}_hf" if a.shards is not None else shards.with_name(shards.name + "_hf")
     (hf_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
     if not (hf_dir / "tokenizer" / "tokenizer.json").exists():
         write_tokenizer_files(hf_dir / "tokenizer", shards / "tokenizer.model", 1536)
@@ -228,6 +256,8 @@ def warm_extensions(a) -> None:
     ext = a.extensions or a.data / "torch_extensions"
     ext.mkdir(parents=True, exist_ok=True)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ext)
+    if a.device == "cuda":
+        return  # on CUDA both sides run torch's fused AdamW and NCCL: no DeepSpeed op to build
     t0 = time.time()
     subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
                    check=True, env=C.child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -336,16 +366,18 @@ def ours_config(a, seq: int, ranks: int, shards: Path, run_dir: Path, compile: b
                 trainer: Optional[dict] = None) -> dict:
     """roformer-train's YAML for one run (``trainer``: more keys of its trainer section, e.g. a profile window)."""
     gb = a.batch[seq]
+    workers = {} if a.num_workers is None else {"num_workers": a.num_workers}
     return {"run_dir": str(run_dir),
             "model": {"preset": a.model_preset, "hidden_dropout_prob": a.dropout,
                       "attention_probs_dropout_prob": a.dropout},
             "curriculum": {"stages": [{"name": f"e2e{seq}", "seq_len": seq, "global_batch_size": gb, "steps": a.steps,
                                        "micro_batch_size": gb // ranks}]},
-            "deepspeed": "zero2",
-            "data": {"shards": str(shards), "whole_word_mask": False, "packing": "cross_document"},
+            "deepspeed": "zero2" if a.precision == "fp32" else {"preset": "zero2", "precision": a.precision},
+            "data": {"shards": str(shards), "whole_word_mask": False, "packing": "cross_document", **workers},
             "optim": {"lr": a.lr, "warmup_steps": a.warmup, "schedule": "linear"},
-            "trainer": {"save_every": 0, "eval_every": 0, "log_every": 10, **({"compile": True} if compile else {}),
-                        **(trainer or {})},
+            # on a GPU every step's losses are read (a sync), so that its record's time is the device's
+            "trainer": {"save_every": 0, "eval_every": 0, "log_every": 1 if a.device == "cuda" else 10,
+                        **({"compile": True} if compile else {}), **(trainer or {})},
             "dist": {"world_size": ranks}}
 
 
@@ -361,7 +393,7 @@ def run_ours(a, seq: int, ranks: int, shards: Path, run_dir: Path, env: dict, co
     res = _watch(cmd, run_dir.parent / f"{run_dir.name}.log", env, _fresh(run_dir), timeout=a.run_timeout,
                  crash=crash, abort_when=lambda: metrics.exists() and metrics.stat().st_size > 0)
     recs = [json.loads(x) for x in metrics.read_text().splitlines()]
-    return {**res, "step_end": [r["time"] for r in recs]}
+    return {**res, "step_end": [r["time"] for r in recs], "loss": [r["loss"] for r in recs]}
 
 
 def hf_command(a, seq: int, hf_dir: Path, model_dir: Path, run_dir: Path, deepspeed: bool, compile: bool = False,
@@ -372,6 +404,10 @@ def hf_command(a, seq: int, hf_dir: Path, model_dir: Path, run_dir: Path, deepsp
            "--micro-batch", str(gb // a.ranks), "--steps", str(a.steps), "--lr", str(a.lr),
            "--warmup", str(a.warmup), "--out", str(run_dir / "times.json"), "--output-dir", str(run_dir / "out"),
            *(["--torch-compile"] if compile else []), *extra]
+    if a.device == "cuda":  # the device per step and the model's loss of every step (HF logs every 10)
+        cmd += ["--device", "cuda", "--record-loss"]
+    if a.precision == "bf16":
+        cmd.append("--bf16")
     if deepspeed:
         cmd += ["--deepspeed", str(run_dir / "zero2.json")]
     return cmd
@@ -381,12 +417,13 @@ def run_hf(a, seq: int, hf_dir: Path, model_dir: Path, run_dir: Path, deepspeed:
            extra: tuple[str, ...] = (), crash: int = 0) -> dict:
     run_dir.mkdir(parents=True)
     if deepspeed:
-        (run_dir / "zero2.json").write_text(json.dumps(HF_ZERO2, indent=1))
+        ds = HF_ZERO2 if a.precision == "fp32" else {**HF_ZERO2, "bf16": {"enabled": "auto"}}
+        (run_dir / "zero2.json").write_text(json.dumps(ds, indent=1))
     cmd = hf_command(a, seq, hf_dir, model_dir, run_dir, deepspeed, compile, extra)
     res = _watch(lambda attempt: cmd + (["--abort-at-step", "1"] if attempt <= crash else []), run_dir / "log.txt",
                  C.child_env(), lambda: shutil.rmtree(run_dir / "out", ignore_errors=True), timeout=a.run_timeout)
     out = json.loads((run_dir / "times.json").read_text())
-    return {**res, "step_end": out["step_end"]}
+    return {**res, "step_end": out["step_end"], **({"loss": out["loss"]} if "loss" in out else {})}
 
 
 def run_bare(a, which: str, seq: int, run_dir: Path, env: dict) -> dict:
@@ -488,11 +525,14 @@ def summarize(a, runs: list[dict], tokens_per_step: int) -> dict:
         steady += gaps[a.skip - 1:]
     step_s = statistics.median(steady)
     ranks = [x for r in ok for x in r.get("ranks", [])]
+    last = [x for r in ok for x in (r.get("loss") or [])[-LOSS_STEPS:]]
+    loss = statistics.mean(last) if last and all(x is not None for x in last) else None
     return {"tokens_per_s": tokens_per_step / step_s, "step_s": step_s, "first_step_s": statistics.median(first),
             "startup_step_s": statistics.mean(warm) if warm else None, "steady_steps": len(steady),
             "runs": len(ok), "failed_runs": len(runs) - len(ok),
             "rank_rss_mib": max((x["peak_rss"] for x in ranks), default=0) / 2**20,
-            "rank_plus_workers_rss_mib": max((x["peak_rss"] + x["helpers_peak_rss"] for x in ranks), default=0) / 2**20}
+            "rank_plus_workers_rss_mib": max((x["peak_rss"] + x["helpers_peak_rss"] for x in ranks), default=0) / 2**20,
+            "loss": loss}
 
 
 def order(configs: list[str], rnd: int) -> list[str]:
@@ -574,6 +614,11 @@ def part_e2e(a, shards: Path, hf_dir: Path, work: Path) -> dict:
         if o["compiled_ratio"] is not None:
             print(f"seq {seq}: compiled vs compiled: {LABELS['ours_compile']} / {LABELS['hf_compile']} = "
                   f"{o['compiled_ratio']:.2f}x tokens/s")
+    for seq in a.seq:
+        losses = {c: r["loss"] for c, r in out[seq]["results"].items() if r.get("loss") is not None}
+        if len(losses) > 1:
+            print(f"seq {seq}: training loss over the last {LOSS_STEPS} steps, {a.steps * a.batch[seq] * seq} tokens "
+                  "seen: " + ", ".join(f"{LABELS[c]} {x:.3f}" for c, x in losses.items()))
     if "hf_ds" in a.configs:
         print(f"HF's DeepSpeed configuration: {json.dumps(HF_ZERO2)}")
     return {"per_seq": out, "notes": notes}
@@ -636,6 +681,8 @@ def main(argv=None) -> None:
         return
     if a.part != "overhead" and {"hf", "hf_ds", "hf_compile"} & set(a.configs):
         C.require("accelerate", "the HF Trainer (configurations hf, hf_ds, hf_compile)")
+    if a.device == "cuda":  # _common set DeepSpeed's accelerator to the CPU's for this process's children
+        os.environ["DS_ACCELERATOR"] = "cuda"
     shards, hf_dir = prepare(a)
     warm_extensions(a)
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-e2e-"))
@@ -654,7 +701,8 @@ def main(argv=None) -> None:
         elif a.work is None and not a.keep:  # the logs of a failed or retried run stay
             print(f"bench: the run directories are kept in {work}", file=sys.stderr, flush=True)
     extra = {"load_average_end": C.load_average(), "steps": a.steps, "skip": a.skip, "rounds": a.rounds,
-             "dropout": a.dropout, "retried": [n for n in e2e["notes"] + over["notes"] if n["what"] != "failed"],
+             "dropout": a.dropout, "device": a.device, "precision": a.precision,
+             "retried": [n for n in e2e["notes"] + over["notes"] if n["what"] != "failed"],
              "failed": [n for n in e2e["notes"] + over["notes"] if n["what"] == "failed"]}
     over_ok = {s: o for s, o in over["per_seq"].items() if o["ratio_vs_bare_torch"] is not None}
     if over_ok:

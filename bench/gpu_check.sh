@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared check for a CUDA machine: start-up, torch.compile, whole-trainer speed and every rotary
-# backend's equality, in about 8 minutes on one H100/H200-class GPU.
+# The one prepared check for a CUDA machine: start-up, torch.compile, whole-trainer speed, packed documents'
+# attention, the HF Trainer beside us and every rotary backend's equality, in about 8 minutes on one
+# H100/H200-class GPU.
 #
 #     bash bench/gpu_check.sh                    # results under bench/gpu_results/ (OUT_DIR)
 #     DEBUG_DATA=.gpu/data/debug GPU_DATA=.gpu/data/gpu bash bench/gpu_check.sh   # shards built elsewhere
@@ -24,32 +25,65 @@
 #   est s  step
 #      5   env                      R  device, versions, missing packages (one JSON line)
 #      0   data_debug, data_gpu     R  the shard sets as given (10 and 25 s when they must be built)
-#     50   trainer_base_s512        R  roformer-train: model preset base (hidden 768, 12 layers; dropout 0,
-#                                      as bench/step.py), S 512, bf16, ZeRO-2, NCCL, one rank per GPU, 64
-#                                      sequences per GPU, data.num_workers 4, the gpu set, 36 steps, the
-#                                      profiler over steps 11-12, TORCH_CUDA_ARCH_LIST=$ARCH_CASE (9.0a on
-#                                      Hopper, the form DeepSpeed's JIT builds once failed on): the run must
-#                                      start (start-up ~25 s, steps ~5 s, the trace and a checkpoint ~15 s)
+#     50   trainer_base_s512        R  roformer-train --config configs/experiments/base_gpu.yaml (the GPU
+#                                      preset: model base, hidden 768, 12 layers, dropout 0; bf16, ZeRO-2,
+#                                      NCCL, packed documents kept apart by flex attention, or flash-attn's
+#                                      varlen where installed: the earlier figures predate flex;
+#                                      data.num_workers 4), S 512, one rank per GPU,
+#                                      64 sequences per GPU (the earlier figures', not the preset's 256), the
+#                                      gpu set, 36 steps, the profiler over steps 11-12,
+#                                      TORCH_CUDA_ARCH_LIST=$ARCH_CASE (9.0a on Hopper, the form DeepSpeed's JIT
+#                                      builds once failed on): the run must start (start-up ~25 s, steps ~5 s,
+#                                      the trace and a checkpoint ~15 s)
 #      5   trainer_base_s512_report R  median tokens/s and MFU over steps 6-36 less the profiled ones
-#     10   trainer_base_s512_profile R GPU busy fraction over the window, the 10 largest kernels
+#     10   trainer_base_s512_profile R GPU busy fraction over the window, the 10 largest kernels, and where a
+#                                      step goes (the window's phases table: data, forward, backward,
+#                                      optimizer, other; the device time each launched, NCCL, GPU idle)
 #     75   step_compile             R  bench/step.py --compile: the bare step of that model (vocabulary 8000,
 #                                      batch 64), eager and compiled: tokens/s and MFU of both, compile time
 #     80   trainer_base_s512_compiled R  the trainer run with trainer.compile=true, 20 steps, no profiler
 #      3   trainer_base_s512_compiled_report R  steps 6-20; the first step's seconds are the compile's
-#    100   optimizer                R  bench/optimizer.py --device cuda: DeepSpeed's FusedAdam vs torch's fused
+#     45   rotary_tests                tests/test_rotary.py on CUDA: the Triton kernel (rewritten to stream
+#                                      whole rows since the last GPU run) and every backend (skipped without
+#                                      triton)
+#     30   flex_tests                  tests/test_packing.py -k "gpu or flex": flex attention's document mask
+#                                      forward and backward against the blocks on the GPU (and varlen's with
+#                                      flash-attn), its tiles against torch's create_block_mask
+#     15   rotary_bench                bench/rotary.py, bf16, B 64, S 512 and 1536: GB/s beside the datasheet's
+#                                      memory bandwidth (the goal: >= 50 %)
+#     40   doc_attention_s512          bench/step.py --documents 85: the base step (vocabulary 8000, bf16, batch
+#                                      64) with rows packed with documents of 85 tokens on average (People's
+#                                      Daily's) through flex attention vs the same rows without a mask, S 512
+#                                      (the first flex call compiles its kernel)
+#     35   doc_attention_s1536         the same at S 1536, batch 16: document packing vs cross_document
+#    100   optimizer                   bench/optimizer.py --device cuda: DeepSpeed's FusedAdam vs torch's fused
 #                                      AdamW, ZeRO 1/2/3, bf16, with TORCH_CUDA_ARCH_LIST=$ARCH_CASE and an
 #                                      empty TORCH_EXTENSIONS_DIR, so that FusedAdam's nvcc build (~60 s)
 #                                      reads the arch-list case every time (skipped without the file)
 #     35   backends                    bench/gpu_check.py backends: every rotary backend vs reference
+#    150   e2e_vs_hf                   bench/e2e.py on the GPU: roformer-train (trainer.compile) vs the HF Trainer
+#                                      with its best (bf16, torch_compile; its RoFormer has no SDPA), the
+#                                      same job: base, S 512, 64 sequences, 20 steps, cross-document rows,
+#                                      dropout 0; tokens/s and the loss of the last 5 steps (both compile
+#                                      afresh, ~45 s each, and start ~25 s)
 #     35   train_debug_bf16_zero2      the debug experiment, bf16, ZeRO-2, NCCL, 2 ranks when there are 2
 #                                      GPUs, 8 steps over two curriculum stages, profiler steps 3-4
 #      3   train_debug_report       R  its figures (when it ran)
-#     45   rotary_tests                tests/test_rotary.py on CUDA (skipped without triton)
-#     12   rotary_bench                bench/rotary.py, bf16, S 512 and 1536
 #     15   mfu_base_s1536              bench/step.py, base preset, vocabulary 50000, S 1536, batch 16
 #     20   step_vs_hf                  bench/step.py, ours vs HF RoFormerForMaskedLM, bf16, S 512
 #     30   linear_attention            bench/linear_attention.py part 1, bf16, S 2048 and 8192
-#   ~330 s required, ~525 s in all: the last optional steps are skipped unless the real times are shorter.
+#     70   trainer_cross_doc_compiled_default          trainer_base_s512's run on cross-document rows (no
+#     70   trainer_cross_doc_compiled_reduce-overhead  mask: the layers as one graph), compiled, 20 steps,
+#                                      trainer.compile_mode default and reduce-overhead (CUDA graphs); each
+#                                      followed by its train-report (3 s, R when it ran)
+#     40   zero2_buckets_50M           low priority: trainer_base_s512's run, 12 steps, no profiler, with ZeRO-2's
+#     40   zero2_buckets_200M          deepspeed.reduce_bucket_size / allgather_bucket_size 5e7 and 2e8 (the
+#                                      default, trainer_base_s512's, is 5e8) and deepspeed.overlap_comm; each
+#                                      followed by its train-report (3 s, R when it ran). With one GPU there is
+#                                      no gradient to reduce across ranks: it shows the buckets' own cost
+#   ~230 s required, ~1000 s in all: the optional steps run most important first while the elapsed time plus
+#   their estimate stays within BUDGET_S; on a first run expect those after doc_attention_s512 to be skipped
+#   unless the real times are shorter than these estimates (or BUDGET_S is raised).
 #
 # Output. stdout gets a line as each step starts and ends, then every JSON line ({"bench": ...}), then
 # ONE compact summary (a line per step and figure, with each step's seconds) as the last lines, so that
@@ -191,19 +225,19 @@ fi
 
 # ------------------------------------------------------------------- the whole trainer, eager and compiled
 BASE_RUN="$WORK/trainer_base_s512"
-BASE_ARGS=(--config configs/experiments/debug.yaml model=base
+# the GPU preset; 64 sequences per GPU (not its 256): the tokens/s compare with the earlier figures
+BASE_ARGS=(--config configs/experiments/base_gpu.yaml
   "curriculum.stages=[{name: s512, seq_len: 512, global_batch_size: $((64 * NGPU)), micro_batch_size: 64, steps: 36}]"
-  data.shards="$GPU_TRAIN" data.eval_shards= data.num_workers=4 dist.world_size=$NGPU dist.backend=nccl
-  deepspeed.precision=bf16 deepspeed.zero_stage=2 optim.lr=1e-4 optim.warmup_steps=10 checkpoint.resume=false
-  trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0)
+  data.shards="$GPU_TRAIN" data.eval_shards= dist.world_size=$NGPU optim.lr=1e-4 optim.warmup_steps=10
+  checkpoint.resume=false trainer.log_every=1 trainer.eval_every=0 trainer.save_every=0)
 rm -rf "$BASE_RUN"
 step trainer_base_s512 50 required env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" "$PY" -m roformer_dist.cli.train \
-  "${BASE_ARGS[@]}" run_dir="$BASE_RUN" trainer.profile.start_step=11 trainer.profile.steps=2
+  "${BASE_ARGS[@]}" run_dir="$BASE_RUN" trainer.compile=false trainer.profile.start_step=11 trainer.profile.steps=2
 after_run "$BASE_RUN" trainer_base_s512_report 5 "$PY" bench/gpu_check.py train-report "$BASE_RUN" --skip 5 \
   --name trainer_base_s512
 after_run "$BASE_RUN" trainer_base_s512_profile 10 "$PY" bench/gpu_check.py profile-report "$BASE_RUN" \
   --category kernel --name trainer_base_s512_profile
-cp "$BASE_RUN"/profile/key_averages_*.txt "$LOGS/" 2>/dev/null
+cp "$BASE_RUN"/profile/key_averages_*.txt "$BASE_RUN"/profile/phases_*.txt "$LOGS/" 2>/dev/null
 rm -rf "$BASE_RUN/checkpoints"
 
 step step_compile 75 required "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 8000 \
@@ -218,15 +252,40 @@ after_run "$COMPILED_RUN" trainer_base_s512_compiled_report 3 "$PY" bench/gpu_ch
   --skip 5 --name trainer_base_s512_compiled
 rm -rf "$COMPILED_RUN/checkpoints"
 
+# ---------------------------------------------------------------------------- optional, most important first
+# the Triton rotary kernel (rewritten to stream whole rows since the last GPU run) and flex attention's
+# document mask: equal to their references on the GPU, then their speed
+if [ "$HAVE_TRITON" = 1 ]; then
+  step rotary_tests 45 optional "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_rotary.py
+else
+  skip rotary_tests 45 "triton is not installed"
+fi
+step flex_tests 30 optional "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_packing.py -k "gpu or flex"
+BACKENDS=reference,compiled
+[ "$HAVE_TRITON" = 1 ] && BACKENDS="$BACKENDS,triton"
+[ "$HAVE_FLASH_ATTN" = 1 ] && BACKENDS="$BACKENDS,flash_attn"
+step rotary_bench 15 optional "$PY" bench/rotary.py --device cuda --batch 64 --dtypes bf16 --seqs 512,1536 \
+  --backends "$BACKENDS" --repeats 5
+
+# packed documents (People's Daily's articles average ~85 tokens) through flex attention vs rows without a mask
+DOC_ARGS=(bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 8000 --ours-only --no-memory
+  --documents 85 --document-attention flex --repeats 10 --warmup 3)
+step doc_attention_s512 40 optional "$PY" "${DOC_ARGS[@]}" --seq 512 --batch 64
+step doc_attention_s1536 35 optional "$PY" "${DOC_ARGS[@]}" --seq 1536 --batch 16
+
 if [ -f bench/optimizer.py ]; then
-  step optimizer 100 required env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" \
+  step optimizer 100 optional env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" TORCH_EXTENSIONS_DIR="$WORK/torch_extensions" \
     "$PY" bench/optimizer.py --device cuda --repeats 10
 else
   skip optimizer 100 "bench/optimizer.py is not in this checkout"
 fi
-
-# ---------------------------------------------------------------------------- optional, most important first
 step backends 35 optional "$PY" bench/gpu_check.py backends --device cuda
+
+rm -rf "$WORK/e2e_runs" "$WORK/e2e_data"  # HF's copy of the shards is built afresh: its seconds count
+step e2e_vs_hf 150 optional "$PY" bench/e2e.py --part e2e --device cuda --precision bf16 --ranks 1 \
+  --model-preset base --dropout 0 --seq 512 --global-batch 512=64 --configs ours_compile hf_compile --steps 20 \
+  --skip 10 --rounds 1 --lr 5e-4 --shards "$GPU_TRAIN" --num-workers 4 --data "$WORK/e2e_data" \
+  --work "$WORK/e2e_runs" --run-timeout 150
 
 DEBUG_RUN="$WORK/train_debug_bf16_zero2"
 RANKS=$(( NGPU >= 2 ? 2 : 1 ))
@@ -239,21 +298,38 @@ step train_debug_bf16_zero2 35 optional "$PY" -m roformer_dist.cli.train --confi
 after_run "$DEBUG_RUN" train_debug_report 3 "$PY" bench/gpu_check.py train-report "$DEBUG_RUN" \
   --name train_debug_bf16_zero2
 
-if [ "$HAVE_TRITON" = 1 ]; then
-  step rotary_tests 45 optional "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_rotary.py
-else
-  skip rotary_tests 45 "triton is not installed"
-fi
-BACKENDS=reference,compiled
-[ "$HAVE_TRITON" = 1 ] && BACKENDS="$BACKENDS,triton"
-[ "$HAVE_FLASH_ATTN" = 1 ] && BACKENDS="$BACKENDS,flash_attn"
-step rotary_bench 12 optional "$PY" bench/rotary.py --device cuda --dtypes bf16 --seqs 512,1536 --backends "$BACKENDS" \
-  --repeats 5
 step mfu_base_s1536 15 optional "$PY" bench/step.py --device cuda --dtype bf16 --model-preset base --vocab 50000 \
   --seq 1536 --batch 16 --ours-only --no-memory --repeats 5 --warmup 2
 step step_vs_hf 20 optional "$PY" bench/step.py --device cuda --dtype bf16 --seq 512 --repeats 5 --warmup 2
 step linear_attention 30 optional "$PY" bench/linear_attention.py --device cuda --dtype bf16 --batch 4 --skip-mlm \
   --seqs 2048,8192 --repeats 3
+
+# CUDA graphs (trainer.compile_mode reduce-overhead) against the default compile mode, on rows that need no
+# mask (cross_document: the layers as one compiled graph, the part the mode applies to)
+for MODE in default reduce-overhead; do
+  MODE_RUN="$WORK/trainer_cross_doc_$MODE"
+  rm -rf "$MODE_RUN"
+  step "trainer_cross_doc_compiled_$MODE" 70 optional env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" "$PY" -m \
+    roformer_dist.cli.train "${BASE_ARGS[@]}" run_dir="$MODE_RUN" data.packing=cross_document trainer.compile=true \
+    trainer.compile_mode=$MODE trainer.stop_at_step=20 trainer.compile_cache_dir="$WORK/inductor"
+  after_run "$MODE_RUN" "trainer_cross_doc_compiled_${MODE}_report" 3 "$PY" bench/gpu_check.py train-report \
+    "$MODE_RUN" --skip 5 --name "trainer_cross_doc_compiled_$MODE"
+  rm -rf "$MODE_RUN/checkpoints"
+done
+
+# ZeRO-2's buckets (low priority): smaller ones, reduced on a side stream while backward goes on, against the
+# DeepSpeed defaults of trainer_base_s512 (5e8 elements, no overlap)
+for BUCKET in 50M 200M; do
+  ELEMENTS=$(( ${BUCKET%M} * 1000000 ))
+  BUCKET_RUN="$WORK/zero2_buckets_$BUCKET"
+  rm -rf "$BUCKET_RUN"
+  step "zero2_buckets_$BUCKET" 40 optional env TORCH_CUDA_ARCH_LIST="$ARCH_CASE" "$PY" -m roformer_dist.cli.train \
+    "${BASE_ARGS[@]}" run_dir="$BUCKET_RUN" trainer.compile=false trainer.stop_at_step=12 deepspeed.overlap_comm=true \
+    deepspeed.reduce_bucket_size=$ELEMENTS deepspeed.allgather_bucket_size=$ELEMENTS
+  after_run "$BUCKET_RUN" "zero2_buckets_${BUCKET}_report" 3 "$PY" bench/gpu_check.py train-report "$BUCKET_RUN" \
+    --skip 5 --name "zero2_buckets_$BUCKET"
+  rm -rf "$BUCKET_RUN/checkpoints"
+done
 
 # -------------------------------------------------------------------------------------------- the summary
 record total "$([ $FAILED = 0 ] && echo ok || echo FAILED)" $((SECONDS - T0)) "$BUDGET_S" \

@@ -44,6 +44,10 @@ The configuration (every value the comparison depends on):
 - threads: torchrun sets ``OMP_NUM_THREADS=1`` per rank when it starts more than one (its default).
 - ``--torch-compile``: ``TrainingArguments(torch_compile=True)``, the Trainer's own ``torch.compile`` of the
   model (inductor, its defaults), for ``bench/e2e.py --compile``.
+- ``--device cuda`` (``bench/e2e.py --device cuda``): ``use_cpu=False``, each rank on its GPU, NCCL (the
+  Trainer's default backend there); the step-time callback synchronizes the device before it notes the time,
+  so that a step's end is the device's. ``--bf16``: ``TrainingArguments(bf16=True)`` (autocast to bf16, fp32
+  weights and optimizer). HF's RoFormer has no SDPA or flash-attention implementation: its attention stays eager.
 
 Profiling (``--profile-dir DIR --profile-start K --profile-steps N``, for ``bench/profile_e2e.py``): rank 0
 runs ``torch.profiler`` (CPU activities, ``record_shapes=True``) over optimizer steps K..K+N-1, from the end of
@@ -187,12 +191,15 @@ class AbortAtStep(TrainerCallback):
 
 
 class StepTimes(TrainerCallback):
-    """Wall time at the end of every optimizer step."""
+    """Wall time at the end of every optimizer step; ``cuda``: once the device has finished it."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool = False):
         self.times: list[float] = []
+        self.cuda = cuda
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.synchronize()
         self.times.append(time.time())
 
 
@@ -246,6 +253,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=need, help="JSON with the step times (rank 0)")
     p.add_argument("--output-dir", type=Path, default=None, help="the Trainer's output_dir (default: next to --out)")
     p.add_argument("--torch-compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: use_cpu=False, one GPU per rank")
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
     p.add_argument("--profile-dir", type=Path, default=None, help="torch.profiler trace of rank 0 goes here")
     p.add_argument("--profile-start", type=int, default=5, help="first profiled optimizer step (1-based)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
@@ -292,14 +301,15 @@ def main(argv=None) -> None:
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
     args = TrainingArguments(
         output_dir=str(a.output_dir or a.out.parent / "hf_output"),
-        use_cpu=True, ddp_backend=None if a.deepspeed else "gloo", deepspeed=a.deepspeed,
+        use_cpu=a.device == "cpu", ddp_backend=None if a.deepspeed or a.device == "cuda" else "gloo",
+        deepspeed=a.deepspeed, bf16=a.bf16,
         per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.accumulation,
         max_steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup, lr_scheduler_type="linear",
         weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-6, max_grad_norm=1.0,
         save_strategy="no", eval_strategy="no", logging_steps=10, report_to="none", disable_tqdm=True,
         seed=a.seed, dataloader_drop_last=True, torch_compile=a.torch_compile,
         **({"average_tokens_across_devices": False} if a.per_rank_loss else {}))
-    timer, losses = StepTimes(), LossLog(model if a.record_loss else None)
+    timer, losses = StepTimes(cuda=a.device == "cuda"), LossLog(model if a.record_loss else None)
     callbacks = [timer, losses]
     if a.profile_dir is not None:
         if not 1 <= a.profile_start <= a.profile_start + a.profile_steps - 1 <= a.steps:
@@ -319,7 +329,8 @@ def main(argv=None) -> None:
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "world_size": args.world_size, "optim": str(args.optim), "deepspeed": bool(a.deepspeed),
                "threads": torch.get_num_threads(), "pid": os.getpid(), "torch_compile": a.torch_compile,
-               "seed": a.seed, "per_rank_loss": a.per_rank_loss, "logged_loss": losses.logged, **({"loss": per_step} if a.record_loss else {})}
+               "device": a.device, "bf16": a.bf16, "seed": a.seed, "per_rank_loss": a.per_rank_loss,
+               "logged_loss": losses.logged, **({"loss": per_step} if a.record_loss else {})}
         a.out.write_text(json.dumps(out) + "\n")
     # a rank that exits with its gloo group alive can abort at exit ("terminate called without an active
     # exception", SIGABRT: seen with --deepspeed), failing the launch after the work is done

@@ -16,16 +16,29 @@ so they count). On CUDA: ``torch.cuda.max_memory_allocated`` over the step minus
         --ours-only                               # tokens/s and MFU of the base preset
     python bench/step.py --tiny               # B=2, S=32, hidden 32, 1 layer: the same table and checks in seconds
     python bench/step.py --compile --ours-only  # ours eager vs ours compiled (trainer.compile), ratio of medians
+    python bench/step.py --device cuda --dtype bf16 --model-preset base --batch 64 --ours-only --documents 85 \
+        --document-attention flex               # packed documents kept apart vs the same rows without a mask
 
 ``--compile``: a second copy of ours, compiled as ``trainer.compile`` does (roformer_dist/parallel/compiled.py,
 static shapes, the inductor cache in a fresh temporary dir unless ``--compile-cache``), timed interleaved
 with the eager one; the compile (its first step) is timed apart, and the losses must agree (1e-4 relative).
+
+``--documents N``: the same model and token ids a second time with every row packed with documents of N tokens
+on average (lengths drawn from an exponential distribution, at least 2, the last one cut at the row's end; the
+mask numbers them 1, 2, ... as the loader's ``data.packing: document`` does), planned on the host once as the
+loader's workers plan each batch (``model.batch_plan``), timed interleaved with the rows without a mask (what
+``data.packing: cross_document`` gives full rows); ``ratio`` = no-mask step time / document step time (> 1: the
+documents are faster). ``--document-attention`` picks the kernel (``model.document_attention``: auto, blocks,
+flex, varlen; set through the config loader, so a value or a key this checkout lacks is named in the error).
+MFU counts full S x S attention in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,7 +48,8 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 import torch
 
 from roformer_dist.config import ModelConfig
-from roformer_dist.nn.model import RoFormerForMaskedLM, predicted_index, set_rotary_kernel
+from roformer_dist.errors import ConfigError
+from roformer_dist.nn.model import RoFormerForMaskedLM, batch_plan, predicted_index, set_rotary_kernel
 from roformer_dist.nn.rotary import model_kernel
 
 
@@ -61,28 +75,69 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU (GPU)")
     p.add_argument("--compile", action="store_true", help="also time ours compiled (trainer.compile) vs ours eager")
     p.add_argument("--compile-cache", default=None, help="inductor cache dir for --compile (default: a fresh one)")
+    p.add_argument("--documents", type=int, default=0, metavar="N",
+                   help="also time the rows packed with documents of N tokens on average against no mask (ours only)")
+    p.add_argument("--document-attention", default=None, metavar="KIND",
+                   help="model.document_attention of the model (auto, blocks, flex, varlen; default: the config's)")
     p.add_argument("--memory-worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     C.tiny_defaults(p, argv, batch=2, seq=32, hidden=32, layers=1, heads=2, ffn=64, vocab=300, repeats=2, warmup=1)
     return p.parse_args(argv)
 
 
 def model_config(a) -> ModelConfig:
-    if a.model_preset:
+    """The model of the flags; a preset and ``--document-attention`` go through the config loader as overrides."""
+    overrides = [f"model={a.model_preset}"] if a.model_preset else []
+    if a.document_attention:
+        overrides.append(f"model.document_attention={a.document_attention}")
+    loaded = None
+    if overrides:
         from roformer_dist.config import load_config
 
-        m = load_config(overrides=[f"model={a.model_preset}"]).model
-        a.hidden, a.layers, a.heads, a.ffn = m.hidden_size, m.num_hidden_layers, m.num_attention_heads, \
-            m.intermediate_size
-    return ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                       num_attention_heads=a.heads, intermediate_size=a.ffn,
-                       max_position_embeddings=max(512, a.seq), hidden_dropout_prob=a.dropout,
-                       attention_probs_dropout_prob=a.dropout, rotary_backend=a.rotary_backend,
-                       attention=a.attention)
+        try:
+            loaded = load_config(overrides=overrides).model
+        except ConfigError as e:
+            raise SystemExit(f"step: {e}") from None
+    if a.model_preset:
+        a.hidden, a.layers, a.heads, a.ffn = loaded.hidden_size, loaded.num_hidden_layers, \
+            loaded.num_attention_heads, loaded.intermediate_size
+    m = ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                    num_attention_heads=a.heads, intermediate_size=a.ffn,
+                    max_position_embeddings=max(512, a.seq), hidden_dropout_prob=a.dropout,
+                    attention_probs_dropout_prob=a.dropout, rotary_backend=a.rotary_backend,
+                    attention=a.attention)
+    return dataclasses.replace(m, document_attention=loaded.document_attention) if a.document_attention else m
 
 
 def make_batch(a, device):
     ids, labels = C.random_mlm_batch(a.vocab, a.batch, a.seq, seed=1, mask_prob=a.mask_prob)
     return ids.to(device), labels.to(device), predicted_index(labels).to(device)
+
+
+def packed_mask(batch: int, seq: int, mean_len: int, seed: int = 2) -> torch.Tensor:
+    """(batch, seq) int64: each row packed end to end with documents numbered 1, 2, ... (``data.packing:
+    document``'s mask), their lengths drawn from an exponential distribution of mean ``mean_len`` (at least 2
+    tokens), the last one cut at the row's end."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        row, doc = [], 0
+        while len(row) < seq:
+            doc += 1
+            length = max(2, math.ceil(-mean_len * math.log(1.0 - float(torch.rand((), generator=g)))))
+            row += [doc] * length
+        rows.append(row[:seq])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def document_batch(a, model, labels):
+    """(mask, layout) on the device for ``--documents``: the mask and its plan, made on the host as the loader's
+    workers make them (``model.batch_plan``)."""
+    mask = packed_mask(a.batch, a.seq, a.documents)
+    try:
+        plan = batch_plan(model.config, torch.device(a.device).type)({"attention_mask": mask, "labels": labels.cpu()})
+    except ConfigError as e:
+        raise SystemExit(f"step: {e}") from None
+    return mask.to(a.device), plan["layout"].to(a.device)
 
 
 def build(a, which: str):
@@ -109,11 +164,11 @@ def build(a, which: str):
     return model
 
 
-def step_fn(model, which: str, ids, labels, predicted):
+def step_fn(model, which: str, ids, labels, predicted, mask=None, layout=None):
     def step():
         model.zero_grad(set_to_none=True)
-        if which in ("ours", "compiled"):  # the predicted positions come from the host, as in the trainer
-            loss = model(ids, labels=labels, predicted=predicted).loss
+        if which in ("ours", "compiled", "documents"):  # the predicted positions come from the host, as in the trainer
+            loss = model(ids, mask, labels=labels, predicted=predicted, layout=layout).loss
         else:
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -155,12 +210,20 @@ def main(argv=None) -> None:
     model_config(a)  # a preset fills in the dimensions printed below
     if a.attention != "softmax" and not a.ours_only:
         raise SystemExit("--attention linear has no HF equivalent: add --ours-only")
+    if a.documents and (not a.ours_only or a.compile):
+        raise SystemExit("--documents: HF has no document masks and --compile compares whole rows: add --ours-only, "
+                         "leave out --compile")
     ids, labels, predicted = make_batch(a, a.device)
     names = ["ours"] if a.ours_only else ["ours", "hf"]
     if a.compile:
         names.append("compiled")
     models = {n: build(a, n) for n in names}
     steps = {n: step_fn(models[n], n, ids, labels, predicted) for n in names}
+    if a.documents:  # the same model, weights and ids, the rows packed with documents
+        names.append("documents")
+        models["documents"] = models["ours"]
+        mask, layout = document_batch(a, models["ours"], labels)
+        steps["documents"] = step_fn(models["ours"], "documents", ids, labels, predicted, mask, layout)
     losses, compile_s = {}, None
     for n in names:
         t0 = time.perf_counter()
@@ -172,8 +235,8 @@ def main(argv=None) -> None:
     mem = {}
     if not a.no_memory:
         for n in names:
-            if n == "compiled":
-                continue  # a memory worker would compile again; the figure is for the eager models
+            if n == "compiled" or (n == "documents" and not a.device.startswith("cuda")):
+                continue  # a memory worker would compile again / has no documents: the figure is for the others
             if a.device.startswith("cuda"):
                 mem[n] = C.cuda_peak_delta(steps[n])
             else:
@@ -184,7 +247,8 @@ def main(argv=None) -> None:
     ours_model = models["ours"]
     flops = {"ours": ours_model.flops_per_token(a.seq, frac) * tokens,
              "hf": ours_model.flops_per_token(a.seq, 1.0) * tokens,
-             "compiled": ours_model.flops_per_token(a.seq, frac) * tokens}
+             "compiled": ours_model.flops_per_token(a.seq, frac) * tokens,
+             "documents": ours_model.flops_per_token(a.seq, frac) * tokens}
     peak = peak_tflops(a)
     print(f"train step, B={a.batch} S={a.seq} hidden={a.hidden} layers={a.layers} heads={a.heads} "
           f"ffn={a.ffn} vocab={a.vocab} {a.dtype} {a.device} dropout={a.dropout} "
@@ -222,6 +286,19 @@ def main(argv=None) -> None:
                batch=a.batch, preset=a.model_preset, attention=a.attention,
                tokens_per_s=round(tokens / times["ours"], 1), tflops=round(flops["ours"] / times["ours"] / 1e12, 2),
                mfu=round(mfu, 4) if mfu else None)
+    if a.documents:  # packed documents vs the same rows without a mask: ratio > 1 = documents faster
+        docs = mask.amax(dim=1).float()
+        assert math.isfinite(losses["documents"]), losses
+        print(f"documents vs no mask (ours): step {times['documents'] * 1e3:.1f} ms vs {times['ours'] * 1e3:.1f} ms "
+              f"(medians of {a.repeats}), ratio {times['ours'] / times['documents']:.3f}; {docs.mean():.1f} "
+              f"documents per row, {layout.form} layout, document_attention {models['ours'].config.document_attention}")
+        C.emit("step_documents", times["documents"], times["ours"], "s", times["ours"] / times["documents"],
+               device=a.device, dtype=a.dtype, seq=a.seq, batch=a.batch, preset=a.model_preset,
+               mean_document=a.documents, docs_per_row=round(float(docs.mean()), 2), form=layout.form,
+               document_attention=models["ours"].config.document_attention,
+               tokens_per_s=round(tokens / times["documents"], 1),
+               tokens_per_s_no_mask=round(tokens / times["ours"], 1),
+               mem_mib=round(mem["documents"] / 2**20, 1) if "documents" in mem else None)
     if a.compile:  # compiled vs eager ours: ratio > 1 = compiled faster
         C.emit("step_compiled", times["compiled"], times["ours"], "s", times["ours"] / times["compiled"],
                device=a.device, dtype=a.dtype, seq=a.seq, batch=a.batch, compile_s=round(compile_s, 1),

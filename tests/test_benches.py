@@ -218,6 +218,27 @@ def check_parity(lines: list[dict], tail: str, stdout: str) -> None:
 CHECKS["parity"] = check_parity
 
 
+def test_step_times_packed_documents_against_no_mask_in_tiny_mode():
+    """bench/step.py --documents N: the same model and ids with rows packed with documents of ~N tokens (planned
+    on the host as the loader plans them) against no mask, a JSON line of both times and their ratio; the kernel
+    through --document-attention (the config loader names a bad value; flex, which has no backward on CPU, is
+    refused with the model's message); HF, which has no document masks, refused."""
+    r = run_tiny("step", "--ours-only", "--documents", "8", "--document-attention", "blocks", "--no-memory")
+    tail = f"\n--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, tail
+    lines = json_lines(r.stdout)
+    (doc,) = [x for x in lines if x.get("bench") == "step_documents"]
+    (ours,) = [x for x in lines if x.get("bench") == "step_ours"]
+    assert doc["baseline"] == ours["ours"] and doc["ratio"] == pytest.approx(doc["baseline"] / doc["ours"], rel=1e-3)
+    assert 2 < doc["docs_per_row"] < 32 and doc["form"] in ("blocks", "dense") and doc["document_attention"] == "blocks"
+    assert doc["tokens_per_s"] > 0 and doc["tokens_per_s_no_mask"] == ours["tokens_per_s"], tail
+    for flags, message in [(("--document-attention", "bogus"), "model.document_attention: expected one of"),
+                           (("--document-attention", "flex"), "model.document_attention: flex"),
+                           ((), "--documents: HF has no document masks")]:
+        r = run_tiny("step", *(["--ours-only"] if flags else []), "--documents", "8", "--no-memory", *flags)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
 def test_e2e_watch_retries_a_real_abort_once_and_raises_at_the_second(tmp_path, monkeypatch):
     """bench/e2e.py's runner: an attempt that aborts (SIGABRT) is cleaned up, noted and run again; a second
     failure raises RunFailed naming the signal and the end of its stderr (the bench then reports it)."""
@@ -268,6 +289,34 @@ def test_e2e_compile_adds_the_compiled_configurations_with_their_switches(tmp_pa
     assert "--torch-compile" in e2e.hf_command(a, 128, tmp_path, tmp_path, tmp_path, deepspeed=False, compile=True)
     assert "--torch-compile" not in e2e.hf_command(a, 128, tmp_path, tmp_path, tmp_path, deepspeed=False)
     assert {c: e2e.OURS_OF[c] for c in ("hf", "hf_compile")} == {"hf": "ours", "hf_compile": "ours_compile"}
+
+
+def test_e2e_on_a_gpu_runs_both_sides_in_bf16_synchronized_and_reports_their_losses(tmp_path, monkeypatch):
+    """--device cuda --precision bf16: ours with deepspeed.precision bf16 and its losses read every step, HF with
+    bf16, the device and its per-step losses; the CPU job stays as it was; each side's loss over its last
+    LOSS_STEPS steps in the summary; part 2 (CPU bare steps) refused on CUDA."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e
+
+    cpu = e2e.parse_args(["--seq", "512"])
+    conf = e2e.ours_config(cpu, 512, 2, tmp_path, tmp_path / "r")
+    assert conf["deepspeed"] == "zero2" and conf["trainer"]["log_every"] == 10 and "num_workers" not in conf["data"]
+    assert not {"--device", "--bf16", "--record-loss"} & set(e2e.hf_command(cpu, 512, tmp_path, tmp_path, tmp_path,
+                                                                          deepspeed=False))
+    gpu = e2e.parse_args(["--part", "e2e", "--device", "cuda", "--precision", "bf16", "--ranks", "1", "--seq", "512",
+                          "--num-workers", "4", "--shards", str(tmp_path / "set")])
+    conf = e2e.ours_config(gpu, 512, 1, e2e.shard_set(gpu), tmp_path / "r")
+    assert conf["deepspeed"] == {"preset": "zero2", "precision": "bf16"} and conf["trainer"]["log_every"] == 1
+    assert conf["data"]["num_workers"] == 4 and conf["data"]["shards"] == str(tmp_path / "set")
+    cmd = e2e.hf_command(gpu, 512, tmp_path, tmp_path, tmp_path, deepspeed=False)
+    assert cmd[cmd.index("--device") + 1] == "cuda" and {"--bf16", "--record-loss"} <= set(cmd)
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device", "cuda"])  # --part all: the bare steps of part 2 are CPU only
+    runs = [{"launch": 0.0, "step_end": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], "loss": [9, 9, 5, 4, 3, 2, 1],
+             "ranks": []}, {"launch": 0.0, "step_end": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], "ranks": []}]
+    a = e2e.parse_args(["--tiny", "--steps", "7"])
+    assert e2e.summarize(a, runs[:1], 64)["loss"] == pytest.approx(3.0)  # steps 3-7 of 7
+    assert e2e.summarize(a, runs[1:], 64)["loss"] is None  # HF on CPU records no per-step loss
 
 
 def check_e2e(lines: list[dict], tail: str, stdout: str) -> None:

@@ -1,6 +1,7 @@
 """bench/gpu_check.sh, the GPU machine's one script, and bench/gpu_bundle.sh, checked where there is no GPU:
 both shells parse; the check's dry run lists its steps in order and every Python command in it parses its
-arguments (the trainer runs: a valid config of the intended shape); on a stand-in interpreter the script
+arguments (the trainer runs: the GPU preset, a valid config of the intended shape; the document-attention steps'
+model; both sides of the GPU e2e job); on a stand-in interpreter the script
 runs its steps, times one out, skips the optional ones past its budget and ends with the summary; without
 CUDA it stops at once with a clear message. Its Python side runs on CPU: the model-level backend check
 (Triton under its interpreter, in the child process only), train-report and profile-report on a real
@@ -25,6 +26,11 @@ BUNDLE = ROOT / "bench" / "gpu_bundle.sh"
 REQUIRED_FIRST = ["env", "trainer_base_s512", "trainer_base_s512_report", "trainer_base_s512_profile", "step_compile",
                   "trainer_base_s512_compiled", "trainer_base_s512_compiled_report"]
 """The most important figures first: start-up, compile, the whole trainer eager and compiled."""
+OPTIONAL_FIRST = ["rotary_tests", "flex_tests", "rotary_bench", "doc_attention_s512", "doc_attention_s1536",
+                  "optimizer", "backends", "e2e_vs_hf"]
+"""The optional steps' order begins so: the new kernels' correctness and speed (rotary, flex attention's document
+mask), the optimizers, the backends, then the HF Trainer."""
+PRESET = "configs/experiments/base_gpu.yaml"
 
 
 @pytest.fixture
@@ -65,8 +71,12 @@ def python_args(argv: list[str]) -> list[str]:
 def test_dry_run_orders_the_important_steps_first(tmp_path):
     names = [n for n, _ in dry_run(tmp_path) if not n.startswith("data_")]
     assert names[:len(REQUIRED_FIRST)] == REQUIRED_FIRST
-    assert {"backends", "train_debug_bf16_zero2", "rotary_tests", "rotary_bench", "mfu_base_s1536", "step_vs_hf",
-            "linear_attention"} <= set(names)
+    start = names.index("rotary_tests")
+    assert names[start:start + len(OPTIONAL_FIRST)] == OPTIONAL_FIRST
+    assert {"train_debug_bf16_zero2", "mfu_base_s1536", "step_vs_hf", "linear_attention",
+            "trainer_cross_doc_compiled_reduce-overhead"} <= set(names[start + len(OPTIONAL_FIRST):])
+    assert names[-4:] == ["zero2_buckets_50M", "zero2_buckets_50M_report", "zero2_buckets_200M",
+                          "zero2_buckets_200M_report"]  # the lowest priority last
 
 
 def test_the_arch_list_case_reaches_the_trainer_and_the_fusedadam_build(tmp_path):
@@ -96,13 +106,16 @@ def test_every_python_command_of_the_script_parses(tmp_path, monkeypatch):
             module.parse_args(args[1:])
         except SystemExit as e:  # argparse's exit on an unknown flag or a bad value
             raise AssertionError(f"{name}: {' '.join(args)}: arguments rejected ({e})") from None
-    assert benches >= {"bench/gpu_check.py", "bench/step.py", "bench/rotary.py", "bench/linear_attention.py"}
+    assert benches >= {"bench/gpu_check.py", "bench/step.py", "bench/rotary.py", "bench/linear_attention.py",
+                       "bench/e2e.py"}
 
 
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_training_steps_of_the_script_are_valid_configs(tmp_path, ngpu):
-    """The whole-trainer runs (base, S 512, 64 sequences per GPU, bf16, ZeRO-2, NCCL, one rank per GPU, 4 loader
-    workers, the arch-list case) and the debug run (two curriculum stages), at 1 and 2 GPUs."""
+    """The whole-trainer runs (the GPU preset: base, bf16, ZeRO-2, NCCL, dropout 0, packed documents, 4 loader
+    workers; S 512, 64 sequences per GPU, one rank per GPU), eager, compiled, compiled on cross-document rows
+    with and without CUDA graphs, and with smaller ZeRO buckets reduced while backward goes on, and the debug
+    run (two curriculum stages), at 1 and 2 GPUs."""
     from roformer_dist.config import load_config
 
     runs = {}
@@ -111,14 +124,29 @@ def test_training_steps_of_the_script_are_valid_configs(tmp_path, ngpu):
         if args[:2] == ["-m", "roformer_dist.cli.train"]:
             assert args[2] == "--config"
             runs[name] = (argv, load_config(ROOT / args[3], args[4:]))
-    assert set(runs) == {"trainer_base_s512", "trainer_base_s512_compiled", "train_debug_bf16_zero2"}
-    for name in ("trainer_base_s512", "trainer_base_s512_compiled"):
+    cross = {"trainer_cross_doc_compiled_default", "trainer_cross_doc_compiled_reduce-overhead"}
+    base = {"trainer_base_s512", "trainer_base_s512_compiled", "zero2_buckets_50M", "zero2_buckets_200M", *cross}
+    assert set(runs) == base | {"train_debug_bf16_zero2"}
+    for name in sorted(base):
         argv, cfg = runs[name]
+        assert python_args(argv)[3] == PRESET  # the GPU preset, the overrides the check needs on top
         (stage,) = cfg.curriculum.stages
         assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, stage.seq_len) == (768, 12, 512)
+        assert cfg.model.hidden_dropout_prob == cfg.model.attention_probs_dropout_prob == 0
         assert (stage.global_batch_size, stage.micro_batch_size, cfg.dist.world_size) == (64 * ngpu, 64, ngpu)
         assert (cfg.deepspeed.precision, cfg.deepspeed.zero_stage, cfg.dist.backend) == ("bf16", 2, "nccl")
         assert cfg.data.num_workers == 4 and cfg.data.eval_shards == "" and cfg.trainer.log_every == 1
+        assert cfg.data.packing == ("cross_document" if name in cross else "document")
+        assert cfg.trainer.compile is (name in cross or name == "trainer_base_s512_compiled")
+        default = cfg.deepspeed.reduce_bucket_size == cfg.deepspeed.allgather_bucket_size == int(5e8)
+        assert default is (not name.startswith("zero2_buckets")) is (not cfg.deepspeed.overlap_comm)
+    for size, elements in (("50M", 50_000_000), ("200M", 200_000_000)):
+        buckets = runs[f"zero2_buckets_{size}"][1]
+        assert buckets.deepspeed.reduce_bucket_size == buckets.deepspeed.allgather_bucket_size == elements
+        assert buckets.trainer.stop_at_step == 12 and buckets.trainer.profile.start_step == 0
+    for mode in ("default", "reduce-overhead"):   # CUDA graphs against the default mode, the same run otherwise
+        cfg = runs[f"trainer_cross_doc_compiled_{mode}"][1]
+        assert cfg.trainer.compile_mode == mode and cfg.trainer.stop_at_step == 20
     eager, compiled = runs["trainer_base_s512"][1], runs["trainer_base_s512_compiled"][1]
     assert (eager.trainer.profile.start_step, eager.trainer.profile.steps) == (11, 2)
     assert eager.curriculum.stages[0].steps == 36 and not eager.trainer.compile
@@ -126,6 +154,57 @@ def test_training_steps_of_the_script_are_valid_configs(tmp_path, ngpu):
     _, debug = runs["train_debug_bf16_zero2"]
     assert (debug.deepspeed.precision, debug.deepspeed.zero_stage, debug.dist.world_size) == ("bf16", 2, min(ngpu, 2))
     assert debug.trainer.stop_at_step == 8 and debug.curriculum.stages[0].steps < 8  # two curriculum stages
+
+
+def test_the_document_attention_steps_time_flex_packing_against_no_mask(tmp_path, monkeypatch):
+    """doc_attention_s512 / _s1536: bench/step.py's base step in bf16 on CUDA, its rows packed with documents of
+    People's Daily's mean length through flex attention (the model's config takes it) against no mask."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import step
+
+    steps = dict(dry_run(tmp_path))
+    for name, shape in {"doc_attention_s512": (512, 64), "doc_attention_s1536": (1536, 16)}.items():
+        args = python_args(steps[name])
+        assert args[0] == "bench/step.py"
+        a = step.parse_args(args[1:])
+        assert (a.seq, a.batch) == shape and a.documents == 85 and a.ours_only and not a.compile
+        assert (a.device, a.dtype, a.model_preset, a.vocab) == ("cuda", "bf16", "base", 8000)
+        m = step.model_config(a)
+        assert m.document_attention == "flex" and (m.hidden_size, m.num_hidden_layers) == (768, 12)
+        assert m.hidden_dropout_prob == m.attention_probs_dropout_prob == 0
+
+
+def test_the_e2e_step_runs_one_job_on_both_sides_on_one_gpu(tmp_path, monkeypatch):
+    """e2e_vs_hf: bench/e2e.py on CUDA in bf16, roformer-train compiled against the HF Trainer with torch_compile,
+    one rank, the base preset at 512 tokens, 64 sequences a step, dropout 0: ours a valid config of that shape,
+    HF's command parsed by its own script."""
+    import yaml
+
+    from roformer_dist.config import load_config
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e
+
+    args = python_args(dict(dry_run(tmp_path))["e2e_vs_hf"])
+    assert args[0] == "bench/e2e.py"
+    a = e2e.parse_args(args[1:])
+    assert (a.part, a.device, a.precision, a.ranks, a.seq, a.batch[512]) == ("e2e", "cuda", "bf16", 1, [512], 64)
+    assert a.configs == ["ours_compile", "hf_compile"] and a.rounds == 1 and a.steps >= a.skip + 3
+    conf = tmp_path / "ours.yaml"
+    conf.write_text(yaml.safe_dump(e2e.ours_config(a, 512, a.ranks, a.shards, tmp_path / "run", compile=True)))
+    cfg = load_config(conf)
+    (stage,) = cfg.curriculum.stages
+    assert (cfg.model.hidden_size, cfg.model.hidden_dropout_prob, cfg.deepspeed.precision) == (768, 0, "bf16")
+    assert (stage.seq_len, stage.global_batch_size, stage.micro_batch_size, stage.steps) == (512, 64, 64, a.steps)
+    assert cfg.trainer.compile and cfg.trainer.log_every == 1 and cfg.data.num_workers == 4
+    assert cfg.data.packing == "cross_document"  # HF has no document packing
+    hf = e2e.hf_command(a, 512, tmp_path, tmp_path, tmp_path, deepspeed=False, compile=True)
+    assert hf[hf.index("--nproc_per_node") + 1] == "1"
+    pytest.importorskip("transformers", reason="bench/hf_trainer_mlm.py needs transformers (the bench extra)")
+    hf_trainer_mlm = importlib.import_module("hf_trainer_mlm")
+    h = hf_trainer_mlm.parse_args(hf[hf.index(str(e2e.HF_SCRIPT)) + 1:])
+    assert (h.device, h.bf16, h.torch_compile, h.record_loss, h.seq, h.micro_batch, h.steps) == \
+        ("cuda", True, True, True, 512, 64, a.steps)
 
 
 # ----------------------------------------------------------------------------------------- the shell itself
@@ -173,7 +252,7 @@ def test_steps_run_time_out_fail_and_skip_past_the_budget(tmp_path):
     status = {row.split("\t")[0]: row.split("\t")[1] for row in (out / "steps.tsv").read_text().splitlines()}
     assert status["data_debug"] == status["data_gpu"] == status["trainer_base_s512"] == "ok"
     assert status["triton"] == status["rotary_tests"] == "SKIPPED"
-    assert status["optimizer"] == ("ok" if (ROOT / "bench" / "optimizer.py").exists() else "SKIPPED")  # required
+    assert status["optimizer"] == "SKIPPED"   # optional: past BUDGET_S 0
     assert status["step_compile"] == "TIMEOUT" and status["trainer_base_s512_compiled"] == "FAILED"
     assert status["trainer_base_s512_compiled_report"] == "SKIPPED"  # its run left no metrics.jsonl
     assert all(status[n] == "SKIPPED" for n in ("backends", "train_debug_bf16_zero2", "linear_attention"))
@@ -356,7 +435,10 @@ def cpu_run(small_shards, tmp_path_factory) -> Path:
 
 def test_profile_report_on_a_real_cpu_trace(cpu_run, capsys, gpu_check):
     assert gpu_check.main(["profile-report", str(cpu_run), "--category", "cpu_op"]) == 0
-    (line,) = json_lines(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    line, phases = json_lines(out)
+    assert "where a step goes: steps 3-4" in out   # the window's phases table, printed and as a JSON line
+    assert phases["bench"] == "phases" and phases["steps"] == [3, 4] and len(phases["phases"]) == 5
     assert line["steps"] == 2 and line["events"] > 100 and 0 < line["busy"] <= 1
     assert 0 < line["union_ms"] <= line["window_ms"] and line["union_ms"] <= line["sum_ms"]
     assert len(line["top"]) == 10 and all(t["ms"] > 0 for t in line["top"])
@@ -378,13 +460,13 @@ def test_train_report_on_a_real_run(cpu_run, capsys, gpu_check):
 def test_summary_has_a_line_per_step_and_figure(tmp_path, capsys, gpu_check, cpu_run):
     gpu_check.main(["train-report", str(cpu_run), "--name", "trainer_base_s512"])
     gpu_check.main(["profile-report", str(cpu_run), "--category", "cpu_op", "--name", "trainer_base_s512_profile"])
-    train, profile = json_lines(capsys.readouterr().out)
+    train, profile, phases = json_lines(capsys.readouterr().out)
     figures = {
         "env": [{"bench": "gpu_env", "ours": 0, "baseline": 0, "unit": "-", "ratio": 1, "device": "NVIDIA H200",
                  "num_gpus": 1, "capability": "9.0", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0",
                  "torch_cuda_arch_list": "9.0a", "missing": []}],
         "trainer_base_s512_report": [train],
-        "trainer_base_s512_profile": [profile],
+        "trainer_base_s512_profile": [profile, phases],
         "step_compile": [
             {"bench": "step_ours", "ours": 0.06, "baseline": 0.06, "unit": "s", "ratio": 1.0, "seq": 512, "batch": 64,
              "preset": "base", "attention": "softmax", "tokens_per_s": 546133.3, "mfu": 0.315},
@@ -394,7 +476,8 @@ def test_summary_has_a_line_per_step_and_figure(tmp_path, capsys, gpu_check, cpu
                       "backend": b, "attention": "softmax", "dtype": d, "loss_diff": 1e-3, "qkv_grad_rel_diff": 1e-3,
                       "ok": b != "triton" or d != "bf16"} for b in ("compiled", "triton") for d in ("fp32", "bf16")],
         "rotary_bench": [{"bench": "rotary", "ours": 0.00072, "baseline": 0.0012, "unit": "s", "ratio": 1.667,
-                          "backend": "triton", "seq": 512, "dtype": "bf16"}],
+                          "backend": "triton", "seq": 512, "dtype": "bf16", "batch": 64, "gbps": 700.0,
+                          "peak_share": 0.146}],
         "optimizer": [{"bench": "optimizer", "zero_stage": 2, "dtype": "bf16", "ours": 0.01, "baseline": 0.012,
                        "unit": "s", "ratio": 1.2, "kernel_ratio": 1.1, "baseline_build_or_load_s": 61.2,
                        "skipped": None},
@@ -419,14 +502,36 @@ def test_summary_has_a_line_per_step_and_figure(tmp_path, capsys, gpu_check, cpu
     assert "busy" in rows["trainer_base_s512_profile"]
     top = out.index(rows["trainer_base_s512_profile"]) + 1
     assert all("ms/step" in line for line in out[top:top + 10])  # the ten largest, indented below
+    where = next(i for i, line in enumerate(out) if "where a step goes" in line)   # then the phases, a line each
+    assert [out[i].split()[0] for i in range(where + 1, where + 6)] == ["data", "forward", "backward", "optimizer",
+                                                                         "other"]
     compiled = out[out.index(rows["step_compile"]) + 1]
     assert "eager tokens/s 546k  mfu 0.315" in rows["step_compile"] and "compiled tokens/s 655k  mfu 0.378" in compiled
     assert "3/4 equal" in rows["backends"] and any("OFF: triton softmax bf16" in line for line in out)
     assert "a backend is off" in "\n".join(out)
-    assert "best triton 0.72 ms vs hf 1.2 ms" in rows["rotary_bench"]
+    assert "best triton 0.72 ms vs hf 1.2 ms" in rows["rotary_bench"] and "700.0 GB/s = 15% of peak" in \
+        rows["rotary_bench"]
     assert "ZeRO 2 bf16: step ours 10 ms vs FusedAdam 12 ms (x1.2)  kernel x1.1  FusedAdam build/load 61.2 s" \
         in rows["optimizer"]
     following = out[out.index(rows["optimizer"]) + 1:out.index(rows["optimizer"]) + 4]
     assert "FusedAdam skipped: nvcc failed" in following[0]
     assert "step_ours: not a number" in following[1] and "another: 1 vs - " in following[2]  # shown as they are
     assert "SKIPPED" in rows["linear_attention"] and "budget" in rows["linear_attention"]
+
+
+def test_summary_lines_of_the_document_attention_and_e2e_steps(gpu_check):
+    """step_documents: both tokens/s, the step times and their ratio, the rows' documents and the kernel; e2e:
+    both sides' tokens/s, their ratio and each side's loss over its last steps."""
+    doc = {"bench": "step_documents", "ours": 0.05, "baseline": 0.06, "unit": "s", "ratio": 1.2, "seq": 1536,
+           "batch": 16, "mean_document": 85, "docs_per_row": 18.1, "form": "flex", "document_attention": "flex",
+           "tokens_per_s": 491520.0, "tokens_per_s_no_mask": 409600.0}
+    (line,) = gpu_check.figure_lines([doc])
+    assert "documents 492k tokens/s vs no mask 410k" in line and "50 ms vs 60 ms (x1.2" in line
+    assert "18.1 documents/row of ~85, flex (flex)  S 1536 B 16" in line
+    per = {"ours_compile": {"tokens_per_s": 5e5, "loss": 7.125}, "hf_compile": {"tokens_per_s": 2.5e5, "loss": 7.25},
+           "faster_hf": None}
+    e2e = {"bench": "e2e", "ours": 5e5, "baseline": 2.5e5, "unit": "tokens/s", "ratio": 2.0, "seq": 512,
+           "compiled": True, "precision": "bf16", "per_seq": {"512": per}}
+    (line,) = gpu_check.figure_lines([e2e])
+    assert line.startswith("roformer-train 500k vs HF Trainer 250k tokens/s (x2, both compiled)")
+    assert "loss of the last steps 7.12 vs 7.25  S 512 bf16" in line

@@ -34,7 +34,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["PHASES", "phase", "step_table", "format_step_table", "read_trace"]
+__all__ = ["PHASES", "phase", "step_table", "format_step_table", "read_trace", "union_length"]
 
 PHASES = ("data", "forward", "backward", "optimizer")
 """The marked phases of a step, in the order they run."""
@@ -58,7 +58,8 @@ def read_trace(path: Path) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> float:
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals: overlaps counted once, gaps not at all."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b > end:
@@ -123,7 +124,7 @@ def step_table(events: list[dict]) -> Optional[dict]:
     table = {"steps": [int(_STEP.match(e["name"]).group(1)) for e in sorted(steps, key=lambda e: e["ts"])],
              "step_ms": step_us * 1e-3, "phases": rows}
     if on_gpu:
-        busy = _union(spans)
+        busy = union_length(spans)
         table["gpu"] = {"busy_ms": busy * ms, "idle_ms": max(0.0, step_us * n - busy) * ms,
                         "busy_share": busy / (step_us * n) if step_us else 0.0,
                         "kernels_per_step": kernels / n, "launch_host_ms": launch_us * ms}
