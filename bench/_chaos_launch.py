@@ -159,7 +159,7 @@ def reference(data: Path, out: Path, layout: str, spike: Optional[str] = None) -
                            env=child_env(ROFORMER_STEP_DELAY_S=STEP_DELAY_S, **spike_env(spike)))
         if r.returncode != 0:
             sys.exit(f"chaos: the uninterrupted {layout} run failed ({r.returncode}):\n{r.stdout[-3000:]}"
-                     f"\n{r.stderr[-3000:]}")
+                     f"\n{r.stderr[-3000:]}{hang_stacks(run)}")
         recs = metrics(run)
         unmarked = [s for s in SPIKE_AT if not any(x["step"] == s and x.get("spike") for x in recs)]
         if spike == "skip" and unmarked:
@@ -173,6 +173,13 @@ def reference(data: Path, out: Path, layout: str, spike: Optional[str] = None) -
         done.write_text(json.dumps(timing))
     timing = json.loads(done.read_text())
     return run, timing["startup_s"], timing["step_s"]
+
+
+def hang_stacks(run: Path, chars: int = 1500) -> str:
+    """The innermost frames of each rank's stacks that the hang watchdog left in ``run/hang`` (the run
+    directory goes with the bench's temporary directory), for a failure message; "" without a hang."""
+    stacks = sorted((run / "hang").glob("*.stack"))
+    return "".join(f"\n--- {p.name} ---\n{p.read_text(errors='replace')[:chars]}" for p in stacks)
 
 
 # ----------------------------------------------------------------------------------------- one launch
