@@ -428,15 +428,16 @@ def test_packing_keys_are_checked(named_docs):
 
 
 def test_a_resumed_run_may_change_its_packing_and_the_change_is_named():
-    """Packing and document positions have no parameters: the resume check lets them change, and the
-    trainer logs each change (a checkpoint from before document packing counts as the default)."""
+    """Packing, document positions and the document kernel have no parameters: the resume check lets them
+    change, and the trainer logs each change (a checkpoint from before document packing counts as the default)."""
     from roformer_dist.checkpoint.compat import changed_settings, differences
     from roformer_dist.config import to_dict
 
     saved = to_dict(load_config(None, ["data.packing=cross_document"]))
-    now = load_config(None, ["model.document_positions=continue"])
+    now = load_config(None, ["model.document_positions=continue", "model.document_attention=blocks"])
     assert differences(saved, 1, now, 1) == []
     assert changed_settings(saved, now) == ["data.packing: 'cross_document' in the checkpoint, 'document' now",
-                                            "model.document_positions: 'restart' in the checkpoint, 'continue' now"]
+                                            "model.document_positions: 'restart' in the checkpoint, 'continue' now",
+                                            "model.document_attention: 'auto' in the checkpoint, 'blocks' now"]
     older = {k: v for k, v in saved.items() if k != "data"}
     assert changed_settings(older, load_config(None, [])) == []

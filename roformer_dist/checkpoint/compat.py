@@ -21,10 +21,10 @@ from roformer_dist.errors import CheckpointError, ConfigError
 from roformer_dist.nn.model import RoFormerForMaskedLM
 
 FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                             "initializer_range", "document_positions", *ROPE_KEYS})
-"""Model settings a resumed run may change: the kernel used, dropout, the initialiser (already used),
-how packed documents count positions and the rotary base and scaling (no parameters); and, with rotary
-positions, max_position_embeddings (:func:`_free_keys`)."""
+                             "initializer_range", "document_positions", "document_attention", *ROPE_KEYS})
+"""Model settings a resumed run may change: the kernels used (rotary, packed documents), dropout, the
+initialiser (already used), how packed documents count positions and the rotary base and scaling (no
+parameters); and, with rotary positions, max_position_embeddings (:func:`_free_keys`)."""
 
 
 def _free_keys(position_embedding: str) -> frozenset:
@@ -117,8 +117,8 @@ def _first_set(cfg: Config) -> str:
     return sources[0].shards if sources else ""
 
 
-CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend", "data.size_alpha",
-              "data.mlm_probability", "data.eval_mlm_probability", "data.mask_replace",
+CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend", "model.document_attention",
+              "data.size_alpha", "data.mlm_probability", "data.eval_mlm_probability", "data.mask_replace",
               "model.max_position_embeddings", *(f"model.{k}" for k in ROPE_KEYS))
 """Settings that change what a resumed run computes without touching its parameters: logged when they differ
 (and the mixture's weights and caps and the stages' masking rates, :func:`_stage_settings`)."""
