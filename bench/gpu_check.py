@@ -46,7 +46,6 @@ line) that gpu_check.sh writes into its OUT_DIR and prints one line per step and
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
 import re
@@ -59,7 +58,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
 import torch
 
-from roformer_dist.runtime.phases import union_length
+from roformer_dist.runtime.phases import read_trace, union_length
 
 FP32_TOL = 1e-4   # logits / loss, fp32: different kernels, same math
 BF16_LOSS_TOL = 2e-2
@@ -199,20 +198,13 @@ def find_trace(run: Path) -> Optional[Path]:
     return max(traces, key=lambda p: p.stat().st_mtime) if traces else None
 
 
-def load_trace(path: Path) -> list[dict]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        data = json.load(f)
-    return data.get("traceEvents", []) if isinstance(data, dict) else data
-
-
 def profile_check(run: Path, start_step: int) -> dict:
     """The trace of the run's ``trainer.profile`` window: its file and how many of its events are CUDA
     kernels (none: the profiler saw no GPU activity)."""
     trace = find_trace(run)
     if trace is None:
         return {"profile_trace": None, "profile_kernels": 0, "profile_ok": start_step == 0}
-    kernels = sum(e.get("cat") == "kernel" for e in load_trace(trace))
+    kernels = sum(e.get("cat") == "kernel" for e in read_trace(trace))
     return {"profile_trace": str(trace), "profile_kernels": kernels,
             "profile_ok": kernels > 0 or not torch.cuda.is_available()}
 
@@ -339,7 +331,7 @@ def profile_report(a) -> int:
     if trace is None:
         print(f"gpu_check.py profile-report: no *.pt.trace.json[.gz] under {run}/profile", file=sys.stderr)
         return 1
-    f = trace_figures(load_trace(trace), a.category, a.top)
+    f = trace_figures(read_trace(trace), a.category, a.top)
     per_step = max(f["steps"], 1)
     print(f"{trace}: {f['events']} {a.category} events over {f['window_ms']:.1f} ms ({f['steps']} steps); busy "
           f"{f['busy']}; union {f['union_ms']:.1f} ms, sum {f['sum_ms']:.1f} ms")

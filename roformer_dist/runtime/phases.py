@@ -27,6 +27,7 @@ absolute wall times of a launch-bound step.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import re
 from pathlib import Path
@@ -52,8 +53,10 @@ def phase(name: str) -> Iterator[None]:
 
 
 def read_trace(path: Path) -> list[dict]:
-    """The complete events (``ph: X``) of a Chrome trace file."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    """The complete events (``ph: X``) of a Chrome trace file (``.json`` or ``.json.gz``)."""
+    path = Path(path)
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
