@@ -115,7 +115,7 @@ def test_packed_documents_cost_no_score_mask_where_a_kernel_takes_them_without_o
     estimate leaves out the bias per row and layer; with attention dropout, on CPU, or with the blocks asked
     for, it stays in."""
     from roformer_dist.nn.documents import flash_varlen_available
-    from roformer_dist.train.dry_run import _maskless
+    from roformer_dist.train.memory_estimate import maskless as _maskless
     from roformer_dist.train.memory_estimate import estimate_stage
 
     def cfg(*overrides):

@@ -15,7 +15,7 @@ from typing import Optional
 
 from roformer_dist.config import Config
 from roformer_dist.errors import ConfigError
-from roformer_dist.train.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes
+from roformer_dist.train.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes, maskless
 from roformer_dist.train.resolved import ResolvedRun, resolve_run
 
 __all__ = ["dry_run", "plan_text", "visible_gpu_memory"]
@@ -28,18 +28,6 @@ def visible_gpu_memory() -> Optional[int]:
     if not torch.cuda.is_available():
         return None
     return int(torch.cuda.get_device_properties(0).total_memory)
-
-
-def _maskless(cfg: Config, device: str) -> bool:
-    """Whether packed documents would take a kernel without an S x S mask on ``device``: flash-attn's varlen
-    (half precision) or flex attention without attention dropout."""
-    from roformer_dist.nn.documents import flash_varlen_available
-    from roformer_dist.nn.model import document_kernel
-
-    kernel = document_kernel(cfg.model, device)
-    if kernel == "varlen":
-        return device == "cuda" and cfg.deepspeed.precision in ("bf16", "fp16") and flash_varlen_available()
-    return kernel == "flex" and device == "cuda" and cfg.model.attention_probs_dropout_prob == 0
 
 
 def plan_text(run: ResolvedRun, estimates: list[StageMemory], device: str, gpu_memory: Optional[int]) -> str:
@@ -83,7 +71,7 @@ def dry_run(cfg: Config, world_size: Optional[int] = None, gpu_memory: Optional[
     run.log_notes()
     gpu_memory = visible_gpu_memory() if gpu_memory is None else gpu_memory
     device = "cpu" if gpu_memory is None else "cuda"  # without a GPU budget: the CPU ranks' own estimate
-    estimates = [estimate_stage(run.cfg, plan, run.world_size, device, _maskless(run.cfg, device))
+    estimates = [estimate_stage(run.cfg, plan, run.world_size, device, maskless(run.cfg, device))
                  for plan in run.stages]
     print_fn(plan_text(run, estimates, device, gpu_memory))
     if gpu_memory is None:

@@ -39,7 +39,7 @@ from roformer_dist.config import Config, ModelConfig, StagePlan, data_parallel_s
 from roformer_dist.errors import ConfigError
 
 __all__ = ["StageMemory", "parameter_count", "estimate_stage", "parse_bytes", "format_bytes",
-           "HEADROOM", "DS_PREFETCH_BUCKET"]
+           "HEADROOM", "DS_PREFETCH_BUCKET", "maskless"]
 
 HEADROOM = 0.10
 """The share of a device's memory the estimate leaves free (CUDA context, NCCL buffers, allocator slack)."""
@@ -137,6 +137,18 @@ def _per_sample(cfg: Config, plan: StagePlan, device: str, maskless: bool) -> tu
     predicted = plan.mlm_probability * seq_len
     head = predicted * ((h + 3 * e) * w + 3 * v * 4 / t)  # saved, and the fp32 scores' log-softmax + 2 gradients
     return int(layer_bytes), int(head)
+
+
+def maskless(cfg: Config, device: str) -> bool:
+    """Whether packed documents take a kernel without an S x S mask on ``device``: flash-attn's varlen (half
+    precision) or flex attention without attention dropout (CUDA)."""
+    from roformer_dist.nn.documents import flash_varlen_available
+    from roformer_dist.nn.model import document_kernel
+
+    kernel = document_kernel(cfg.model, device)
+    if kernel == "varlen":
+        return device == "cuda" and cfg.deepspeed.precision in ("bf16", "fp16") and flash_varlen_available()
+    return kernel == "flex" and device == "cuda" and cfg.model.attention_probs_dropout_prob == 0
 
 
 def estimate_stage(cfg: Config, plan: StagePlan, world_size: Optional[int] = None, device: str = "cuda",

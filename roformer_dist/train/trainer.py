@@ -43,7 +43,7 @@ from roformer_dist.train.evaluation import Evaluator
 from roformer_dist.train.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops, run_sinks
 from roformer_dist.train.mixture import loader_sources
 from roformer_dist.train.policies import LoopPolicy, Stop
-from roformer_dist.train.preflight import check_largest_micro_batch_fits
+from roformer_dist.train.preflight import preflight
 from roformer_dist.train.profiling import ProfileWindow
 from roformer_dist.train.resolved import ResolvedRun
 from roformer_dist.train.rollback import roll_back
@@ -139,6 +139,8 @@ class Trainer(EvalSteps):
         """A loss-spike rollback just done (``train/rollback.py``), for the next step's record."""
         self._rolled_back = False
         """The last read rolled the run back: the loop starts over from the checkpoint's step."""
+        self._stage_first_step = False
+        """The next step is the first of a stage (the hang watchdog allows it dist.first_step_timeout_s)."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -175,7 +177,7 @@ class Trainer(EvalSteps):
                          f" (step {self.parent.step})" if self.parent.step is not None else "")
         self.flops_per_token = model.flops_per_token
         if cfg.parallel.tensor == cfg.parallel.pipeline == 1:
-            check_largest_micro_batch_fits(model, cfg, run.stages, env.local_rank)
+            preflight(model, cfg, run.stages, run.manifests, run.world_size, env.local_rank)
         first = stage_at(self.stages, found.step if found and found.step < self.total else 0)
         self.stage_index = first.index
         plan = run.stages[first.index]
@@ -264,6 +266,8 @@ class Trainer(EvalSteps):
                               mlm_probability=st.mlm_probability)
 
     def switch_stage(self, index: int) -> None:
+        self.beat("stage.switch", first_step=True)  # measures the rotary kernel; the stage's first step compiles
+        self._stage_first_step = True
         st, was = self.run.stages[index], self.run.stages[self.stage_index]
         if st.mlm_probability != was.mlm_probability:
             log.info("stage %r: masking %g of the tokens (was %g)", st.name, st.mlm_probability, was.mlm_probability)
@@ -278,11 +282,11 @@ class Trainer(EvalSteps):
                  index + 1, len(self.stages), st.name, st.seq_len, st.global_batch_size, st.micro_batch_size,
                  self.runner.accumulation_steps)
 
-    def choose_rotary_backend(self, shape: tuple[int, int, int, int], device: torch.device) -> str:
-        """The rotary backend of a stage (the runner asks at each stage switch; ``train/rotary_choice.py``); its
-        measurement, if any, goes into the stage's first step record."""
+    def choose_rotary_backend(self, shape: tuple[int, int, int, int], device: torch.device, compiled: bool) -> str:
+        """The rotary backend of a stage (the runner asks at each stage switch, saying whether the stage runs it
+        compiled; ``train/rotary_choice.py``); its measurement, if any, goes into the stage's first step record."""
         backend, self._rotary_record = choose_rotary_backend(self.cfg, self.rotary_choices, self.env.rank, self.comm,
-                                                             self.paths.rotary_choices, shape, device)
+                                                             self.paths.rotary_choices, shape, device, compiled)
         return backend
 
     def _batches(self):
@@ -292,7 +296,8 @@ class Trainer(EvalSteps):
         """One optimizer step (the runner's) and the host's counters; returns (StepStats, seconds). The step's
         device statistics may be unread (``StepStats.pending``): :meth:`read_steps` accounts for them."""
         self.runner.set_lr(lr)
-        self.beat("step")
+        self.beat("step", first_step=self._stage_first_step)
+        self._stage_first_step = False
         t0 = time.monotonic()
         try:
             step = self.state.step + 1
@@ -387,10 +392,12 @@ class Trainer(EvalSteps):
         self.comm.barrier()
         self.beat("save.end")
 
-    def beat(self, point: str) -> None:
-        """Progress at ``point`` (runtime/heartbeat.py: what the hang watchdog watches)."""
+    def beat(self, point: str, first_step: bool = False) -> None:
+        """Progress at ``point`` (runtime/heartbeat.py: what the hang watchdog watches); ``first_step``: what
+        follows is a stage's switch or first step, allowed ``dist.first_step_timeout_s``."""
         if self.heartbeat is not None:
-            self.heartbeat.beat(point, self.state.step)
+            allow = self.cfg.dist.first_step_timeout_s if first_step else None
+            self.heartbeat.beat(point, self.state.step, allow, "dist.first_step_timeout_s, a stage's first step")
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> int:
