@@ -57,6 +57,10 @@ def deepspeed_config(cfg: Config, stage: StagePlan, load_universal: bool = False
         "zero_optimization": zero,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer is on by default and synchronizes the device at the start of every
+        # forward and the end of every step (deepspeed/utils/timer.py ThroughputTimer): the host could never run
+        # ahead of the GPU. The trainer times the steps itself (perf/*, without a sync).
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         "checkpoint": {"load_universal": load_universal},
     }
     if d.precision == "bf16":

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["HostReadRecorder", "HOST_READ_OPS"]
+__all__ = ["HostReadRecorder", "DeviceSyncRecorder", "HOST_READ_OPS"]
 
 _aten = torch.ops.aten
 HOST_READ_OPS = frozenset({
@@ -143,3 +143,60 @@ class HostReadRecorder(TorchDispatchMode):
     @property
     def others(self) -> list[tuple[str, str]]:
         return [r for r in self.reads if not r[1].startswith(_OURS)]
+
+
+class DeviceSyncRecorder:
+    """Records every explicit wait for the device while entered (any thread): ``torch.cuda.synchronize``,
+    ``torch.cuda.Stream.synchronize``, ``torch.cuda.Event.synchronize``, ``torch.accelerator.synchronize`` and
+    DeepSpeed's ``get_accelerator().synchronize`` (a no-op on its CPU accelerator, so the calls DeepSpeed would
+    make on a GPU are seen on any machine). Each call is recorded as (what, where) like
+    :class:`HostReadRecorder`'s reads, then made as usual. DeepSpeed's accelerator is patched only when
+    DeepSpeed is imported already."""
+
+    _MISSING = object()
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self._undo: list = []
+
+    def _patch(self, owner, name: str, label: str) -> None:
+        real = getattr(owner, name, None)
+        if real is None:
+            return
+        calls = self.calls
+
+        def counted(*args, **kwargs):
+            calls.append((label, _caller()))
+            return real(*args, **kwargs)
+
+        self._undo.append((owner, name, vars(owner).get(name, self._MISSING)))
+        setattr(owner, name, counted)
+
+    def __enter__(self):
+        self._patch(torch.cuda, "synchronize", "torch.cuda.synchronize")
+        self._patch(torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize")
+        self._patch(torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize")
+        if hasattr(torch, "accelerator"):
+            self._patch(torch.accelerator, "synchronize", "torch.accelerator.synchronize")
+        accelerator = sys.modules.get("deepspeed.accelerator")
+        if accelerator is not None:
+            self._patch(accelerator.get_accelerator(), "synchronize", "deepspeed get_accelerator().synchronize")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, before in reversed(self._undo):
+            if before is self._MISSING:
+                delattr(owner, name)  # an instance's attribute: its class's method shows again
+            else:
+                setattr(owner, name, before)
+        self._undo.clear()
+        return False
+
+    @property
+    def ours(self) -> list[tuple[str, str]]:
+        """The waits whose innermost caller outside torch is this project's code."""
+        return [c for c in self.calls if c[1].startswith(_OURS)]
+
+    @property
+    def others(self) -> list[tuple[str, str]]:
+        return [c for c in self.calls if not c[1].startswith(_OURS)]
