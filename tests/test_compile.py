@@ -1,7 +1,9 @@
 """trainer.compile: the compiled model trains like the eager one, and a second run reuses the cache.
 
-One stage (seq 128, packed documents, so block plans and masks both occur), 3 steps, eval at two
-lengths (eager); 1 rank, 1 layer. The first compiled run pays the cold compile (most of this file's time).
+One stage (seq 128, rows across documents: the layers as one compiled graph, where the rotary kernel runs
+compiled and ``auto`` times its candidates compiled), 3 steps, eval at two lengths (eager); 1 rank, 1 layer.
+The first compiled run pays the cold compile (most of this file's time). Packed documents' split path is
+compiled per layout in tests/test_compile_kernels.py.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from roformer_dist.errors import ConfigError
 
 STAGE = ("curriculum.stages=[{name: s128, seq_len: 128, global_batch_size: 4, steps: 3, "
          "eval_lengths: [64, 128]}]")
-OVERRIDES = (STAGE, "trainer.eval_every=3", "data.eval_batches=1", "model.num_hidden_layers=1")
+OVERRIDES = (STAGE, "trainer.eval_every=3", "data.eval_batches=1", "model.num_hidden_layers=1",
+             "data.packing=cross_document")
 REL_TOL = 1e-4
 """Compiled vs eager loss, relative, per step: inductor fuses and reorders fp32 arithmetic (and the
 reference rotary runs as real arithmetic instead of complex), so only rounding differs."""
+
+COLD_HANG_TIMEOUT_S = 3
+"""The cold run's hang watchdog: far below what compiling the stage takes in its first step, which the watchdog
+allows ``dist.first_step_timeout_s`` (default 1200 s)."""
 
 _MESSAGE = re.compile(r"compiled the model for stage s128 \(seq 128, micro-batch (\d+)\) in ([\d.]+) s "
                       r"\(cache: (.+), (\d+) hits, (\d+) misses\)")
@@ -45,7 +52,8 @@ def runs(small_shards, tmp_path_factory):
     base = tmp_path_factory.mktemp("compile")
     cache = base / "cache"
     out = {}
-    for name, extra in (("eager", ()), ("cold", ("trainer.compile=true", f"trainer.compile_cache_dir={cache}")),
+    for name, extra in (("eager", ()), ("cold", ("trainer.compile=true", f"trainer.compile_cache_dir={cache}",
+                                                 f"dist.hang_timeout_s={COLD_HANG_TIMEOUT_S}")),
                         ("warm", ("trainer.compile=true", f"trainer.compile_cache_dir={cache}"))):
         cfg = make_cfg(small_shards, base / name, *OVERRIDES, *extra, world_size=1)
         assert train(cfg) == [0], name
@@ -66,6 +74,13 @@ def test_compiled_losses_equal_eager(runs):
         assert abs(ev[k] - ec[k]) <= 2e-4, (k, ev[k], ec[k])
     log = _compile_log(runs["cold"])
     assert log["cache"] == str(runs["cache"]) and log["misses"] > 0
+
+
+def test_the_hang_watchdog_lets_a_stage_compile_in_its_first_step(runs):
+    """The cold run compiled its stage in its first step, for longer than its dist.hang_timeout_s, and went on:
+    a stage's switch and first step are allowed dist.first_step_timeout_s."""
+    assert _compile_log(runs["cold"])["seconds"] > COLD_HANG_TIMEOUT_S
+    assert trace(runs["cold"]) and not (runs["cold"] / "hang" / "report.txt").exists()
 
 
 def test_second_run_loads_the_compiled_graphs_from_the_cache(runs):

@@ -114,3 +114,38 @@ def test_a_stage_is_not_compiled_before_its_kernel_is_chosen(tmp_path):
     model = make(tiny())
     with pytest.raises(RuntimeError, match="choose the rotary kernel"):
         StageCompiler(model, tmp_path).compile_stage("s", S, 2)
+
+
+@pytest.mark.parametrize("packing", ["cross_document", "document"])
+def test_the_rotary_kernel_runs_the_way_the_stage_measures_it(packing, tmp_path, monkeypatch):
+    """``model.rotary_backend: auto`` times its candidates compiled or eagerly by
+    ``compiled.rotary_runs_compiled``; a compiled training step of each packing runs the rotary kernel that way:
+    whole rows inside the compiled stack, packed documents (every batch, a row of one document too) on the
+    split path, eagerly."""
+    import roformer_dist.nn.attention as A
+    from roformer_dist.config import load_config
+    from roformer_dist.parallel.compiled import rotary_runs_compiled, splits_documents
+
+    run = load_config(overrides=["trainer.compile=true", f"data.packing={packing}"])
+    compiled_run = rotary_runs_compiled(run)
+    assert compiled_run == (packing == "cross_document")
+    seen = []
+    real = A.run_kernel
+
+    def spy(*args, **kwargs):
+        seen.append(torch.compiler.is_compiling())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(A, "run_kernel", spy)
+    cfg = tiny(num_hidden_layers=1)
+    model = make(cfg)
+    set_rotary_kernel(model, R.model_kernel("reference", "cpu"))
+    torch._dynamo.reset()
+    StageCompiler(model, tmp_path / "cache", split=splits_documents(run)).compile_stage("s", S, 2)
+    for rows in ([[24], [24]], [[5, 9, 3, 7], [20, 4]]) if packing == "document" else ([[24], [24]],):
+        batch = _batch(rows)
+        batch.update(batch_plan(cfg, "cpu")(batch))
+        del batch["num_tokens"]
+        seen.clear()
+        model(**batch).loss.backward()
+        assert seen and set(seen) == {compiled_run}, (rows, seen)

@@ -15,7 +15,11 @@ A batch whose packed documents take the block plan (``documents.DocumentPlan``: 
 shapes) or flex attention (``documents.FlexMask``; flex attention compiled on its own, as eager calls
 it) runs its attention cores eagerly, and each layer's projections / FFN compiled
 (``RoFormerLayer.project`` -> eager ``attend`` -> ``RoFormerLayer.finish``, one compiled graph shared by
-all layers). Evaluation (``eval()`` or no grad) calls the eager model: eval lengths differ from the
+all layers): the *split path*. A run that packs documents (``data.packing: document``,
+:func:`splits_documents`) sends every training batch down the split path, a row of one document too, so that
+a stage runs its attention cores, and with them the rotary kernel, one way: eagerly. The rotary backend is
+measured the way it runs (:func:`rotary_runs_compiled`): compiled where the stage's batches go through the
+whole compiled stack, eager where they take the split path. Evaluation (``eval()`` or no grad) calls the eager model: eval lengths differ from the
 stage's, and compiling them would be a recompile per length for a few batches.
 
 Mode (``trainer.compile_mode``): the layers' graph (``stack``) compiles in the configured mode, so that
@@ -46,7 +50,7 @@ from typing import Optional
 import torch
 
 from roformer_dist.config import Config
-from roformer_dist.nn.documents import DocumentPlan, FlexMask
+from roformer_dist.nn.documents import DocumentPlan, FlexMask, flex_compiles
 from roformer_dist.nn.model import rotary_kernel_of
 from roformer_dist.runtime.rundir import RunDir
 
@@ -99,13 +103,27 @@ def _embed(embeddings, input_ids, token_type_ids, positions) -> torch.Tensor:
     return embeddings(input_ids, token_type_ids, positions)
 
 
+def splits_documents(cfg: Config) -> bool:
+    """The run's training batches take the split path (see the module docstring): packed documents."""
+    return cfg.data.packing == "document"
+
+
+def rotary_runs_compiled(cfg: Config) -> bool:
+    """The rotary kernel of a training step runs inside a compiled graph: ``trainer.compile`` without the split
+    path. How ``model.rotary_backend: auto`` measures its candidates."""
+    return cfg.trainer.compile and not splits_documents(cfg)
+
+
 class StageCompiler:
     """Installs the compiled ``stack`` / ``predict`` on ``model`` (instance attributes over the methods;
     the model's ``forward`` calls them) and recompiles them per stage. ``model``: the engine's module, a
     ``RoFormerForMaskedLM`` (``parallel.tensor`` keeps its class)."""
 
-    def __init__(self, model: torch.nn.Module, cache_dir: Path, mode: str = "default"):
+    def __init__(self, model: torch.nn.Module, cache_dir: Path, mode: str = "default", split: bool = False):
         self.model, self.cache_dir, self.mode = model, cache_dir, mode
+        self.split = split
+        """Every training batch takes the split path (:func:`splits_documents`); else only those whose mask
+        is a document plan or a flex mask."""
         configure_inductor(cache_dir)
         self.eager_stack, self.eager_predict = model.stack, model.predict
         model.stack, model.predict = self.stack, self.predict
@@ -119,6 +137,7 @@ class StageCompiler:
             raise RuntimeError("trainer.compile: choose the rotary kernel (model.set_rotary_kernel) before "
                                "compiling a stage")
         torch._dynamo.reset()  # the previous stage's graphs: not needed again, and not counted in the limit
+        flex_compiles.reset()  # its graphs went with them: each shape family compiles (and says so) again
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         static = dict(dynamic=False)
         self._compiled = {"stack": torch.compile(self.eager_stack, fullgraph=True, mode=self.mode, **static),
@@ -145,7 +164,7 @@ class StageCompiler:
     def stack(self, input_ids, token_type_ids, mask, cos, sin, positions) -> torch.Tensor:
         if not self._compiling():
             return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
-        if not isinstance(mask, (DocumentPlan, FlexMask)):
+        if not self.split and not isinstance(mask, (DocumentPlan, FlexMask)):
             return self._compiled["stack"](input_ids, token_type_ids, mask, cos, sin, positions)
         if self.model.gradient_checkpointing:
             return self.eager_stack(input_ids, token_type_ids, mask, cos, sin, positions)
@@ -166,4 +185,5 @@ class StageCompiler:
         return self._compiled["predict"](h, target)
 
 
-__all__ = ["StageCompiler", "compile_cache_dir", "configure_inductor", "RECOMPILE_LIMIT"]
+__all__ = ["StageCompiler", "compile_cache_dir", "configure_inductor", "RECOMPILE_LIMIT", "splits_documents",
+           "rotary_runs_compiled"]

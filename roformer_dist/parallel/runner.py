@@ -47,7 +47,7 @@ from roformer_dist.config import Config, StagePlan
 from roformer_dist.errors import CheckpointError
 from roformer_dist.nn.model import set_rotary_kernel
 from roformer_dist.nn.rotary import model_kernel, set_rope
-from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir
+from roformer_dist.parallel.compiled import StageCompiler, compile_cache_dir, rotary_runs_compiled, splits_documents
 from roformer_dist.parallel.snapshot import capture
 from roformer_dist.parallel.topology import ParallelDims, check_layout
 from roformer_dist.runtime.phases import phase
@@ -216,8 +216,8 @@ class ParallelRunner:
         self.times = RankTimes(engine.device)
         """This rank's data wait and forward time (non-pipeline layouts), for the straggler spread."""
         # trainer.compile: the model compiled per stage (set_stage); config refuses it with pipeline stages
-        self.compiler = (StageCompiler(engine.module, compile_cache_dir(cfg), cfg.trainer.compile_mode)
-                         if cfg.trainer.compile else None)
+        self.compiler = (StageCompiler(engine.module, compile_cache_dir(cfg), cfg.trainer.compile_mode,
+                                       split=splits_documents(cfg)) if cfg.trainer.compile else None)
 
     # ------------------------------------------------------------------ topology facts for the trainer
     @property
@@ -404,12 +404,14 @@ class ParallelRunner:
         return sums
 
     def set_stage(self, stage: StagePlan,
-                  choose_kernel: Optional[Callable[[tuple[int, int, int, int], torch.device], str]] = None) -> None:
+                  choose_kernel: Optional[Callable[[tuple[int, int, int, int], torch.device, bool], str]] = None
+                  ) -> None:
         """New curriculum stage (its plan): micro-batch and accumulation (and the pipeline's activation shapes),
         the stage's rotary settings (they may differ from the model's) and its rotary
         kernel, all before the stage's first forward (and its compilation). ``choose_kernel``: the rotary
-        backend for the stage's (micro-batch, S, heads per rank, head_dim) on the engine's device (the
-        trainer's measured choice for ``auto``); None: ``model.rotary_backend`` as configured."""
+        backend for the stage's (micro-batch, S, heads per rank, head_dim) on the engine's device, run compiled
+        or eagerly as the stage's training steps will run it (``compiled.rotary_runs_compiled``; the trainer's
+        measured choice for ``auto``); None: ``model.rotary_backend`` as configured."""
         set_rope(self.engine, stage.rope, self.cfg.model.max_position_embeddings)
         mbs = stage.micro_batch_size
         self._set_rotary_kernel(mbs, stage.seq_len, choose_kernel)
@@ -427,7 +429,8 @@ class ParallelRunner:
             return
         heads = m.num_attention_heads // self.dims.tp_size
         shape = (mbs, seq_len, heads, m.hidden_size // m.num_attention_heads)
-        backend = choose_kernel(shape, self.engine.device) if choose_kernel is not None else m.rotary_backend
+        backend = (choose_kernel(shape, self.engine.device, rotary_runs_compiled(self.cfg)) if choose_kernel is not None
+                   else m.rotary_backend)
         set_rotary_kernel(self.engine.module, model_kernel(backend, self.engine.device))
 
     def set_lr(self, lr: float) -> None:
