@@ -441,3 +441,26 @@ def test_a_resumed_run_may_change_its_packing_and_the_change_is_named():
                                             "model.document_attention: 'auto' in the checkpoint, 'blocks' now"]
     older = {k: v for k, v in saved.items() if k != "data"}
     assert changed_settings(older, load_config(None, [])) == []
+
+
+def test_a_flash_attn_that_does_not_load_is_said_once_and_auto_takes_flex(tmp_path, monkeypatch, caplog):
+    """NGC-style images ship a flash-attn built for another torch: installed (found by importlib), but its import
+    fails. ``auto`` then takes flex attention on CUDA instead of crashing in the first forward; one warning."""
+    import logging
+    import sys
+
+    fake = tmp_path / "flash_attn"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    Dm.flash_varlen_available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="roformer_dist.nn.documents"):
+            assert Dm.kernel_for("auto", "softmax", "cuda") == "flex"
+            assert Dm.kernel_for("auto", "softmax", "cuda") == "flex"
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "flash-attn is installed but does not load (ImportError: " in warnings[0]
+        assert "undefined symbol" in warnings[0]
+    finally:
+        Dm.flash_varlen_available.cache_clear()

@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import types
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Union
@@ -70,6 +72,8 @@ from typing import NamedTuple, Optional, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 BLOCK_RATIO = 2.0
 """The longest document of a block is at most this many times its shortest (bench/packing.py)."""
@@ -390,8 +394,21 @@ def row_layout(attention_mask: Optional[torch.Tensor], restart: bool, cos: Optio
 # --------------------------------------------------------------------------- the kernels
 
 
+@functools.cache
 def flash_varlen_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn's varlen kernel imports here. Installed is not enough: images often ship a flash-attn built
+    for another torch, which fails at import (an undefined symbol); that is said once, and packed documents take
+    flex attention instead. Cached: the import is tried once per process, never inside a compiled forward."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to load the build means: not usable here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        log.warning("flash-attn is installed but does not load (%s: %s): packed documents use flex attention "
+                    "instead of its varlen kernel (model.document_attention auto)", type(e).__name__, first[:200])
+        return False
+    return True
 
 
 def flex_available() -> bool:
@@ -425,22 +442,95 @@ def _block_mask(tiles: tuple, doc: torch.Tensor):
     return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_document, seq_lengths=(S, S))
 
 
-@functools.cache
-def _compiled_flex():
+FLEX_COMPILED_ON = ("cuda",)
+"""Device types on which flex attention runs compiled (its fused kernel). Elsewhere it runs eagerly: torch 2.13
+on CPU runs the forward only, and a test adds "cpu" to count the compiles of the forward."""
+
+
+class _FlexCompiles:
+    """Flex attention compiled once per *shape family*: the q and k shapes, the dtype, the device and whether
+    autograd records (a training step, or an evaluation's no-grad forward). A run sees a handful: each
+    curriculum stage's micro-batch, each eval length, a last smaller batch of each. Each family compiles with
+    static shapes (the fastest kernels) into a dynamo cache of its own (a fresh code object), so that no family
+    counts against another's recompile limit, and the compile is logged once per family. The block mask is an
+    input, not a constant: a new batch's documents do not recompile.
+
+    Never silently eager: eager flex attention materialises the B x H x S x S scores. A family that fails to
+    compile (a graph break is an error with ``fullgraph=True``) or hits dynamo's recompile limit logs one
+    warning naming the family and the cause, and from then on runs :func:`flex_reference` (SDPA with the
+    dense block-diagonal mask: the same result, the mask's S x S memory)."""
+
+    def __init__(self):
+        self.compiled: dict = {}
+        """family -> its compiled function, or None when it runs the reference instead."""
+
+    def reset(self) -> None:
+        """Forget the compiled families (after ``torch._dynamo.reset()``, which drops their graphs): the next
+        call of each compiles, and logs, again."""
+        self.compiled.clear()
+
+    @staticmethod
+    def family(q: torch.Tensor, k: torch.Tensor) -> tuple:
+        return (tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), q.device.type,
+                "training" if torch.is_grad_enabled() else "no grad")
+
+    def __call__(self, q, k, v, mask: "FlexMask") -> torch.Tensor:
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        family = self.family(q, k)
+        fn = self.compiled.get(family, ...)
+        if fn is ...:
+            fn = self.compiled[family] = torch.compile(_fresh_function(_flex_call), fullgraph=True, dynamic=False)
+            log.info("flex attention: compiling for q %s, k %s, %s on %s, %s (shape family %d of this process)",
+                     *family, len(self.compiled))
+            first = True
+        else:
+            first = False
+        if fn is None:
+            return flex_reference(q, k, v, mask)
+        try:
+            return fn(q, k, v, mask.block_mask)
+        except torch.OutOfMemoryError:
+            raise
+        except FailOnRecompileLimitHit as e:
+            cause = f"dynamo's recompile limit was hit ({e})"
+        except Exception as e:  # noqa: BLE001 - a compile that fails runs the reference, loudly
+            if not first:
+                raise
+            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        log.warning("flex attention: not compiled for q %s, k %s, %s on %s, %s: %s; this shape family runs SDPA "
+                    "with the dense block-diagonal mask instead (the same result, slower and S x S memory); "
+                    "model.document_attention=blocks avoids flex attention", *family, cause[:300])
+        self.compiled[family] = None
+        return flex_reference(q, k, v, mask)
+
+
+def _flex_call(q, k, v, block_mask):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
+def _fresh_function(fn):
+    """``fn`` with a code object of its own: dynamo keeps compiled graphs (and counts recompiles) per code
+    object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+flex_compiles = _FlexCompiles()
+"""This process's compiled flex attention, by shape family."""
 
 
 def _flex(q, k, v, mask: FlexMask):
-    """torch's flex attention, (B, H, S, D) each -> (B, H, S, D). Compiled on CUDA (its fused kernel; eager
-    flex attention computes the whole score matrix); on CPU eager, forward only (torch 2.13)."""
+    """torch's flex attention, (B, H, S, D) each -> (B, H, S, D). Compiled on CUDA once per shape family
+    (:class:`_FlexCompiles`; eager flex attention computes the whole score matrix); on CPU eager, forward only
+    (torch 2.13)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():   # inside a compiled model: traced with it
         return flex_attention(q, k, v, block_mask=mask.block_mask)
-    if q.device.type != "cpu":
-        return _compiled_flex()(q, k, v, block_mask=mask.block_mask)
+    if q.device.type in FLEX_COMPILED_ON:
+        return flex_compiles(q, k, v, mask)
     with warnings.catch_warnings():   # eager on purpose (its warning says to compile, for speed)
         warnings.filterwarnings("ignore", message=".*without torch.compile")
         return flex_attention(q, k, v, block_mask=mask.block_mask)

@@ -294,7 +294,7 @@ def batch_plan(cfg: ModelConfig, device_type: str):
                           "use auto or blocks")
     if kernel == "varlen" and (device_type != "cuda" or not documents.flash_varlen_available()):
         raise ConfigError(f"model.document_attention: varlen needs flash-attn and a CUDA device (here: {device_type}, "
-                          f"flash-attn {'installed' if documents.flash_varlen_available() else 'not installed'}); "
+                          f"flash-attn {'loads' if documents.flash_varlen_available() else 'not installed or does not load'}); "
                           "use auto or blocks")
     return functools.partial(_batch_plan, cfg, kernel)
 
