@@ -335,7 +335,12 @@ class DistConfig:
     hang_timeout_s: float = 300.0
     """A rank that makes no progress (no step, eval batch or save) for this long ends the launch with exit
     status 76, its stacks and a report in run_dir/hang/ (runtime/heartbeat.py); 0 = off. Well under
-    ``timeout_s``; longer than the slowest single save, eval batch or first compiled step."""
+    ``timeout_s``; longer than the slowest single save or eval batch."""
+    first_step_timeout_s: float = 1200.0
+    """The hang watchdog's allowance for a curriculum stage's switch and first training step, which may measure
+    the rotary kernel (``model.rotary_backend: auto``) and compile the stage (``trainer.compile``, minutes with
+    ``max-autotune``) and flex attention. The watchdog takes the larger of it and ``hang_timeout_s``; below
+    ``timeout_s`` (a rank that compiled sooner waits for the others in a collective)."""
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,11 @@ def validate_layout(cfg: Config, world_size: Optional[int] = None) -> None:
     if not 0 <= hang < cfg.dist.timeout_s:
         raise ConfigError(f"dist.hang_timeout_s: {hang:g} must be 0 (off) or positive and below dist.timeout_s "
                           f"({cfg.dist.timeout_s}), when a collective gives up on its own")
+    first = cfg.dist.first_step_timeout_s
+    if not 0 <= first < cfg.dist.timeout_s:
+        raise ConfigError(f"dist.first_step_timeout_s: {first:g} must be 0 or positive and below dist.timeout_s "
+                          f"({cfg.dist.timeout_s}): a rank done compiling waits for the others in a collective, "
+                          "which gives up after dist.timeout_s")
     if ws % (p.tensor * p.pipeline):
         raise ConfigError(
             f"dist.world_size: {ws} is not divisible by parallel.tensor x parallel.pipeline = {p.tensor * p.pipeline}")
@@ -368,6 +373,14 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_sources(cfg)
     _validate_optim(cfg.optim)
     _validate_deepspeed(cfg.deepspeed)
+    if cfg.optim.name == "lamb" and cfg.deepspeed.zero_stage > 0:
+        # DeepSpeed asserts on it (its ZeRO-tested optimizers exclude LAMB), and rightly: under ZeRO-1-3 each
+        # rank's optimizer sees flat partitions of all the parameters, so LAMB's per-layer trust ratio would be
+        # computed over slices that cross layers
+        raise ConfigError(f"deepspeed.zero_stage: {cfg.deepspeed.zero_stage} does not go with optim.name lamb: under "
+                          "ZeRO the optimizer sees flat partitions that cut across layers, and LAMB's per-layer "
+                          "trust ratio would be computed over them (DeepSpeed refuses it as untested); set "
+                          "deepspeed.zero_stage=0 for LAMB, or optim.name=adamw")
     validate_layout(cfg, world_size)
     _validate_curriculum(cfg, world_size)
     _validate_wsd(cfg.optim, cfg.curriculum.stages)

@@ -1,7 +1,8 @@
 """Hang detection: each rank's progress (:class:`Heartbeat`) and a watchdog that ends a launch making none.
 
 A rank moves its heartbeat at known points (a step's start and end, an eval batch, a save's start and end, a
-stage switch). Its watchdog thread sees when the rank has made no progress for ``dist.hang_timeout_s``: the
+stage switch). Its watchdog thread sees when the rank has made no progress for ``dist.hang_timeout_s`` (for a
+stage's switch and first step, which measure the rotary kernel and compile, ``dist.first_step_timeout_s``): the
 rank is hung itself (deadlocked, stuck in I/O) or, far more often, waits in a collective for a peer that is
 (stopped, frozen, deadlocked, gone without a socket error). Either way nothing will move before the
 collective timeout (``dist.timeout_s``, 30 minutes), so the watchdog ends the launch now:
@@ -57,6 +58,8 @@ class Heartbeat:
         self.path = self.dir / f"rank{rank}.json"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
         self.point, self.step = "start", 0
+        self.limit_s, self.setting = timeout_s, "dist.hang_timeout_s"
+        """How long the current point may take: ``timeout_s``, or a longer allowance given with the beat."""
         self._moved = self._written = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         self._armed = threading.Event()
@@ -72,8 +75,14 @@ class Heartbeat:
         return heartbeat
 
     # ------------------------------------------------------------------ the rank's side
-    def beat(self, point: str, step: Optional[int] = None) -> None:
+    def beat(self, point: str, step: Optional[int] = None, allow_s: Optional[float] = None,
+             setting: str = "") -> None:
+        """Progress at ``point``. ``allow_s``: the work from here to the next beat may take this long (at least
+        the timeout), named by ``setting`` in a report: a stage's switch and first step (the rotary measurement,
+        compiling the stage)."""
         self.point = point
+        self.limit_s, self.setting = ((max(self.timeout_s, allow_s), setting) if allow_s else
+                                      (self.timeout_s, "dist.hang_timeout_s"))
         if step is not None:
             self.step = step
         self._moved = now = time.monotonic()
@@ -110,7 +119,7 @@ class Heartbeat:
             if not self._armed.is_set():
                 continue
             idle = time.monotonic() - self._moved
-            if idle > self.timeout_s:
+            if idle > self.limit_s:
                 self._hung(idle)
                 return
 
@@ -131,13 +140,13 @@ class Heartbeat:
         except FileExistsError:
             text = None  # another rank writes it
         except OSError:
-            text = hang_report(self.dir, self.world_size, self.timeout_s)
+            text = hang_report(self.dir, self.world_size, self.limit_s, self.setting)
         else:
-            text = hang_report(self.dir, self.world_size, self.timeout_s)
+            text = hang_report(self.dir, self.world_size, self.limit_s, self.setting)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
         log.error("%s", text if text is not None else
-                  f"no progress for {idle:.0f} s (dist.hang_timeout_s {self.timeout_s:g}): ending the launch; "
+                  f"no progress for {idle:.0f} s ({self.setting} {self.limit_s:g}): ending the launch; "
                   f"see {self.dir / REPORT}")
         for handler in logging.getLogger().handlers + logging.getLogger("roformer_dist").handlers:
             handler.flush()
@@ -156,8 +165,9 @@ def _set_aside(path: Path) -> None:
         pass
 
 
-def hang_report(directory: Path, world_size: int, timeout_s: float) -> str:
-    """The report of a hang from the ranks' heartbeat and stack files in ``directory``."""
+def hang_report(directory: Path, world_size: int, timeout_s: float, setting: str = "dist.hang_timeout_s") -> str:
+    """The report of a hang from the ranks' heartbeat and stack files in ``directory``; ``timeout_s``: the limit
+    that passed, ``setting`` its name."""
     now = time.time()
     rows = []
     for r in range(world_size):
@@ -167,7 +177,7 @@ def hang_report(directory: Path, world_size: int, timeout_s: float) -> str:
             rec = None
         rows.append((r, rec))
     rows.sort(key=lambda x: (x[1] is not None, x[1]["step"] if x[1] else 0, x[1]["time"] if x[1] else 0))
-    lines = [f"hang: no progress for {timeout_s:g} s (dist.hang_timeout_s); the launch ends with exit status "
+    lines = [f"hang: no progress for {timeout_s:g} s ({setting}); the launch ends with exit status "
              f"{EXIT_HANG} and the next one resumes from the newest checkpoint. Ranks, the one furthest behind first:"]
     for r, rec in rows:
         stack = Path(directory) / f"rank{r}.stack"

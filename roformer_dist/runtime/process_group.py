@@ -10,16 +10,19 @@ local GPU and joins the default group once. :class:`TorchComm` implements the ch
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "free_port", "resolve_backend", "init_process_group", "TorchComm"]
+__all__ = ["DistEnv", "free_port", "resolve_backend", "init_process_group", "TorchComm", "gloo_interface"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,45 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
+def gloo_interface(environ, interfaces: list[str]) -> tuple[Optional[str], str]:
+    """The interface gloo should use, from ``NCCL_SOCKET_IFNAME`` where ``GLOO_SOCKET_IFNAME`` is unset, and why:
+    (name, note) or (None, note; note empty when there is nothing to do). ``interfaces``: this host's, in order.
+
+    Every job on NCCL also runs gloo (the runner's host-side sums, DeepSpeed's CPU collectives). Unset, gloo
+    binds to the address the hostname resolves to, which on many SLURM nodes is 127.0.1.1: across nodes its
+    group then hangs until the collective timeout. NCCL_SOCKET_IFNAME names prefixes (``ib``, ``eth0,eth1``) or,
+    after ``=``, exact names; gloo takes one exact name: the first of this host's that matches. An exclusion
+    list (``^docker,lo``) cannot be turned into one name and is left to the user."""
+    if environ.get("GLOO_SOCKET_IFNAME") or not environ.get("NCCL_SOCKET_IFNAME"):
+        return None, ""
+    spec = environ["NCCL_SOCKET_IFNAME"].strip()
+    if spec.startswith("^"):
+        return None, (f"NCCL_SOCKET_IFNAME={spec} excludes interfaces; set GLOO_SOCKET_IFNAME to the one gloo "
+                      "should use (its own group hangs across nodes where the hostname resolves to 127.0.1.1)")
+    exact = spec.startswith("=")
+    wanted = [w for w in spec.lstrip("=").split(",") if w]
+    matches = [i for i in interfaces if (i in wanted if exact else any(i.startswith(w) for w in wanted))]
+    if not matches:
+        return None, (f"NCCL_SOCKET_IFNAME={spec} matches none of this host's interfaces "
+                      f"({', '.join(interfaces) or 'none'}); GLOO_SOCKET_IFNAME left unset")
+    return matches[0], f"GLOO_SOCKET_IFNAME={matches[0]} (from NCCL_SOCKET_IFNAME={spec})"
+
+
+def _host_interfaces() -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
 def init_process_group(env: DistEnv, backend: str = "auto", timeout_s: float = 1800.0) -> str:
-    """Join the default process group (once) as ``env``; returns the backend used."""
+    """Join the default process group (once) as ``env``; returns the backend used. ``GLOO_SOCKET_IFNAME`` is set
+    from ``NCCL_SOCKET_IFNAME`` where unset (:func:`gloo_interface`), and said."""
+    name, note = gloo_interface(os.environ, _host_interfaces())
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    if note:
+        (log.info if name is not None else log.warning)("%s", note)
     backend = resolve_backend(backend)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
