@@ -108,15 +108,18 @@ def _run(args, stop: StopFlag) -> int:
         dry_run(cfg, int(os.environ["WORLD_SIZE"]) if as_rank else None, gpu_memory)
         return 0
     # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
-    from roformer_dist.checkpoint.store import check_writable
-    from roformer_dist.train.entry import run_rank
-    from roformer_dist.train.metrics import run_sinks
-    from roformer_dist.train.resolved import resolve_run
-    from roformer_dist.train.spawn import spawn_local
-
-    run_sinks(cfg)  # an unknown sink is refused before anything starts
     if as_rank:
+        from roformer_dist.train.entry import run_rank
+        from roformer_dist.train.metrics import run_sinks
+
+        run_sinks(cfg)  # an unknown sink is refused before anything starts
         return run_rank(cfg, stop=stop)  # global rank 0 resolves the run; the others read it
+    from roformer_dist.train.spawn import LocalRanks
+
+    # the ranks start first and import torch and DeepSpeed while this process resolves the run (a refused run
+    # ends them unused)
+    ranks = LocalRanks(cfg.dist.world_size, stop)
+    handed = False
     locks: list[RunLock] = []
 
     def take_lock() -> None:  # once the data and the config checked out: a refused run leaves no run directory
@@ -124,11 +127,19 @@ def _run(args, stop: StopFlag) -> int:
         stop.on_abort(locks[0].release)
 
     try:
+        from roformer_dist.checkpoint.store import check_writable
+        from roformer_dist.train.metrics import run_sinks
+        from roformer_dist.train.resolved import resolve_run
+
+        run_sinks(cfg)  # an unknown sink is refused before anything is written
         run = resolve_run(cfg, take_lock=take_lock)  # manifests, mixture, stage plans, resume decision: once
         check_writable(run.run_dir.checkpoints, "the checkpoint directory")
         run.write()
-        return spawn_local(run, stop)
+        handed = True
+        return ranks.run(run)
     finally:
+        if not handed:
+            ranks.cancel()
         for lock in locks:
             lock.release()
 

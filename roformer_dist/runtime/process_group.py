@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from roformer_dist.runtime.ports import free_port
+
 __all__ = ["DistEnv", "free_port", "resolve_backend", "init_process_group", "TorchComm", "gloo_interface"]
 
 log = logging.getLogger(__name__)
@@ -48,13 +50,6 @@ def peer_lost(e: BaseException) -> bool:
     is the news, not this)."""
     return isinstance(e, dist.DistNetworkError) or \
         isinstance(e, RuntimeError) and any(text in str(e) for text in _PEER_GONE)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a local MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_backend(backend: str = "auto") -> str:

@@ -1,11 +1,14 @@
 """Start a training job's ranks on this machine and wait for them (``roformer-train`` without torchrun).
 
-:func:`spawn_local` starts ``dist.world_size`` rank processes (``python -m roformer_dist.train.spawn``, each
-given the run in a file written before it starts: a launcher killed at any moment leaves no rank reading half
-its arguments; gloo on CPU, nccl on GPUs) while the caller holds the run lock. Stop signals reaching the
-launcher go on to the ranks; the ranks die with it (SIGKILL included); a failing rank stops the others and
-its status is the job's. Our errors' messages are printed once, not once per rank. The ranks are handed the run the launcher resolved
-(:class:`~roformer_dist.train.resolved.ResolvedRun`).
+:class:`LocalRanks` starts ``dist.world_size`` rank processes (``python -m roformer_dist.train.spawn``) as soon as
+the launcher has read the config, before it resolves the run: while the launcher checks the data and the
+checkpoints, each rank imports torch, DeepSpeed and the trainer (most of a rank's start-up) and then waits on
+its stdin. :meth:`LocalRanks.run` hands them the resolved run, in a file written before they read it (a launcher
+killed at any moment leaves no rank reading half its arguments), with the caller holding the run lock; a launch
+refused while resolving ends its ranks unused (:meth:`LocalRanks.cancel`). gloo on CPU, nccl on GPUs. Stop
+signals reaching the launcher go on to the ranks; the ranks die with it (SIGKILL included); a failing rank stops
+the others and its status is the job's. Our errors' messages are printed once, not once per rank. The ranks are
+handed the run the launcher resolved (:class:`~roformer_dist.train.resolved.ResolvedRun`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,15 +25,18 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from typing import TYPE_CHECKING
+
 from roformer_dist.errors import EXIT_BUG, EXIT_HANG, EXIT_REQUEUE, exit_status
 from roformer_dist.runtime.heartbeat import REPORT
-from roformer_dist.runtime.process_group import free_port, peer_lost
+from roformer_dist.runtime.ports import free_port
 from roformer_dist.runtime.stop import StopFlag, adopt_orphans, blocked_stop_signals, children, die_with_parent, exit_now, \
     kill_tree
-from roformer_dist.train.entry import run_rank
-from roformer_dist.train.resolved import ResolvedRun
 
-__all__ = ["spawn_local"]
+if TYPE_CHECKING:
+    from roformer_dist.train.resolved import ResolvedRun
+
+__all__ = ["LocalRanks", "spawn_local"]
 
 PEER_LOSS_GRACE_S = 10.0
 """How long a rank whose collective failed because another rank died waits for the launcher to end it."""
@@ -43,6 +50,18 @@ def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir
     with blocked_stop_signals():  # this rank's resource tracker (its DataLoader workers'): deaf to group signals
         pass
     stop = StopFlag.install(quiet_abort=True)  # the launcher says it once
+    # while the launcher resolves the run: what every rank imports (torch's optimizers import dynamo when the
+    # first one is built); this module itself stays light, for the launcher
+    import torch._dynamo  # noqa: F401
+
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    from roformer_dist.runtime.process_group import peer_lost
+    from roformer_dist.train.entry import run_rank
+    from roformer_dist.train.resolved import ResolvedRun
+
+    import_deepspeed()
+    if sys.stdin.readline() != GO:
+        exit_now(0)  # the launch was refused while resolving (or its launcher is gone): nothing was started
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -64,6 +83,8 @@ def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir
 
 RUN_FILE = "run.json"
 """The resolved run the ranks read, in the job's temporary directory."""
+GO = "go\n"
+"""What the launcher writes to each rank's stdin once the run file is complete."""
 
 
 def _status(job_dir: str, rank: int) -> Optional[int]:
@@ -82,38 +103,66 @@ def _rank_messages(job_dir: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
-    """Start the run's ranks on this machine and wait; returns the job's exit status. The caller holds the
-    run lock.
+class LocalRanks:
+    """The rank processes of a local launch; see the module docstring."""
 
-    Stop signals reaching this process go on to the ranks (a Ctrl-C as SIGTERM, so that a rank that
-    got the group's SIGINT too does not count a second one). If a rank fails, the others are stopped
-    and the status of the first failure is returned; our errors' messages are printed once."""
-    world = run.world_size
-    port = free_port()
-    procs: list[subprocess.Popen] = []
+    def __init__(self, world_size: int, stop: StopFlag):
+        self.world, self.stop = world_size, stop
+        self.port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        stop.forward_to(self._forward)
+        adopt_orphans()
+        self.job_dir = tempfile.mkdtemp(prefix="roformer-train-")
+        with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
+            for r in range(world_size):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(r), str(world_size), str(self.port), str(os.getpid()),
+                     self.job_dir], stdin=subprocess.PIPE))
 
-    def forward(signum: int) -> None:
+    def _forward(self, signum: int) -> None:
         sig = signal.SIGTERM if signum == signal.SIGINT else signum
-        for p in procs:
+        for p in self.procs:
             if p.returncode is None:
                 try:
                     os.kill(p.pid, sig)
                 except ProcessLookupError:
                     pass
 
-    stop.forward_to(forward)
-    if stop.requested:  # a signal during start-up: nothing was started, nothing is lost
-        print(f"roformer-train: stopped by {stop.name} before training started", file=sys.stderr)
-        return EXIT_REQUEUE
+    def cancel(self) -> None:
+        """End the ranks unused (the launch was refused, or stopped, before they were handed a run)."""
+        for p in self.procs:
+            kill_tree(p.pid)
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+            p.wait()
+        _end_adopted(keep=set())
+        shutil.rmtree(self.job_dir, ignore_errors=True)
 
-    adopt_orphans()
-    with tempfile.TemporaryDirectory(prefix="roformer-train-") as job_dir:
+    def run(self, run: ResolvedRun) -> int:
+        """Hand the ranks ``run`` and wait; returns the job's exit status. The caller holds the run lock.
+
+        If a rank fails, the others are stopped and the status of the first failure is returned; our errors'
+        messages are printed once."""
+        if run.world_size != self.world:
+            self.cancel()
+            raise RuntimeError(f"the run was resolved for {run.world_size} rank(s), {self.world} were started")
+        if self.stop.requested:  # a signal during start-up: nothing was started, nothing is lost
+            self.cancel()
+            print(f"roformer-train: stopped by {self.stop.name} before training started", file=sys.stderr)
+            return EXIT_REQUEUE
+        try:
+            return self._run(run)
+        finally:
+            shutil.rmtree(self.job_dir, ignore_errors=True)
+
+    def _run(self, run: ResolvedRun) -> int:
+        job_dir, procs, world = self.job_dir, self.procs, self.world
         Path(job_dir, RUN_FILE).write_text(json.dumps(run.to_json()), encoding="utf-8")
-        with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
-            for r in range(world):
-                procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(port),
-                                               str(os.getpid()), job_dir], stdin=subprocess.DEVNULL))
+        for p in procs:
+            with contextlib.suppress(OSError):  # a rank that died already: the loop below reports it
+                p.stdin.write(GO.encode())
+                p.stdin.close()
         failed = None
         while any(p.poll() is None for p in procs):
             # a rank that ends without a result (an error, a crash, a kill) stops the job
@@ -135,27 +184,32 @@ def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
             failed = next(((r, p.returncode) for r, p in enumerate(procs) if _status(job_dir, r) is None), None)
         messages = _rank_messages(job_dir)
         codes = [_status(job_dir, r) for r in range(world)]
-    seen = set()
-    for rank, code, msg in messages:
-        if msg not in seen:
-            seen.add(msg)
-            print(f"roformer-train: {msg}" if len(messages) == world else f"roformer-train: rank {rank}: {msg}",
-                  file=sys.stderr, flush=True)
-    if failed:
-        rank, code = failed
-        own = [c for r, c, _ in messages if r == rank]
-        report = run.run_dir.hang / REPORT
-        if code == EXIT_HANG and report.exists():  # the watchdog's report: which rank, where, its stacks
-            print(f"roformer-train: {report.read_text(encoding='utf-8', errors='replace')}", end="", file=sys.stderr,
-                  flush=True)
-            return EXIT_HANG
-        if not own:
-            why = (f"was killed by {signal.Signals(-code).name}" if code < 0 else
-                   f"exited with status {code}" if code else "exited without a result")
-            print(f"roformer-train: rank {rank} {why}; the other ranks were stopped", file=sys.stderr, flush=True)
-        return own[0] if own else (code if code > 0 else EXIT_BUG)
-    bad = [c for c in codes if c != 0]
-    return bad[0] if bad else 0
+        seen = set()
+        for rank, code, msg in messages:
+            if msg not in seen:
+                seen.add(msg)
+                print(f"roformer-train: {msg}" if len(messages) == world else f"roformer-train: rank {rank}: {msg}",
+                      file=sys.stderr, flush=True)
+        if failed:
+            rank, code = failed
+            own = [c for r, c, _ in messages if r == rank]
+            report = run.run_dir.hang / REPORT
+            if code == EXIT_HANG and report.exists():  # the watchdog's report: which rank, where, its stacks
+                print(f"roformer-train: {report.read_text(encoding='utf-8', errors='replace')}", end="",
+                      file=sys.stderr, flush=True)
+                return EXIT_HANG
+            if not own:
+                why = (f"was killed by {signal.Signals(-code).name}" if code < 0 else
+                       f"exited with status {code}" if code else "exited without a result")
+                print(f"roformer-train: rank {rank} {why}; the other ranks were stopped", file=sys.stderr, flush=True)
+            return own[0] if own else (code if code > 0 else EXIT_BUG)
+        bad = [c for c in codes if c != 0]
+        return bad[0] if bad else 0
+
+
+def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
+    """Start the run's ranks and hand them ``run`` at once (:class:`LocalRanks`); returns the job's exit status."""
+    return LocalRanks(run.world_size, stop).run(run)
 
 
 def _end_adopted(keep: set[int]) -> None:
