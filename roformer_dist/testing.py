@@ -3,7 +3,8 @@ the live processes of a process group (``live_group_members``: what a launch lef
 
     run_distributed(fn, world_size=2, args=(tmp_path,))
 
-``fn(rank, world_size, *args)`` runs in each process after
+``fn(rank, world_size, *args)`` runs in each process (forked from a server that imported torch, DeepSpeed and
+the trainer once: ``roformer_dist.train.preload``) after
 ``torch.distributed.init_process_group("gloo")`` on a free localhost port. Its
 return values come back as a list indexed by rank. Any rank's exception fails
 the call with that rank's traceback; a rank that does not finish within
@@ -54,10 +55,38 @@ class DistributedTestError(AssertionError):
     """A rank failed or timed out; the message holds its traceback."""
 
 
+def _context():
+    """A fork server that imported what a rank imports (``roformer_dist.train.preload``), started once per
+    process: each rank is a fork of it instead of a new interpreter that imports torch and DeepSpeed again
+    (seconds a rank). With CUDA, fresh interpreters: the server must not touch CUDA, and a test on a GPU is rare."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["roformer_dist.train.preload"])
+    return ctx
+
+
+def _output_of(caller: int) -> None:
+    """Write stdout and stderr where the calling process writes them now (pytest's capture of the current test):
+    a fork server's child would otherwise inherit the server's, from the test that started it."""
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{caller}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue  # not Linux, or not a file this process may open: the server's then
+        os.dup2(target, fd)
+        os.close(target)
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str,
-            env: dict) -> None:
+            env: dict, caller: int) -> None:
     import torch.distributed as dist
 
+    if os.getppid() != caller:  # forked by the fork server
+        _output_of(caller)
+    os.environ.clear()  # the caller's environment as it is now (a fork server's is from when it started)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -83,11 +112,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 300.0,
                     env: dict | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. ``env``: set in
+    the ranks on top of this process's environment."""
+    ctx = _context()
     port = free_port()
+    environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="rdist-") as result_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, result_dir, env or {}),
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, result_dir, environ, os.getpid()),
                              daemon=False) for r in range(world_size)]
         for p in procs:
             p.start()

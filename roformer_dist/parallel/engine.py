@@ -30,8 +30,6 @@ from roformer_dist.runtime.deepspeed_import import import_deepspeed
 from roformer_dist.runtime.jit_builds import extensions_root
 from roformer_dist.runtime.process_group import TorchComm
 
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-
 log = logging.getLogger(__name__)
 
 
