@@ -48,6 +48,7 @@ RESULTS = {  # bench -> (the "bench" of its JSON lines, text its output must hol
     "rope_decay": ("rope_decay", "relative upper bound B(r)"),
     "rotary": ("rotary", "fwd+bwd ms"),
     "shards": ("shards", "MB/s/worker cpu"),
+    "startup": ("startup", "first step, debug config, 2 ranks"),
     "step": ("step", "losses agree"),
     "zero_memory": ("zero_memory", "total B/p"),
 }
@@ -138,6 +139,16 @@ def check_packing(lines: list[dict], tail: str, stdout: str) -> None:
 
 CHECKS = {"packing": check_packing}
 """bench -> a check of its JSON lines beyond RESULTS' (what its figures must satisfy)."""
+
+
+def check_startup(lines: list[dict], tail: str, stdout: str) -> None:
+    """bench/startup.py --tiny: one launch of 2 ranks, its start-up from the launcher's start to rank 0's first
+    step: positive, and shorter than the whole launch's wall time would allow (well under a minute)."""
+    (line,) = [x for x in lines if x.get("bench") == "startup"]
+    assert line["launches"] == 1 and line["ranks"] == 2 and 0.5 < line["seconds"] < 60, (line, tail)
+
+
+CHECKS["startup"] = check_startup
 
 
 def check_profile_e2e(lines: list[dict], tail: str, stdout: str) -> None:
