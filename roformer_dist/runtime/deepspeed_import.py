@@ -32,10 +32,10 @@ def import_deepspeed() -> ModuleType:
     """The ``deepspeed`` module, imported now if it was not (see the module docstring)."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
-    import torch
+    if "DS_ACCELERATOR" not in os.environ:  # its accelerator, chosen at import: said rather than guessed (a warning)
+        import torch
 
-    # its accelerator, chosen at import: said here rather than guessed by DeepSpeed (a warning on CPU)
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
     hide = "mlflow" not in sys.modules
     if hide:
         sys.modules["mlflow"] = None  # type: ignore[assignment]
