@@ -9,7 +9,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv demo debug test test-fast slurm-up slurm-down bench clean docs docs-serve
+.PHONY: venv demo debug test test-fast coverage slurm-up slurm-down bench clean docs docs-serve
 
 venv: $(STAMP)
 
@@ -39,10 +39,23 @@ debug: venv
 	    --out $(DEBUG_DATA)/eval --max-docs-per-shard 125 --no-progress || exit 1; fi
 	$(BIN)/roformer-train --config configs/experiments/debug.yaml $(ARGS)
 
-## the whole test suite (starts the local SLURM cluster when run as root, as in CI)
+## the whole test suite (starts the local SLURM cluster when run as root, as in CI), in two lanes: the SLURM tests,
+## which mostly wait for the cluster, beside the rest; at the end the ten slowest files and the wall time
+## (tests/tools/lanes.py; ARGS: more pytest arguments, e.g. ARGS="-x -k resume")
 test: venv
 	@if [ "$$(id -u)" = 0 ] && [ -z "$$ROFORMER_NO_SLURM" ]; then bash slurm/local_cluster/start.sh; fi
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python tests/tools/lanes.py -- $(ARGS)
+
+## line coverage of roformer_dist, data_pipeline and launcher over the whole suite, every process the tests start
+## included (pyproject.toml: tool.coverage); the per-file table goes to .coverage_data/report.txt
+COV := $(BIN)/coverage
+COV_DATA := $(CURDIR)/.coverage_data/cov
+coverage: venv
+	@if [ "$$(id -u)" = 0 ] && [ -z "$$ROFORMER_NO_SLURM" ]; then bash slurm/local_cluster/start.sh; fi
+	rm -rf .coverage_data && mkdir -p .coverage_data
+	$(BIN)/python tests/tools/lanes.py --coverage $(COV_DATA) -- $(ARGS); status=$$?; \
+	$(COV) combine -q --data-file=$(COV_DATA) && $(COV) report --data-file=$(COV_DATA) > .coverage_data/report.txt; \
+	tail -n 1 .coverage_data/report.txt; exit $$status
 
 ## tests without the SLURM cluster
 test-fast: venv

@@ -8,7 +8,9 @@ about 10 s on 2 cores.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -62,3 +64,51 @@ def small_shards(tmp_path_factory, peoples_daily) -> SmallShards:
     build_shards(eval_src, model, root / "eval", workers=1, max_docs_per_shard=100, progress=False)
     return SmallShards(root / "train", root / "eval", root / "train" / "tokenizer.model",
                        Tokenizer(model).vocab_size, train_src, eval_src)
+
+
+# ----------------------------------------------------------------------------------------- the two lanes
+
+SIDE_LANE_FILES = ("tests/test_benches.py",)
+"""Besides the SLURM tests (which mostly wait for the local cluster), the files that ``make test`` runs in its side
+lane, beside the main one (tests/tools/lanes.py): the benches' tiny runs, each a process tree of its own that
+shares nothing with the trainer tests, balance the two lanes' times."""
+
+
+def pytest_itemcollected(item):
+    # as each test is collected, so that `-m side` / `-m "not side"` select by it
+    if item.get_closest_marker("slurm") or item.nodeid.split("::")[0] in SIDE_LANE_FILES:
+        item.add_marker(pytest.mark.side)
+
+
+# ----------------------------------------------------------------------------------------- test times
+
+_TIMES = os.environ.get("ROFORMER_TEST_TIMES")
+"""A file: where each test phase's seconds (and each fixture set-up's) go as JSON lines, when set (``make test``
+sets it per lane: tests/tools/lanes.py prints the slowest files from them; tests/tools/suite_profile.py reads
+the same lines)."""
+
+
+def _record(**fields) -> None:
+    if _TIMES:
+        with open(_TIMES, "a", encoding="utf-8") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    t0 = time.perf_counter()
+    yield
+    _record(kind="fixture", name=fixturedef.argname, scope=fixturedef.scope, test=request.node.nodeid,
+            s=round(time.perf_counter() - t0, 3))
+
+
+def pytest_runtest_logreport(report):
+    _record(kind="test", test=report.nodeid, when=report.when, s=round(report.duration, 3), outcome=report.outcome)
+
+
+def pytest_sessionstart(session):
+    session.config._times_start = time.time()
+
+
+def pytest_sessionfinish(session):
+    _record(kind="session", start=session.config._times_start, end=time.time())

@@ -114,6 +114,9 @@ class LocalRanks:
         adopt_orphans()
         self.job_dir = tempfile.mkdtemp(prefix="roformer-train-")
         with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
+            self.own = set(children(os.getpid()))
+            """This process's children before the ranks (its resource tracker; in a test, a fork server): not
+            orphans the ranks left, kept when those are ended."""
             for r in range(world_size):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", __name__, str(r), str(world_size), str(self.port), str(os.getpid()),
@@ -136,7 +139,7 @@ class LocalRanks:
             with contextlib.suppress(OSError):
                 p.stdin.close()
             p.wait()
-        _end_adopted(keep=set())
+        _end_adopted(keep=self.own)
         shutil.rmtree(self.job_dir, ignore_errors=True)
 
     def run(self, run: ResolvedRun) -> int:
@@ -179,7 +182,7 @@ class LocalRanks:
                 procs[0].wait(timeout=0.2)
         for p in procs:
             p.wait()
-        _end_adopted(keep={p.pid for p in procs})
+        _end_adopted(keep=self.own | {p.pid for p in procs})
         if failed is None:  # all ended in the same instant
             failed = next(((r, p.returncode) for r, p in enumerate(procs) if _status(job_dir, r) is None), None)
         messages = _rank_messages(job_dir)

@@ -1,0 +1,111 @@
+"""``make test``: the suite in two lanes at once, and at the end the slowest test files and the wall time.
+
+    python tests/tools/lanes.py [--results DIR] [--coverage DATA_FILE] [-- PYTEST_ARGS...]
+
+The side lane (``pytest -m side``: the SLURM tests, which mostly wait for the local cluster's scheduling,
+requeues and time limits, and the benches' tiny runs, tests/conftest.py) runs beside the main lane (``pytest -m
+"not side"``: everything else, one test at a time, as always). The main lane writes to the terminal; the side
+lane to DIR/side.log, whose end is printed once both are done. Each lane's test times go
+to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from which the end of the output lists the ten
+slowest files and each lane's wall time. Exit status: the main lane's, else the side lane's (0 when both
+passed; a lane with no test selected by PYTEST_ARGS counts as passed). ``--coverage``: each lane under
+``coverage run --data-file=DATA_FILE`` (``make coverage``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LANES = {"main": ["-m", "not side", "--durations=15"], "side": ["-m", "side", "-p", "no:cacheprovider"]}
+NO_TESTS = 5
+"""pytest's exit status when nothing was selected."""
+
+
+def read_times(results: Path) -> dict[str, list[dict]]:
+    """Each lane's JSON lines (tests/conftest.py's records)."""
+    out = {}
+    for lane in LANES:
+        path = results / f"{lane}.jsonl"
+        lines = []
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        out[lane] = lines
+    return out
+
+
+def slowest_files(times: dict[str, list[dict]], top: int = 10) -> str:
+    """The ``top`` slowest test files (setup + call + teardown of their tests) with their lane, each lane's wall
+    time and the suite's."""
+    files: dict = defaultdict(float)
+    lane_of = {}
+    for lane, lines in times.items():
+        for r in lines:
+            if r.get("kind") == "test":
+                name = r["test"].split("::", 1)[0]
+                files[name] += r["s"]
+                lane_of[name] = lane
+    rows = sorted(files.items(), key=lambda kv: -kv[1])[:top]
+    out = [f"the {len(rows)} slowest test files:"]
+    out += [f"  {s:7.1f} s  {name}  ({lane_of[name]} lane)" for name, s in rows]
+    spans = {}
+    for lane, lines in times.items():
+        sessions = [r for r in lines if r.get("kind") == "session"]
+        if sessions:
+            spans[lane] = (sessions[-1]["start"], sessions[-1]["end"])
+    if spans:
+        lanes = ", ".join(f"{lane} lane {end - start:.0f} s" for lane, (start, end) in spans.items())
+        total = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
+        out.append(f"the tests' wall time: {total:.0f} s ({total / 60:.1f} min; {lanes})")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=REPO / ".test_results", help="where the lanes' logs and times go")
+    ap.add_argument("--coverage", default="", help="run each lane under coverage.py with this data file")
+    ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    a = ap.parse_args(argv)
+    a.results.mkdir(parents=True, exist_ok=True)
+    for lane in LANES:
+        (a.results / f"{lane}.jsonl").unlink(missing_ok=True)
+    python = [sys.executable, "-m"] + (["coverage", "run", f"--data-file={a.coverage}", "-m"] if a.coverage else [])
+
+    def command(lane: str, basetemp: Path) -> list[str]:
+        return [*python, "pytest", "-q", *LANES[lane], f"--basetemp={basetemp}", *a.pytest_args]
+
+    def env(lane: str) -> dict:
+        return {**os.environ, "ROFORMER_TEST_TIMES": str(a.results / f"{lane}.jsonl")}
+
+    with tempfile.TemporaryDirectory(prefix="roformer-tests-") as tmp:
+        log = a.results / "side.log"
+        with open(log, "w", encoding="utf-8") as out:
+            side = subprocess.Popen(command("side", Path(tmp) / "side"), cwd=REPO, env=env("side"),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            main_code = subprocess.call(command("main", Path(tmp) / "main"), cwd=REPO, env=env("main"))
+            if side.poll() is None:
+                print(f"\nthe side lane is still running ({log})...", flush=True)
+            side_code = side.wait()
+    text = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    print(f"\n--- the side lane (pytest -m side; its whole output: {log}) ---")
+    print("\n".join(text[-40:]))
+    print()
+    print(slowest_files(read_times(a.results)), flush=True)
+    codes = [0 if c == NO_TESTS else c for c in (main_code, side_code)]
+    return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
