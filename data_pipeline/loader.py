@@ -341,6 +341,13 @@ class ShardLoader:
                 if w.is_alive():
                     w.kill()
                     w.join(timeout=5)
+            # each index queue's feeder thread exits after the close above, on its own: the next iter() forks
+            # new workers, and a fork while a thread is being torn down can leave the child stuck for good in
+            # Python's after-fork clean-up (seen at a stage switch: a worker never started, its rank waited)
+            for q in getattr(it, "_index_queues", ()):
+                feeder = getattr(q, "_thread", None)
+                if feeder is not None:
+                    feeder.join(timeout=5)
 
     def __iter__(self):
         self._stop_active()

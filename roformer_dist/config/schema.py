@@ -337,9 +337,9 @@ class DistConfig:
     status 76, its stacks and a report in run_dir/hang/ (runtime/heartbeat.py); 0 = off. Well under
     ``timeout_s``; longer than the slowest single save or eval batch."""
     first_step_timeout_s: float = 1200.0
-    """The hang watchdog's allowance for a curriculum stage's switch and first training step, which may measure
-    the rotary kernel (``model.rotary_backend: auto``) and compile the stage (``trainer.compile``, minutes with
-    ``max-autotune``) and flex attention. The watchdog takes the larger of it and ``hang_timeout_s``; below
+    """The hang watchdog's allowance for a curriculum stage's switch and first training step where they measure
+    or compile: on a GPU (the rotary kernel, ``model.rotary_backend: auto``; flex attention's kernels) and with
+    ``trainer.compile`` (the stage, minutes with ``max-autotune``); elsewhere a first step is an ordinary one. The watchdog takes the larger of it and ``hang_timeout_s``; below
     ``timeout_s`` (a rank that compiled sooner waits for the others in a collective)."""
 
 

@@ -211,11 +211,25 @@ def _prctl(option: int, arg: int) -> bool:
         return False
 
 
-def adopt_orphans() -> bool:
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+def adopt_orphans(adopt: bool = True) -> bool:
     """Make this process the parent of its descendants' orphans (Linux ``PR_SET_CHILD_SUBREAPER``), so a
     launcher can end what a killed rank's own children (torch's ninja and compilers during a JIT build)
-    would otherwise go on running after the launch. False where it is not available."""
-    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    would otherwise go on running after the launch; ``adopt=False``: no longer (a launch made in a process
+    that goes on, a test's). Returns whether this process adopted orphans before the call (False where it is not
+    available)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    was = ctypes.c_int(0)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    except OSError:
+        return False
+    _prctl(_PR_SET_CHILD_SUBREAPER, int(adopt))
+    return bool(was.value)
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

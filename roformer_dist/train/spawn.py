@@ -111,7 +111,7 @@ class LocalRanks:
         self.port = free_port()
         self.procs: list[subprocess.Popen] = []
         stop.forward_to(self._forward)
-        adopt_orphans()
+        self.adopted = adopt_orphans()  # whether this process was a subreaper already (given back at the end)
         self.job_dir = tempfile.mkdtemp(prefix="roformer-train-")
         with blocked_stop_signals():  # the ranks unblock once their own handlers are in place
             self.own = set(children(os.getpid()))
@@ -140,6 +140,7 @@ class LocalRanks:
                 p.stdin.close()
             p.wait()
         _end_adopted(keep=self.own)
+        adopt_orphans(self.adopted)
         shutil.rmtree(self.job_dir, ignore_errors=True)
 
     def run(self, run: ResolvedRun) -> int:
@@ -183,6 +184,7 @@ class LocalRanks:
         for p in procs:
             p.wait()
         _end_adopted(keep=self.own | {p.pid for p in procs})
+        adopt_orphans(self.adopted)
         if failed is None:  # all ended in the same instant
             failed = next(((r, p.returncode) for r, p in enumerate(procs) if _status(job_dir, r) is None), None)
         messages = _rank_messages(job_dir)

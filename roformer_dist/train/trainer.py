@@ -394,9 +394,11 @@ class Trainer(EvalSteps):
 
     def beat(self, point: str, first_step: bool = False) -> None:
         """Progress at ``point`` (runtime/heartbeat.py: what the hang watchdog watches); ``first_step``: what
-        follows is a stage's switch or first step, allowed ``dist.first_step_timeout_s``."""
+        follows is a stage's switch or first step, allowed ``dist.first_step_timeout_s`` where it measures or
+        compiles (on a GPU: the rotary measurement, flex attention; with ``trainer.compile``: the stage)."""
         if self.heartbeat is not None:
-            allow = self.cfg.dist.first_step_timeout_s if first_step else None
+            slow = self.cfg.trainer.compile or torch.cuda.is_available()
+            allow = self.cfg.dist.first_step_timeout_s if first_step and slow else None
             self.heartbeat.beat(point, self.state.step, allow, "dist.first_step_timeout_s, a stage's first step")
 
     # ------------------------------------------------------------------ loop

@@ -38,7 +38,7 @@ def _install() -> None:
               "start": start, "marks": marks}
 
     def mark(name: str) -> None:
-        marks.setdefault(name, round(time.time() - start, 3))
+        marks.setdefault(name, round(time.time() - record["start"], 3))
 
     def wrap(owner, attr: str, before=None, after=None) -> None:
         real = getattr(owner, attr, None)
@@ -92,11 +92,19 @@ def _install() -> None:
 
     sys.meta_path.insert(0, After())
 
+    def forked() -> None:
+        """A forked child (a DataLoader worker, a fork server's rank) is a process of its own from its fork on."""
+        marks.clear()
+        record.update(pid=os.getpid(), ppid=os.getppid(), test=os.environ.get("PYTEST_CURRENT_TEST", ""),
+                      start=time.time(), forked=True, end=None)
+
+    os.register_at_fork(after_in_child=forked)
+
     def write() -> None:
-        if os.getpid() != record["pid"] or record.get("end") is not None:
-            return  # a forked child (a DataLoader worker) or written already
+        if record.get("end") is not None:
+            return  # written already
         record["argv"] = " ".join(sys.argv)[:300]
-        record["end"] = round(time.time() - start, 3)
+        record["end"] = round(time.time() - record["start"], 3)
         try:
             with open(_LOG, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
