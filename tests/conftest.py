@@ -69,9 +69,8 @@ def small_shards(tmp_path_factory, peoples_daily) -> SmallShards:
 # ----------------------------------------------------------------------------------------- the two lanes
 
 SIDE_LANE_FILES = ("tests/test_benches.py",)
-"""Besides the SLURM tests (which mostly wait for the local cluster), the files that ``make test`` runs in its side
-lane, beside the main one (tests/tools/lanes.py): the benches' tiny runs, each a process tree of its own that
-shares nothing with the trainer tests, balance the two lanes' times."""
+"""The files that ``make test`` runs beside the main lane (tests/tools/lanes.py) besides the SLURM tests: the
+benches' tiny runs, each a process tree of its own that shares nothing with the other tests."""
 
 
 def pytest_itemcollected(item):

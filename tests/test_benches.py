@@ -246,7 +246,7 @@ def test_step_times_packed_documents_against_no_mask_in_tiny_mode():
     lines = json_lines(r.stdout)
     (doc,) = [x for x in lines if x.get("bench") == "step_documents"]
     (ours,) = [x for x in lines if x.get("bench") == "step_ours"]
-    assert doc["baseline"] == ours["ours"] and doc["ratio"] == pytest.approx(doc["baseline"] / doc["ours"], rel=1e-3)
+    assert doc["baseline"] == ours["ours"] and doc["ratio"] == pytest.approx(doc["baseline"] / doc["ours"], rel=1e-3, abs=1e-3)  # (3 decimals)
     assert 2 < doc["docs_per_row"] < 32 and doc["form"] in ("blocks", "dense") and doc["document_attention"] == "blocks"
     assert doc["tokens_per_s"] > 0 and doc["tokens_per_s_no_mask"] == ours["tokens_per_s"], tail
     for flags, message in [(("--document-attention", "bogus"), "model.document_attention: expected one of"),

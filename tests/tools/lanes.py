@@ -1,20 +1,21 @@
-"""``make test``: the suite in two lanes at once, and at the end the slowest test files and the wall time.
+"""``make test``: the suite in three lanes at once, and at the end the slowest test files and the wall time.
 
     python tests/tools/lanes.py [--results DIR] [--coverage DATA_FILE] [-- PYTEST_ARGS...]
 
-The side lane (``pytest -m side``: the SLURM tests, which mostly wait for the local cluster's scheduling,
-requeues and time limits, and the benches' tiny runs, tests/conftest.py) runs beside the main lane (``pytest -m
-"not side"``: everything else, one test at a time, as always). The main lane writes to the terminal; the side
-lane to DIR/side.log, whose end is printed once both are done. Each lane's test times go
-to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from which the end of the output lists the ten
-slowest files and each lane's wall time. Exit status: the main lane's, else the side lane's (0 when both
-passed; a lane with no test selected by PYTEST_ARGS counts as passed). ``--coverage``: each lane under
-``coverage run --data-file=DATA_FILE`` (``make coverage``).
+The main lane (``pytest -m "not side"``: the trainer, faults, commands, docs... one test at a time, as always)
+writes to the terminal. Beside it, each writing to DIR/<lane>.log whose end is printed once all are done: the
+SLURM lane (``-m slurm``), which mostly waits for the local cluster (its scheduling, requeues and time limits),
+and the benches lane (the benches' tiny runs, each a process tree of its own; tests/conftest.py's
+``SIDE_LANE_FILES``). Each lane's test times go to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES),
+from which the end of the output lists the ten slowest files and each lane's wall time. Exit status: the first
+failing lane's (0 when all passed; a lane with no test selected by PYTEST_ARGS counts as passed).
+``--coverage``: each lane under ``coverage run --data-file=DATA_FILE`` (``make coverage``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -25,7 +26,10 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LANES = {"main": ["-m", "not side", "--durations=15"], "side": ["-m", "side", "-p", "no:cacheprovider"]}
+LANES = {"main": ["-m", "not side", "--durations=15"],
+         "slurm": ["-m", "slurm", "-p", "no:cacheprovider"],
+         "benches": ["-m", "side and not slurm", "-p", "no:cacheprovider"]}
+"""Each lane's pytest selection; the first writes to the terminal, the others to DIR/<lane>.log."""
 NO_TESTS = 5
 """pytest's exit status when nothing was selected."""
 
@@ -89,21 +93,26 @@ def main(argv=None) -> int:
     def env(lane: str) -> dict:
         return {**os.environ, "ROFORMER_TEST_TIMES": str(a.results / f"{lane}.jsonl")}
 
-    with tempfile.TemporaryDirectory(prefix="roformer-tests-") as tmp:
-        log = a.results / "side.log"
-        with open(log, "w", encoding="utf-8") as out:
-            side = subprocess.Popen(command("side", Path(tmp) / "side"), cwd=REPO, env=env("side"),
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            main_code = subprocess.call(command("main", Path(tmp) / "main"), cwd=REPO, env=env("main"))
-            if side.poll() is None:
-                print(f"\nthe side lane is still running ({log})...", flush=True)
-            side_code = side.wait()
-    text = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    print(f"\n--- the side lane (pytest -m side; its whole output: {log}) ---")
-    print("\n".join(text[-40:]))
+    first, *others = LANES
+    with tempfile.TemporaryDirectory(prefix="roformer-tests-") as tmp, contextlib.ExitStack() as logs:
+        side = {}
+        for lane in others:
+            out = logs.enter_context(open(a.results / f"{lane}.log", "w", encoding="utf-8"))
+            side[lane] = subprocess.Popen(command(lane, Path(tmp) / lane), cwd=REPO, env=env(lane), stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        codes = {first: subprocess.call(command(first, Path(tmp) / first), cwd=REPO, env=env(first))}
+        for lane, proc in side.items():
+            if proc.poll() is None:
+                print(f"\nthe {lane} lane is still running ({a.results / f'{lane}.log'})...", flush=True)
+            codes[lane] = proc.wait()
+    for lane in others:
+        text = (a.results / f"{lane}.log").read_text(encoding="utf-8", errors="replace").splitlines()
+        print(f"\n--- the {lane} lane (pytest {' '.join(LANES[lane][:2])}; its whole output: "
+              f"{a.results / f'{lane}.log'}) ---")
+        print("\n".join(text[-25:]))
     print()
     print(slowest_files(read_times(a.results)), flush=True)
-    codes = [0 if c == NO_TESTS else c for c in (main_code, side_code)]
+    codes = [0 if c == NO_TESTS else c for c in codes.values()]
     return next((c for c in codes if c), 0)
 
 

@@ -83,6 +83,10 @@ def report(out: Path, top: int = 0) -> str:
     if sessions:
         wall = max(r["end"] for r in sessions) - min(r["start"] for r in sessions)
         lines.append(f"the session's wall time: {wall:.1f} s ({len(sessions)} pytest process(es) beside each other)")
+    cpu = sum(p.get("cpu_s", 0.0) for p in procs)
+    if cpu and sessions:
+        lines.append(f"CPU time of the Python processes started: {cpu:.0f} s ({cpu / wall:.2f} cores busy on "
+                     "average over the session)")
     if ranks:
         lines.append("")
         lines.append(f"rank start-up, {len(ranks)} ranks, median seconds from the process's start:")

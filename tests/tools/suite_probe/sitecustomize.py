@@ -103,6 +103,10 @@ def _install() -> None:
     def write() -> None:
         if record.get("end") is not None:
             return  # written already
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        record["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
         record["argv"] = " ".join(sys.argv)[:300]
         record["end"] = round(time.time() - record["start"], 3)
         try:
