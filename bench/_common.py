@@ -233,9 +233,10 @@ def result(bench: str, **fields: object) -> None:
     print(json.dumps({"bench": bench, **fields}), flush=True)
 
 
-def emit(bench: str, ours: float, baseline: float, unit: str, ratio: float, **extra: object) -> None:
-    """The JSON line of a comparison (ratio > 1 = ours better)."""
-    result(bench, ours=round(ours, 6), baseline=round(baseline, 6), unit=unit, ratio=round(ratio, 3), **extra)
+def emit(bench: str, ours: float, baseline: float, unit: str, ratio: Optional[float], **extra: object) -> None:
+    """The JSON line of a comparison (ratio > 1 = ours better; None where it could not be formed)."""
+    result(bench, ours=round(ours, 6), baseline=round(baseline, 6), unit=unit,
+           ratio=None if ratio is None else round(ratio, 3), **extra)
 
 
 def load_average() -> str:

@@ -40,6 +40,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import _common as C  # noqa: E402  (puts the checkout on sys.path)
 
@@ -122,10 +123,21 @@ def peak_memory(a, variant: str, seq: int, step) -> int:
     return C.peak_rss_in_child([str(Path(__file__).resolve()), *sys.argv[1:], "--memory-worker", variant, str(seq)])
 
 
+def over(a: float, b: float) -> Optional[float]:
+    """a / b, or None where b is 0: a step whose peak stays within the pages resident before it measures 0 MiB
+    (tiny sizes)."""
+    return a / b if b > 0 else None
+
+
+def as_factor(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def per_doubling(seqs: list[int], values: list[float]) -> list[str]:
     out = ["-"]
     for (s1, v1), (s2, v2) in zip(zip(seqs, values), zip(seqs[1:], values[1:])):
-        out.append(f"{(v2 / v1) ** (1.0 / math.log2(s2 / s1)):.2f}x")
+        growth = over(v2, v1)
+        out.append(as_factor(None if growth is None else growth ** (1.0 / math.log2(s2 / s1))))
     return out
 
 
@@ -149,7 +161,8 @@ def layers_part(a) -> dict:
         tg, mg = per_doubling(seqs, times[v]), per_doubling(seqs, mems[v])
         for i, seq in enumerate(seqs):
             rows.append([v, seq, times[v][i] * 1e3, tg[i], mems[v][i], mg[i],
-                         f"{times[v][i] / times['linear'][i]:.2f}x", f"{mems[v][i] / mems['linear'][i]:.2f}x"])
+                         as_factor(over(times[v][i], times["linear"][i])),
+                         as_factor(over(mems[v][i], mems["linear"][i]))])
     C.print_table(["variant", "S", "fwd+bwd ms", "time growth/doubling", "peak MiB", "memory growth/doubling",
                    "time vs linear", "memory vs linear"], rows)
     overall = {v: per_doubling([seqs[0], seqs[-1]], [times[v][0], times[v][-1]])[1] for v in VARIANTS}
@@ -222,12 +235,13 @@ def main(argv=None) -> None:
         mem, tm = layers["mems"], layers["times"]
         growth = per_doubling([layers["seqs"][0], seq], [tm["linear"][0], tm["linear"][-1]])[1]
         last_doubling = per_doubling(layers["seqs"][-2:], tm["linear"][-2:])[1] if len(layers["seqs"]) > 1 else "-"
-        C.emit("linear_attention", mem["linear"][-1], mem["softmax"][-1], "MiB", mem["softmax"][-1] / mem["linear"][-1],
+        vs_sdpa = over(mem["softmax_sdpa"][-1], mem["linear"][-1])
+        C.emit("linear_attention", mem["linear"][-1], mem["softmax"][-1], "MiB", over(mem["softmax"][-1], mem["linear"][-1]),
                seq=seq, device=a.device, dtype=a.dtype,
-               mem_ratio_vs_sdpa=round(mem["softmax_sdpa"][-1] / mem["linear"][-1], 3),
+               mem_ratio_vs_sdpa=None if vs_sdpa is None else round(vs_sdpa, 3),
                time_ratio=round(tm["softmax"][-1] / tm["linear"][-1], 3),
                time_ratio_vs_sdpa=round(tm["softmax_sdpa"][-1] / tm["linear"][-1], 3),
-               linear_time_growth_per_doubling=float(growth.rstrip("x")),
+               linear_time_growth_per_doubling=None if growth == "-" else float(growth.rstrip("x")),
                linear_time_growth_last_doubling=None if last_doubling == "-" else float(last_doubling.rstrip("x")),
                **extra)
     else:

@@ -66,7 +66,7 @@ def small_shards(tmp_path_factory, peoples_daily) -> SmallShards:
                        Tokenizer(model).vocab_size, train_src, eval_src)
 
 
-# ----------------------------------------------------------------------------------------- the two lanes
+# ------------------------------------------------------------------------------------------ the lanes
 
 SIDE_LANE_FILES = ("tests/test_benches.py",)
 """The files that ``make test`` runs beside the main lane (tests/tools/lanes.py) besides the SLURM tests: the

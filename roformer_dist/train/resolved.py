@@ -4,7 +4,7 @@
 (every source's manifest; ``model.vocab_size`` and ``pad_token_id`` filled from it), the config at the
 run's world size, the corpus mixture's plan, each curriculum stage's plan (micro-batch, accumulation,
 rotary settings, masking rate), and where the weights come from (the newest usable checkpoint of the
-run, else ``init.from``, else a fresh start). Every refusal is one of our errors before any rank starts.
+run, else ``init.from``, else a fresh start). Every refusal is one of our errors before any rank trains.
 
 Who resolves, and how the ranks get it:
 

@@ -23,9 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from roformer_dist.errors import EXIT_BUG, EXIT_HANG, EXIT_REQUEUE, exit_status
 from roformer_dist.runtime.heartbeat import REPORT
@@ -36,14 +34,14 @@ from roformer_dist.runtime.stop import StopFlag, adopt_orphans, blocked_stop_sig
 if TYPE_CHECKING:
     from roformer_dist.train.resolved import ResolvedRun
 
-__all__ = ["LocalRanks", "spawn_local"]
+__all__ = ["LocalRanks"]
 
 PEER_LOSS_GRACE_S = 10.0
 """How long a rank whose collective failed because another rank died waits for the launcher to end it."""
 
 
 def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir: str) -> None:
-    """Entry point of a rank started by :func:`spawn_local`: ``python -m roformer_dist.train.spawn RANK WORLD_SIZE
+    """Entry point of a rank started by :class:`LocalRanks`: ``python -m roformer_dist.train.spawn RANK WORLD_SIZE
     PORT LAUNCHER_PID JOB_DIR`` (the run in ``JOB_DIR/run.json``; this rank's exit status goes to
     ``JOB_DIR/status<rank>``, an error's message to ``JOB_DIR/rank<rank>``)."""
     die_with_parent(launcher_pid)
@@ -212,11 +210,6 @@ class LocalRanks:
         return bad[0] if bad else 0
 
 
-def spawn_local(run: ResolvedRun, stop: StopFlag) -> int:
-    """Start the run's ranks and hand them ``run`` at once (:class:`LocalRanks`); returns the job's exit status."""
-    return LocalRanks(run.world_size, stop).run(run)
-
-
 def _end_adopted(keep: set[int]) -> None:
     """End what the ranks' children left running (adopted by this launcher, ``adopt_orphans``): a rank
     killed while DeepSpeed JIT-built its op leaves torch's ninja and the compilers under it, which would
@@ -228,6 +221,6 @@ def _end_adopted(keep: set[int]) -> None:
                 os.waitpid(pid, 0)
 
 
-if __name__ == "__main__":  # a rank of spawn_local
+if __name__ == "__main__":  # a rank of LocalRanks
     _rank, _world, _port, _launcher, _job_dir = sys.argv[1:]
     _rank_main(int(_rank), int(_world), int(_port), int(_launcher), _job_dir)

@@ -22,7 +22,7 @@ holds after that step (a fresh start, 0, drops everything), so its view equals a
 A new sink is one module here with a class taking a :class:`SinkContext` (and a ``read(dir)`` class method
 giving back what it wrote, for the tests), plus its name in :data:`SINKS`. A sink whose package is missing
 raises ``ConfigError`` naming ``logging.sinks`` and the ``pip install`` line when the config is checked
-(:func:`check_sinks`, before any rank starts) and when it is opened.
+(:func:`check_sinks`, before any rank trains) and when it is opened.
 """
 
 from __future__ import annotations
