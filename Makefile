@@ -39,7 +39,7 @@ debug: venv
 	    --out $(DEBUG_DATA)/eval --max-docs-per-shard 125 --no-progress || exit 1; fi
 	$(BIN)/roformer-train --config configs/experiments/debug.yaml $(ARGS)
 
-## the whole test suite (starts the local SLURM cluster when run as root, as in CI), in three lanes: the SLURM tests,
+## the whole test suite (starts the local SLURM cluster when run as root, as in CI), in two lanes: the SLURM tests,
 ## which mostly wait for the cluster, and the benches' tiny runs beside the rest; at the end the ten slowest files
 ## and the wall time (tests/tools/lanes.py; ARGS: more pytest arguments, e.g. ARGS="-x -k resume")
 test: venv

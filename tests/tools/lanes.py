@@ -1,13 +1,15 @@
-"""``make test``: the suite in three lanes at once, and at the end the slowest test files and the wall time.
+"""``make test``: the suite in two lanes at once, and at the end the slowest test files and the wall time.
 
     python tests/tools/lanes.py [--results DIR] [--coverage DATA_FILE] [-- PYTEST_ARGS...]
 
 The main lane (``pytest -m "not side"``: the trainer, faults, commands, docs... one test at a time, as always)
-writes to the terminal. Beside it, each writing to DIR/<lane>.log whose end is printed once all are done: the
-SLURM lane (``-m slurm``), which mostly waits for the local cluster (its scheduling, requeues and time limits),
-and the benches lane (the benches' tiny runs, each a process tree of its own; tests/conftest.py's
-``SIDE_LANE_FILES``). Each lane's test times go to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES),
-from which the end of the output lists the ten slowest files and each lane's wall time. Exit status: the first
+writes to the terminal. Beside it the side lane (``-m side``) writes to DIR/side.log, whose end is printed once
+both are done: the SLURM tests, which mostly wait for the local cluster (its scheduling, requeues and time
+limits), and the benches' tiny runs (each a process tree of its own; tests/conftest.py's ``SIDE_LANE_FILES``).
+Two lanes, not more: on 2 cores the suite is CPU-bound once the waiting is overlapped, and a third lane
+(the SLURM tests and the benches apart) made the main lane slower by more than it saved (24.5 minutes
+against 20.3). Each lane's test times go to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from
+which the end of the output lists the ten slowest files and each lane's wall time. Exit status: the first
 failing lane's (0 when all passed; a lane with no test selected by PYTEST_ARGS counts as passed).
 ``--coverage``: each lane under ``coverage run --data-file=DATA_FILE`` (``make coverage``).
 """
@@ -27,8 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LANES = {"main": ["-m", "not side", "--durations=15"],
-         "slurm": ["-m", "slurm", "-p", "no:cacheprovider"],
-         "benches": ["-m", "side and not slurm", "-p", "no:cacheprovider"]}
+         "side": ["-m", "side", "-p", "no:cacheprovider"]}
 """Each lane's pytest selection; the first writes to the terminal, the others to DIR/<lane>.log."""
 NO_TESTS = 5
 """pytest's exit status when nothing was selected."""
