@@ -242,20 +242,32 @@ for arg in "$@"; do
     -c) case "$*" in {pattern}) echo "broken-cxx: error: cannot compile this source" >&2; exit 1;; esac;;
   esac
 done
-exec c++ "$@"
+exec {real} "$@"
 """
 
 
-def _failing_compiler(tmp_path: Path, pattern: str, what: str) -> Path:
-    path = tmp_path / "bin" / "broken-c++"
+def _failing_compiler(tmp_path: Path, pattern: str, what: str, name: str = "broken-c++") -> Path:
+    path = tmp_path / "bin" / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(FAILING_CXX.format(pattern=pattern, what=what))
+    path.write_text(FAILING_CXX.format(pattern=pattern, what=what, real=shutil.which("c++")))
     path.chmod(0o755)
     return path
 
 
-def _train_with_broken_compiler(small_shards, tmp_path, cxx: Path, *overrides: str):
-    env = {"CXX": str(cxx), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}  # fresh: nothing cached
+def _copy_built_op(name: str, extensions: Path) -> None:
+    """This environment's build of op ``name`` (``jit_builds.use_environment_extensions_dir``, with the compiler
+    `c++`), when an earlier launch made one, copied into ``extensions`` with ninja's records."""
+    if os.environ.get("CXX"):
+        return
+    from roformer_dist.runtime.jit_builds import use_environment_extensions_dir
+
+    built = use_environment_extensions_dir() / name
+    if (built / f"{name}.so").exists() and not (built / "lock").exists():
+        shutil.copytree(built, extensions / name, ignore=shutil.ignore_patterns("lock"))
+
+
+def _train_with_broken_compiler(small_shards, tmp_path, env: dict, *overrides: str):
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), **env}  # fresh: nothing cached
     proc = run_cli(cli_overrides(small_shards, tmp_path / "run", "trainer.stop_at_step=2", *overrides), env)
     out, _ = proc.communicate(timeout=300)
     assert wait_for_group_gone(proc.pid) == []
@@ -268,7 +280,8 @@ def test_roformer_train_whose_op_build_fails_says_so_in_one_line_with_status_7(s
     1 waits for rank 0's build instead of racing it), printed once, exit 7, no traceback."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler (c++) on PATH")
-    rc, out = _train_with_broken_compiler(small_shards, tmp_path, _failing_compiler(tmp_path, "*", "anything"))
+    cxx = _failing_compiler(tmp_path, "*", "anything")
+    rc, out = _train_with_broken_compiler(small_shards, tmp_path, {"CXX": str(cxx)})
     said = [line for line in out.splitlines() if "could not be built" in line]
     assert rc == EXIT_ENVIRONMENT and "Traceback" not in out, out[-4000:]
     assert len(said) == 1 and said[0].startswith("roformer-train: DeepSpeed's shared-memory collectives (op "
@@ -281,12 +294,15 @@ def test_roformer_train_whose_op_build_fails_says_so_in_one_line_with_status_7(s
 @pytest.mark.slow
 def test_roformer_train_with_offload_whose_cpu_adam_fails_to_build_says_so_in_one_line(small_shards, tmp_path):
     """The optimizer's op, through the trainer's engine: ZeRO-Offload asks for DeepSpeed's CPU Adam, whose
-    build fails (the compiler fails on its sources only, so the collectives' op builds for real first: the
-    slow part, ~30 s)."""
+    build fails (the compiler, `c++` first on PATH, fails on its sources only). The collectives' op comes
+    first: copied built from this environment's extensions directory where an earlier launch built it (ninja
+    finds it up to date: the same compiler command), else built for real here (~30 s)."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler (c++) on PATH")
-    cxx = _failing_compiler(tmp_path, "*cpu_adam*", "DeepSpeed's CPU Adam")
-    rc, out = _train_with_broken_compiler(small_shards, tmp_path, cxx, "deepspeed.offload_optimizer=cpu")
+    cxx = _failing_compiler(tmp_path, "*cpu_adam*", "DeepSpeed's CPU Adam", name="c++")
+    _copy_built_op("deepspeed_shm_comm", tmp_path / "torch_extensions")
+    path = f"{cxx.parent}{os.pathsep}{os.environ['PATH']}"
+    rc, out = _train_with_broken_compiler(small_shards, tmp_path, {"PATH": path}, "deepspeed.offload_optimizer=cpu")
     said = [line for line in out.splitlines() if "could not be built" in line]
     assert rc == EXIT_ENVIRONMENT and "Traceback" not in out, out[-4000:]
     assert len(said) == 1 and said[0].startswith(
