@@ -4,26 +4,16 @@ The whole bench runs in tests/test_benches.py (``--tiny``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # its `import _common`
-    try:
-        spec = importlib.util.spec_from_file_location("bench_curriculum", ROOT / "bench" / "curriculum.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("curriculum") as module:
         yield module
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
 
 
 @pytest.fixture(scope="module")

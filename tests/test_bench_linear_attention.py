@@ -4,25 +4,15 @@ in tests/test_benches.py (``--tiny``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # its `import _common`
-    try:
-        spec = importlib.util.spec_from_file_location("bench_linear_attention", ROOT / "bench" / "linear_attention.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("linear_attention") as module:
         yield module
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
 
 
 def test_growth_per_doubling_of_the_length(bench):
