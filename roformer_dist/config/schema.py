@@ -339,8 +339,9 @@ class DistConfig:
     first_step_timeout_s: float = 1200.0
     """The hang watchdog's allowance for a curriculum stage's switch and first training step where they measure
     or compile: on a GPU (the rotary kernel, ``model.rotary_backend: auto``; flex attention's kernels) and with
-    ``trainer.compile`` (the stage, minutes with ``max-autotune``); elsewhere a first step is an ordinary one. The watchdog takes the larger of it and ``hang_timeout_s``; below
-    ``timeout_s`` (a rank that compiled sooner waits for the others in a collective)."""
+    ``trainer.compile`` (the stage, minutes with ``max-autotune``); elsewhere a first step is an ordinary one.
+    The watchdog takes the larger of it and ``hang_timeout_s``; below ``timeout_s`` (a rank that compiled sooner
+    waits for the others in a collective)."""
 
 
 @dataclass(frozen=True)

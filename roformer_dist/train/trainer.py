@@ -397,8 +397,8 @@ class Trainer(EvalSteps):
         follows is a stage's switch or first step, allowed ``dist.first_step_timeout_s`` where it measures or
         compiles (on a GPU: the rotary measurement, flex attention; with ``trainer.compile``: the stage)."""
         if self.heartbeat is not None:
-            slow = self.cfg.trainer.compile or torch.cuda.is_available()
-            allow = self.cfg.dist.first_step_timeout_s if first_step and slow else None
+            slow = first_step and (self.cfg.trainer.compile or torch.cuda.is_available())
+            allow = self.cfg.dist.first_step_timeout_s if slow else None
             self.heartbeat.beat(point, self.state.step, allow, "dist.first_step_timeout_s, a stage's first step")
 
     # ------------------------------------------------------------------ loop

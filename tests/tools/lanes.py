@@ -35,20 +35,22 @@ NO_TESTS = 5
 """pytest's exit status when nothing was selected."""
 
 
+def json_lines(path: Path) -> list[dict]:
+    """A file's JSON lines; none where it does not exist, a line cut by a process killed while writing left out."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def read_times(results: Path) -> dict[str, list[dict]]:
     """Each lane's JSON lines (tests/conftest.py's records)."""
-    out = {}
-    for lane in LANES:
-        path = results / f"{lane}.jsonl"
-        lines = []
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    lines.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        out[lane] = lines
-    return out
+    return {lane: json_lines(results / f"{lane}.jsonl") for lane in LANES}
 
 
 def slowest_files(times: dict[str, list[dict]], top: int = 10) -> str:

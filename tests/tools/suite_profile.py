@@ -15,7 +15,6 @@ when it trains no step), split into the imports of torch and DeepSpeed, the proc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,20 +22,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from lanes import json_lines  # this folder is on sys.path when run as a script
+
 PROBE = Path(__file__).resolve().parent / "suite_probe"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a process killed while writing
-    return out
 
 
 def _file_of(test: str) -> str:
@@ -48,10 +37,10 @@ def _median(xs):
 
 
 def report(out: Path, top: int = 0) -> str:
-    records = [r for p in sorted(out.glob("*.jsonl")) if p.name != "processes.jsonl" for r in _lines(p)]
+    records = [r for p in sorted(out.glob("*.jsonl")) if p.name != "processes.jsonl" for r in json_lines(p)]
     tests = [r for r in records if r.get("kind") == "test"]
     fixtures = [r for r in records if r.get("kind") == "fixture"]
-    procs = _lines(out / "processes.jsonl")
+    procs = json_lines(out / "processes.jsonl")
     by_file: dict = defaultdict(lambda: {"s": 0.0, "tests": set(), "procs": 0, "ranks": 0, "startup": []})
     for r in tests:
         f = by_file[_file_of(r["test"])]
