@@ -11,6 +11,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from typing import Optional
 
 from _chaos_launch import LOG_EVERY, SLOW_LOG_STEPS, TOTAL_STEPS, Fault, Launch, complete_checkpoints, metrics
 
@@ -42,29 +43,38 @@ class Schedule:
         self.disk, self.startup_s, self.step_s = disk, startup_s, step_s
         self.runtime_kinds = ["signal"] * 6 + ["point"] * 6  # the weights of the draw
         self.kinds = self.runtime_kinds + ["damage", "flip", "stale-lock"] + (["disk-full"] if disk else [])
-        self.first = list(first)
-        """Kinds made before any other, the first of them that can be made (``flip``: two checkpoints exist;
-        ``signal:stop-rank``: any time, a few steps into the launch; ``signal:slow-rank``: enough steps left,
-        from the launch's first step on; the signals also while a launch after a flip runs): the tiny
-        campaign's one of each newer kind, early."""
+        self.first = [k for k in first if k != "disk-full" or disk]
+        """Kinds made before any other, the first of them that can be made (``flip`` and ``damage``: two
+        checkpoints exist; ``signal:stop-rank``: any time, a few steps into the launch; ``signal:slow-rank``:
+        enough steps left, from the launch's first step on; the signals and ``point`` also while a launch after
+        a fault made before it runs; ``disk-full`` where a tmpfs could be mounted; ``recovery``: after the first
+        fault that leaves the run unfinished, :meth:`second_fault`): the tiny campaign's one fault of each kind. While some are left, a fault during a launch after one made before it is one of
+        them or none."""
 
     def _forced(self, run_dir: Path, runtime_only: bool) -> str:
         """The first of ``first`` that can be made now (popped), or ''."""
         checkpoints, left = len(complete_checkpoints(run_dir)), TOTAL_STEPS - len(metrics(run_dir))
         for i, spec in enumerate(self.first):
-            ready = {"flip": checkpoints >= 2 and not runtime_only, "signal:slow-rank": left >= SLOW_STEPS_LEFT}
-            if ready.get(spec, spec.startswith("signal:")):
+            ready = {"flip": checkpoints >= 2 and not runtime_only, "damage": checkpoints >= 2 and not runtime_only,
+                     "signal:slow-rank": left >= SLOW_STEPS_LEFT, "stale-lock": not runtime_only,
+                     "disk-full": self.disk and not runtime_only, "jit-build": not runtime_only}
+            if ready.get(spec, spec.startswith("signal:") or spec == "point"):
                 return self.first.pop(i)
         return ""
 
-    def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Fault:
-        """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point)."""
+    def draw(self, run_dir: Path, index: int, runtime_only: bool = False) -> Optional[Fault]:
+        """The next fault; ``runtime_only``: one that lands while the launch runs (a signal or a point), None
+        while kinds of ``first`` are left and none of them can land now."""
         rng = self.rng
-        if not runtime_only and rng.random() < JIT_BUILD_SHARE:
+        forced = self._forced(run_dir, runtime_only) if self.first else ""
+        if self.first and not forced:  # none of them can land now
+            if runtime_only:
+                return None
+            forced = "point"  # a stop 6 steps into the launch: checkpoints for the kinds that need them
+        if forced == "jit-build" or not forced and not runtime_only and rng.random() < JIT_BUILD_SHARE:
             return Fault("jit-build", f"#{index} kill-group during the JIT build of DeepSpeed's op")
         kind = rng.choice(self.runtime_kinds if runtime_only else self.kinds)
         forced_signal = None
-        forced = self._forced(run_dir, runtime_only) if self.first else ""
         if forced:
             kind, _, forced_signal = forced.partition(":")
         if kind in ("damage", "flip") and len(complete_checkpoints(run_dir)) < 2:
@@ -84,6 +94,8 @@ class Schedule:
             action = rng.choice(sorted(ACTIONS))
             rank = 0 if point in RANK0_ONLY else rng.choice([0, 1, None])
             spec = f"{point}@{n}:{action}" + (f"@{rank}" if rank is not None else "")
+            if forced:  # a stop 6 steps into the launch (3 checkpoints), steps left for a fault after it
+                point, spec = "step.end", "step.end@6:usr2-group@0"
             return Fault(f"point:{point}", f"#{index} {spec}", env={"ROFORMER_FAULT_AT": spec})
         return Fault(kind, f"#{index} {kind}")
 
@@ -94,6 +106,16 @@ class Schedule:
         if len(times) >= 3:
             self.startup_s = 0.5 * self.startup_s + 0.5 * (times[0] - result.started)
             self.step_s = 0.5 * self.step_s + 0.5 * (times[-1] - times[0]) / (len(times) - 1)
+
+    def second_fault(self, share: float) -> bool:
+        """Whether the launch after a fault gets one while it recovers: with chance ``share``; while kinds of
+        ``first`` are left, at once if "recovery" is among them (taken), else not."""
+        if self.first:
+            if "recovery" in self.first:
+                self.first.remove("recovery")
+                return True
+            return False
+        return self.rng.random() < share
 
     def recovery(self, run_dir: Path, index: int) -> Fault:
         """A second fault while the next launch recovers: early in its start-up, or right after its load."""

@@ -136,15 +136,16 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def rank_pids(launcher: int) -> list[int]:
-    """The launcher's rank processes (its children running ``roformer_dist.train.spawn``)."""
-    out = []
+    """The launcher's rank processes (its children named ``roformer-rank<r>``), in rank order."""
+    out = {}
     for p in children(launcher):
         try:
-            if b"roformer_dist.train.spawn" in Path(f"/proc/{p}/cmdline").read_bytes():
-                out.append(p)
+            name = Path(f"/proc/{p}/comm").read_text().strip()
         except OSError:
-            pass
-    return sorted(out)
+            continue
+        if name.startswith("roformer-rank"):
+            out[int(name[len("roformer-rank"):])] = p
+    return [out[r] for r in sorted(out)]
 
 
 def reference(data: Path, out: Path, layout: str, spike: Optional[str] = None) -> tuple[Path, float, float]:

@@ -52,8 +52,8 @@ layouts refuse ``trainer.spike`` (config validation): the variant leaves them ou
 
     python bench/chaos.py --faults 200          # the campaign (30-40 minutes on 2 cores)
     python bench/chaos.py --faults 30 --spike rollback  # the spike variant (three layouts: no pipeline)
-    python bench/chaos.py --tiny                # 8 faults on one layout, a stopped rank, a flip and a slowed
-                                                # rank first (2 minutes)
+    python bench/chaos.py --tiny                # 9 faults on one layout, one of each kind (TINY_FIRST;
+                                                # a full disk where a tmpfs can be mounted; 2-3 minutes)
 
 Prints a table (faults by kind, relaunches, slowed ranks and how many were named, steps re-done, violations)
 and one JSON line; exits 1 when there was a violation, each described in ``<out>/violations.txt`` with its
@@ -81,6 +81,11 @@ from _chaos_oracle import expectations, oracle  # noqa: E402
 from _chaos_slurm import SLURM_VARIANTS, slurm_ready, slurm_variant  # noqa: E402
 
 from roformer_dist.errors import EXIT_DONE  # noqa: E402
+from roformer_dist.testing import copy_built_op  # noqa: E402
+
+TINY_FIRST = ("point", "recovery", "flip", "signal:stop-rank", "damage", "signal:slow-rank", "stale-lock", "jit-build",
+              "disk-full")
+"""The tiny campaign's faults, one of each kind (``Schedule.first``), made first; it goes on until each was made."""
 
 
 # ----------------------------------------------------------------------------------------- the campaign
@@ -146,6 +151,10 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
         if fault is not None and fault.signal_kind == "slow-rank":
             fault.expect_named = layout not in PIPELINE_LAYOUTS  # (stages: compared by data wait alone)
         result = launch(cmd, run, before, fault, args.launch_timeout, log, extra_env)
+        if args.tiny and fault is not None and fault.kind == "jit-build":
+            # the next launch clears the lock the kill left and loads this environment's build of the op
+            # (compiling it again is the full campaign's: ~30 s a time)
+            copy_built_op("deepspeed_shm_comm", extensions / run.name)
         if before is not None and before.kind == "disk-full":
             disk.restore()
         launches += 1
@@ -169,7 +178,7 @@ def episode(idx: int, layout: str, budget: int, data: Path, out: Path, disk: Dis
             elif f is not None:
                 tally.undelivered += 1
         if fault is not None and fault.delivered and not fault.kind.startswith("recovery") \
-                and result.rc != EXIT_DONE and schedule.rng.random() < args.recovery_share:
+                and result.rc != EXIT_DONE and schedule.second_fault(args.recovery_share):
             recovering = schedule.recovery(run, tally.launches)
         what = " + ".join(f.detail + ("" if f.delivered else " (not reached)") for f in (before, fault) if f) or "no fault"
         for p in problems:
@@ -255,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="the spike variant: episodes and uninterrupted runs with trainer.spike=POLICY and loss "
                         f"spikes injected at steps {','.join(map(str, SPIKE_AT))} (pipeline layouts left out: they "
                         "refuse trainer.spike; the SLURM variants run without it)")
-    C.tiny_defaults(p, argv, faults=8, faults_per_run=4, layouts=["zero2-async"], out=C.tiny_dir)
+    C.tiny_defaults(p, argv, faults=len(TINY_FIRST), faults_per_run=5, layouts=["zero2-async"], out=C.tiny_dir)
     args = p.parse_args(argv)
     if args.slurm == ["all"]:
         args.slurm = list(SLURM_VARIANTS)
@@ -280,13 +289,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         for layout in args.layouts:
             reference(data, args.out, layout, args.spike)
         _, startup, step = reference(data, args.out, args.layouts[0], args.spike)
-        first = ("flip", "signal:stop-rank", "signal:slow-rank") if args.tiny else ()
+        first = TINY_FIRST if args.tiny else ()
         schedule = Schedule(args.seed, disk.mounted, startup, step, first=first)
         with open(args.out / "launches.log", "w", encoding="utf-8") as log:
             idx = 0
-            while sum(tally.faults.values()) < args.faults:  # (--faults 0: the SLURM variants alone)
+            # (--faults 0: the SLURM variants alone; --tiny: on until one of each kind was made)
+            while sum(tally.faults.values()) < args.faults or schedule.first:
+                if idx >= 4 * len(TINY_FIRST):  # (not reached: a stop 6 steps in readies every kind)
+                    tally.violations.append(f"no fault of kind(s) {', '.join(schedule.first)} after {idx} episodes")
+                    break
                 layout = args.layouts[idx % len(args.layouts)]
-                budget = min(args.faults_per_run, args.faults - sum(tally.faults.values()))
+                left = args.faults - sum(tally.faults.values())
+                budget = args.faults_per_run if schedule.first else min(args.faults_per_run, left)
                 episode(idx, layout, budget, data, args.out, disk, schedule, tally, args, log)
                 idx += 1
         rows = []

@@ -1,5 +1,6 @@
 """Helpers for tests and benches: run a function in N processes joined by a gloo process group; list
-the live processes of a process group (``live_group_members``: what a launch left behind).
+the live processes of a process group (``live_group_members``: what a launch left behind); give a fresh
+extensions directory this environment's build of a DeepSpeed op (``copy_built_op``).
 
     run_distributed(fn, world_size=2, args=(tmp_path,))
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import tempfile
 import time
 import traceback
@@ -28,12 +30,23 @@ import torch.multiprocessing as mp
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir
 from roformer_dist.runtime.process_group import free_port
 
-__all__ = ["run_distributed", "free_port", "DistributedTestError", "live_group_members"]
+__all__ = ["run_distributed", "free_port", "DistributedTestError", "live_group_members", "copy_built_op"]
 
 # DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: the ranks' directory, set here
 # for the ranks of in-process tests and inherited by every child
 use_environment_extensions_dir()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def copy_built_op(name: str, extensions: Path) -> None:
+    """This environment's build of DeepSpeed's op ``name`` (``use_environment_extensions_dir``, with the compiler
+    `c++`), when a launch made one, copied into ``extensions`` with ninja's records, over what is there (a lock
+    there stays): a launch there loads the op without compiling it (ninja finds it up to date)."""
+    if os.environ.get("CXX"):
+        return
+    built = use_environment_extensions_dir() / name
+    if (built / f"{name}.so").exists() and not (built / "lock").exists():
+        shutil.copytree(built, Path(extensions) / name, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
 
 
 def live_group_members(pgid: int) -> list[str]:

@@ -31,7 +31,7 @@ from roformer_dist.parallel.engine import CPU_ADAM, FUSED_LAMB, OptimizerChoice,
     deepspeed_config
 from roformer_dist.runtime.cuda_arch import normalize_arch_list, prepare_for_deepspeed, unreadable_entries
 from roformer_dist.testing import run_distributed
-from trainer_runs import cli_overrides, run_cli, wait_for_group_gone
+from trainer_runs import cli_overrides, copy_built_op, run_cli, wait_for_group_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -254,18 +254,6 @@ def _failing_compiler(tmp_path: Path, pattern: str, what: str, name: str = "brok
     return path
 
 
-def _copy_built_op(name: str, extensions: Path) -> None:
-    """This environment's build of op ``name`` (``jit_builds.use_environment_extensions_dir``, with the compiler
-    `c++`), when an earlier launch made one, copied into ``extensions`` with ninja's records."""
-    if os.environ.get("CXX"):
-        return
-    from roformer_dist.runtime.jit_builds import use_environment_extensions_dir
-
-    built = use_environment_extensions_dir() / name
-    if (built / f"{name}.so").exists() and not (built / "lock").exists():
-        shutil.copytree(built, extensions / name, ignore=shutil.ignore_patterns("lock"))
-
-
 def _train_with_broken_compiler(small_shards, tmp_path, env: dict, *overrides: str):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), **env}  # fresh: nothing cached
     proc = run_cli(cli_overrides(small_shards, tmp_path / "run", "trainer.stop_at_step=2", *overrides), env)
@@ -300,7 +288,7 @@ def test_roformer_train_with_offload_whose_cpu_adam_fails_to_build_says_so_in_on
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler (c++) on PATH")
     cxx = _failing_compiler(tmp_path, "*cpu_adam*", "DeepSpeed's CPU Adam", name="c++")
-    _copy_built_op("deepspeed_shm_comm", tmp_path / "torch_extensions")
+    copy_built_op("deepspeed_shm_comm", tmp_path / "torch_extensions")
     path = f"{cxx.parent}{os.pathsep}{os.environ['PATH']}"
     rc, out = _train_with_broken_compiler(small_shards, tmp_path, {"PATH": path}, "deepspeed.offload_optimizer=cpu")
     said = [line for line in out.splitlines() if "could not be built" in line]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from roformer_dist.testing import live_group_members, run_distributed
+from roformer_dist.testing import copy_built_op, live_group_members, run_distributed  # noqa: F401 (copy_built_op: re-exported)
 from roformer_dist.config import load_config
 from roformer_dist.runtime.stop import children  # noqa: F401  (re-exported to the tests)
 
@@ -145,19 +145,19 @@ def wait_for_step(run_dir, step, proc, timeout=240, newer_than: float = 0.0):
 
 
 def rank_pids(proc, world_size=2):
-    """The spawned rank processes (children of roformer-train running ``roformer_dist.train.spawn``)."""
+    """The rank processes of roformer-train ``proc`` (its children named ``roformer-rank<r>``), in rank order."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        pids = []
+        pids = {}
         for p in children(proc.pid):
             try:
-                cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                name = Path(f"/proc/{p}/comm").read_text().strip()
             except OSError:
                 continue
-            if "roformer_dist.train.spawn" in cmd:
-                pids.append(p)
+            if name.startswith("roformer-rank"):
+                pids[int(name[len("roformer-rank"):])] = p
         if len(pids) == world_size:
-            return sorted(pids)
+            return [pids[r] for r in sorted(pids)]
         time.sleep(0.2)
     raise AssertionError("rank processes not found")
 

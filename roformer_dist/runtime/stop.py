@@ -197,11 +197,12 @@ def blocked_stop_signals():
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _prctl(option: int, arg: int) -> bool:
-    """Linux ``prctl(option, arg)``; False where it is not available or refused."""
+def _prctl(option: int, arg: "int | bytes") -> bool:
+    """Linux ``prctl(option, arg)`` (bytes: a pointer to them); False where it is not available or refused."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -230,6 +231,11 @@ def adopt_orphans(adopt: bool = True) -> bool:
         return False
     _prctl(_PR_SET_CHILD_SUBREAPER, int(adopt))
     return bool(was.value)
+
+
+def name_process(name: str) -> None:
+    """Name this process (Linux ``comm``, 15 bytes at most): what ``ps -o comm`` and ``top`` show."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
