@@ -289,7 +289,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for layout in args.layouts:
             reference(data, args.out, layout, args.spike)
         _, startup, step = reference(data, args.out, args.layouts[0], args.spike)
-        first = TINY_FIRST if args.tiny else ()
+        first = TINY_FIRST if args.tiny and not args.spike else ()  # (the spike variant: its own --faults)
         schedule = Schedule(args.seed, disk.mounted, startup, step, first=first)
         with open(args.out / "launches.log", "w", encoding="utf-8") as log:
             idx = 0

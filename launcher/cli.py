@@ -36,10 +36,7 @@ Trust (docs/guides/security.md):
   ``-- ID``). A local job is signalled only if its process is still the one recorded at launch (its start
   time, ``/proc/PID/stat`` field 22, is in the record; a record without one is not signalled).
 
-Exit status: 0 submitted (or, with ``--wait`` / ``--cluster local``, the job COMPLETED); 1 the job ended in
-another state, SLURM says it can never start (``--wait`` then names SLURM's pending reason, e.g.
-``PartitionConfig``, instead of waiting forever), or submission failed; 2 bad config or usage; 6 the run
-directory is in use (a run holds its lock, or its last SLURM job is still queued or running).
+Exit status: see :data:`EXIT_STATUSES` (the end of ``--help``).
 """
 
 from __future__ import annotations
@@ -59,6 +56,8 @@ from typing import Iterator, Optional
 from data_pipeline.atomic import atomic_write_text
 from data_pipeline.command_line import CommandParser
 from launcher import profiles, slurm
+from launcher.hang_requeue import EXIT_HANG_LIMIT, ended_record
+from launcher.hang_requeue import records as hang_records
 from launcher.profiles import JobFlags
 from roformer_dist.config import DecayShape, choices, fork_overrides, parse_mode, save_config
 from roformer_dist.errors import ConfigError, run_command
@@ -66,6 +65,14 @@ from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.runtime.runlock import SLURM_JOB_ID, RunLock, pid_start
 
 EXIT_OK, EXIT_FAILED, EXIT_LOCKED = 0, 1, 6
+EXIT_STATUSES = f"""exit status:
+  0    submitted (with --wait or --cluster local: the job COMPLETED)
+  1    the job ended in another state; SLURM says it can never start (--wait names SLURM's pending reason,
+       e.g. PartitionConfig, instead of waiting forever); submission failed
+  2    bad config or usage (the key is named)
+  6    the run directory is in use (a run holds its lock, or its last SLURM job is still queued or running)
+  {EXIT_HANG_LIMIT}   --wait: the job hung more than slurm.max_hang_requeues times and was ended (the nodes of the
+       ranks that went silent are named; <run_dir>/hang/requeues.json)"""
 SUBCOMMANDS = ("status", "cancel", "logs")
 
 
@@ -80,7 +87,7 @@ def build_parser() -> CommandParser:
                "  roformer-submit --config configs/experiments/demo.yaml --profile example_gpu --nodes 4 "
                "--time 1440\n"
                "  roformer-submit --config configs/experiments/debug.yaml --nodes 2 --tasks-per-node 1 --dry-run\n"
-               "  roformer-submit status runs/debug",
+               "  roformer-submit status runs/debug\n\n" + EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="experiment YAML (configs/experiments/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
@@ -154,6 +161,8 @@ def submit(args: argparse.Namespace) -> int:
     if busy:
         print(f"roformer-submit: {busy}", file=sys.stderr)
         return EXIT_LOCKED
+    if cluster == "slurm" and s.exclude:
+        _check_exclude(s)
 
     with private_files(cfg.run_dir_mode) as mask:
         # not while a run holds it: its config.yaml must not change under it; the lock creates and checks
@@ -250,6 +259,17 @@ def _record(run_dir: Path, job_id: str, cluster: str, mask: int = 0o077) -> None
         f.write(json.dumps(rec) + "\n")
 
 
+def _check_exclude(s) -> None:
+    """ConfigError when ``slurm.exclude`` leaves the partition fewer nodes than the job needs (it would pend
+    forever)."""
+    nodes = set(slurm.partition_nodes(s.partition))
+    left = nodes - set(s.exclude)
+    if nodes and len(left) < s.nodes:
+        raise ConfigError(f"slurm.exclude: leaves partition {s.partition or '(default)'} {len(left)} of its "
+                          f"{len(nodes)} node(s) ({', '.join(sorted(nodes))}) for a job of {s.nodes}: it would "
+                          "never start")
+
+
 def _wait_local(job) -> int:
     try:
         job.results()
@@ -268,6 +288,11 @@ def _wait_slurm(job_id: str, run_dir: Path) -> int:
               f"(roformer-submit cancel {run_dir})", file=sys.stderr)
         return EXIT_FAILED
     _say(f"final state: {final} (requeues: {slurm.requeue_count(job_id)})")
+    ended = None if final == "COMPLETED" else ended_record(RunDir(run_dir).hang, job_id)
+    if ended:
+        print(f"roformer-submit: {ended.get('message', 'the job hung past slurm.max_hang_requeues')}",
+              file=sys.stderr)
+        return EXIT_HANG_LIMIT
     return EXIT_OK if final == "COMPLETED" else EXIT_FAILED
 
 
@@ -383,6 +408,12 @@ def status(run_dir: Path) -> int:
         print(f"requeues: {max(0, len(recs) - 1)}")
         for i, r in enumerate(recs):
             print(f"  attempt {i + 1}: {r['state']:<10} start {r['start']} end {r['end']} nodes {r['nodes']}")
+        for r in (r for r in hang_records(RunDir(run_dir).hang) if r.get("job_id") == jid):
+            what = ("ended the job (slurm.max_hang_requeues)" if r.get("ended") else
+                    f"requeued, excluded: {', '.join(r.get('excluded', [])) or 'none'}"
+                    + (f" ({r['not_excluded']})" if r.get("not_excluded") else ""))
+            print(f"  hang in attempt {r.get('attempt', 0) + 1}: silent ranks {r.get('silent_ranks')} on "
+                  f"{', '.join(r.get('silent_nodes', [])) or '-'}; {what}")
     else:
         st = _local_state(job)
         print(f"state: {st}" + (" (pid alive, but the record has no start time to tell it is the job's)"

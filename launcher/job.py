@@ -1,4 +1,4 @@
-"""The submitit job: one trainer rank per task; requeue after a stop signal.
+"""The submitit job: one trainer rank per task; requeue after a stop signal (after a hang: ``hang_requeue.py``).
 
 Stop protocol (docs/guides/checkpoints.md, "Failures and what is guaranteed").
 SLURM signals every task: SIGUSR2 before the time
@@ -44,8 +44,10 @@ from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import DelayedSubmission
 
 from launcher import slurm
+from launcher.hang_requeue import after_hang
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
+from roformer_dist.runtime.rundir import RunDir
 
 
 def _master_port(job_id: str) -> int:
@@ -98,7 +100,10 @@ class TrainJob(submitit.helpers.Checkpointable):
         from roformer_dist.runtime.process_group import peer_lost
 
         try:
-            code = run_rank(self.cfg, on_hang=lambda: _requeue_after_hang(env.job_id))
+            hang = RunDir.of(self.cfg).hang
+            code = run_rank(self.cfg, on_hang=lambda: after_hang(
+                hang, env.job_id, int(os.environ["WORLD_SIZE"]), self.cfg.slurm.max_hang_requeues,
+                grace_s=min(10.0, self.cfg.dist.hang_timeout_s / 2)))
         except Exception as e:
             if not peer_lost(e):
                 raise
@@ -133,14 +138,3 @@ class TrainJob(submitit.helpers.Checkpointable):
             print(f"saved after a stop signal; job {env.job_id} is being requeued by SLURM already ({now}): its "
                   "next attempt resumes from this checkpoint", file=sys.stderr, flush=True)
             sys.exit(0)
-
-
-def _requeue_after_hang(job_id: str) -> None:
-    """The hang watchdog of a task (runtime/heartbeat.py) found no progress and ends it (exit 76): requeue the job,
-    whose next attempt resumes from the newest checkpoint. Every task that saw the hang asks; SLURM refuses the
-    later ones while it requeues (ignored), and a task that is itself hung asks nothing."""
-    try:
-        subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
-        print(f"hang: requeueing job {job_id} failed ({e}); submit the same command again to resume", file=sys.stderr,
-              flush=True)

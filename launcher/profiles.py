@@ -216,6 +216,8 @@ def slurm_parameters(cfg: Config) -> dict:
     for key in ("partition", "account", "qos", "constraint"):
         if getattr(s, key):
             params[key] = getattr(s, key)
+    if s.exclude:
+        params["exclude"] = ",".join(s.exclude)
     return params
 
 

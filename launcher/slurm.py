@@ -92,6 +92,17 @@ def attempts(job_id: str) -> list[dict]:
     return [r for r in recs if r["job_id"] == job_id]
 
 
+def partition_nodes(partition: str = "") -> list[str]:
+    """The node names of ``partition`` ('' = the default one; ``sinfo``), [] when SLURM does not answer."""
+    out = _run(["sinfo", "-h", "-N", "-o", "%N|%P"])
+    nodes = []
+    for line in out.splitlines():
+        node, _, part = line.partition("|")
+        if partition and part.rstrip("*") == partition or not partition and part.endswith("*"):
+            nodes.append(node.strip())
+    return sorted(set(nodes))
+
+
 def requeue_count(job_id: str) -> int:
     return max(0, len(attempts(job_id)) - 1)
 

@@ -26,6 +26,7 @@ from roformer_dist.errors import ConfigError
 
 SLURM_NAME_CHARS = "letters, digits and _ - . , (a comma separates several)"
 _SLURM_NAME = re.compile(r"[A-Za-z0-9_.,-]*")
+_NODE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 SLURM_CONSTRAINT_CHARS = "feature names (letters, digits, _ - .) and the operators & | , ! * : [ ] ( )"
 _SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|!*:\[\]()-]*")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -65,6 +66,11 @@ def validate_slurm(s: SlurmConfig) -> None:
         check_line(value, f"slurm.{key}")
         if not pattern.fullmatch(value):
             raise ConfigError(f"slurm.{key}: expected {what}, got {value!r}")
+    for i, node in enumerate(s.exclude):
+        if not _NODE_NAME.fullmatch(node):
+            raise ConfigError(f"slurm.exclude[{i}]: expected a node name (letters, digits and _ - .), got {node!r}")
+    if s.max_hang_requeues < 0:
+        raise ConfigError(f"slurm.max_hang_requeues: expected 0 or more, got {s.max_hang_requeues}")
     for i, line in enumerate(s.setup):
         check_line(line, f"slurm.setup[{i}]")
     for section in ("env", "env_from"):

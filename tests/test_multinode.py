@@ -8,15 +8,19 @@ nodes for its tests and back afterwards (about 5 s each way).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
+import socket
 import subprocess
 from types import SimpleNamespace
 
 import pytest
 
-from test_launcher import (DEBUG, ROOT, TOL, assert_trace_equal, data_overrides, job_env, job_id_of, reference_run,
-                           submit_cmd, trace)
+from launcher.hang_requeue import EXIT_HANG_LIMIT
+from test_launcher import (BIN, DEBUG, ROOT, TOL, assert_trace_equal, data_overrides, job_env, job_id_of,
+                           reference_run, submit_cmd, trace)
 from test_slurm import (PROBLEM, sacct_attempts, saved_step, start_waiting_submit, stop_submit, wait_attempts,
                         wait_stepping, wait_until)
 
@@ -132,3 +136,87 @@ def test_pretrain_sbatch_two_nodes_usr2_requeue_and_resume(two_nodes, small_shar
     assert "2 node(s) [n[1-2]], 2 rank(s), rendezvous n1:" in out and "requeueing" in out, out
     assert_trace_equal(run_dir, reference, steps=8)
     assert {f"sbatch-{job}-rank{r}.out" for r in (0, 1)} <= {x.name for x in (run_dir / "logs").iterdir()}
+
+
+# ------------------------------------------------------------------------- a sick node: excluded, restarts bounded
+
+def _hang_rank1(small_shards, run_dir, out, *overrides, hang_s=12):
+    """A one-node, two-task job on the two-node cluster whose rank 1 is SIGSTOPped once it trained past a
+    checkpoint (a frozen process: it dumps no stack); returns (roformer-submit's process, job id, node of the
+    stop)."""
+    proc, job = start_waiting_submit(
+        submit_cmd(small_shards, run_dir, "--profile", "local", "--nodes", "1", "--tasks-per-node", "2",
+                   f"dist.hang_timeout_s={hang_s}", *overrides, "--wait"),
+        job_env(ROFORMER_STEP_DELAY_S="0.5"), out)
+    try:
+        wait_until(lambda: saved_step(run_dir) > 0, 300, f"job {job} to save a checkpoint")
+        beat = json.loads((run_dir / "hang" / "rank1.json").read_bytes())
+        os.kill(beat["pid"], signal.SIGSTOP)
+    except BaseException:
+        stop_submit(proc, job)
+        raise
+    return proc, job, beat["node"]
+
+
+def test_a_hang_requeues_the_job_off_the_silent_ranks_node_and_it_resumes_on_the_other(
+        two_nodes, small_shards, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, job, node = _hang_rank1(small_shards, run_dir, tmp_path / "submit.out")
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        stop_submit(proc, job)
+    out = (tmp_path / "submit.out").read_text()
+    assert rc == 0 and "final state: COMPLETED (requeues: 1)" in out, out
+    other = ({"n1", "n2"} - {node}).pop()
+    assert [(a["state"], a["nodes"]) for a in sacct_attempts(job)] == [("REQUEUED", node), ("COMPLETED", other)]
+    (rec,) = json.loads((run_dir / "hang" / "requeues.json").read_text())
+    assert rec["job_id"] == job and rec["silent_ranks"] == [1] and rec["silent_nodes"] == [node], rec
+    assert rec["excluded"] == [node] and rec["requeued"] is True and "not_excluded" not in rec, rec
+    err = (run_dir / "logs" / f"{job}_0_log.err").read_text(errors="replace")
+    assert (f"hang: requeueing job {job} (1 of slurm.max_hang_requeues 3); nodes of the ranks that went silent: "
+            f"{node}; excluded from the job now: {node}") in err, err[-3000:]
+    assert f"host {socket.gethostname()} (SLURM node {node})" in next((run_dir / "hang").glob("report*.txt")).read_text()
+    assert_trace_equal(run_dir, reference)
+    status = subprocess.run([str(BIN / "roformer-submit"), "status", str(run_dir)], capture_output=True, text=True,
+                            timeout=60)
+    print(status.stdout)  # the block of docs/guides/operating.md, "Is it running?"
+    page = (ROOT / "docs" / "guides" / "operating.md").read_text()
+    block = page.split("<!-- status: tests/test_multinode.py -->\n```\n")[1].split("```")[0]
+    assert _shape(block, "runs/base") == _shape(status.stdout, str(run_dir)), status.stdout
+
+
+def _shape(status: str, run_dir: str) -> str:
+    """``roformer-submit status`` output without what changes from run to run: the run directory, the job
+    id, times and which of the two nodes was which."""
+    status = status.replace(run_dir, "RUN")
+    status = re.sub(r"job_id: \d+", "job_id: JOB", status)
+    status = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", "TIME", status)
+    return re.sub(r"\bn[12]\b", "NODE", status)
+
+
+def test_a_hang_past_slurm_max_hang_requeues_ends_the_job_naming_the_node(two_nodes, small_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, job, node = _hang_rank1(small_shards, run_dir, tmp_path / "submit.out", "slurm.max_hang_requeues=0")
+    try:
+        rc = proc.wait(timeout=300)
+    finally:
+        stop_submit(proc, job)
+    out = (tmp_path / "submit.out").read_text()
+    line = (f"hang: job {job} hung again after 0 hang requeue(s) (slurm.max_hang_requeues: 0): not requeued, the "
+            f"job ends. Nodes of the ranks that went silent: {node}.")
+    assert rc == EXIT_HANG_LIMIT and f"roformer-submit: {line}" in out and "requeues: 0" in out, out
+    assert [a["state"] for a in sacct_attempts(job)] == ["FAILED"]
+    (rec,) = json.loads((run_dir / "hang" / "requeues.json").read_text())
+    assert rec["ended"] is True and rec["silent_nodes"] == [node] and "requeued" not in rec, rec
+
+
+def test_an_exclude_list_that_leaves_no_node_is_refused_before_submitting(two_nodes, small_shards, tmp_path):
+    p = subprocess.run(submit_cmd(small_shards, tmp_path / "run", "--profile", "local", "slurm.exclude=[n1,n2]"),
+                       env=job_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "job_id" not in p.stdout, p.stdout + p.stderr
+    assert ("slurm.exclude: leaves partition debug 0 of its 2 node(s) (n1, n2) for a job of 1: it would never "
+            "start") in p.stderr, p.stderr
+    p = subprocess.run(submit_cmd(small_shards, tmp_path / "run", "--profile", "local", "slurm.exclude=[n1]",
+                                  "--dry-run"), env=job_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "#SBATCH --exclude=n1" in p.stdout, p.stdout + p.stderr

@@ -227,7 +227,7 @@ def test_a_hung_rank_ends_the_attempt_within_the_hang_timeout_and_the_requeued_j
         small_shards, reference, tmp_path):
     """Rank 1 of a running job is SIGSTOPped (a frozen process: no socket error, nothing a collective notices
     for dist.timeout_s). Rank 0's hang watchdog ends the attempt within ``dist.hang_timeout_s`` (exit 76) and
-    requeues the job (``_requeue_after_hang``); SLURM kills the stopped task with the step. The next attempt
+    requeues the job (``launcher/hang_requeue.after_hang``: on one node, nothing excluded); SLURM kills the stopped task with the step. The next attempt
     (same job id) resumes from the newest checkpoint and ends with the uninterrupted trace: the job
     COMPLETES, never FAILED, and nothing is lost beyond the steps since that checkpoint."""
     hang_s = 12

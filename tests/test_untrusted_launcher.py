@@ -101,6 +101,9 @@ def test_a_newline_in_a_slurm_name_is_a_config_error_naming_the_key(shard_stub, 
     ("slurm.env={A: \"x\\ty\"}", "slurm.env.A"),
     ("slurm.env_from={\"A B\": X}", "slurm.env_from"),
     ("slurm.env_from={A: \"$X\"}", "slurm.env_from.A"),
+    ("slurm.exclude=[\"n1,n2\"]", "slurm.exclude[0]"),
+    ("slurm.exclude=[n1, \"n2;id\"]", "slurm.exclude[1]"),
+    ("slurm.max_hang_requeues=-1", "slurm.max_hang_requeues"),
     ("run_dir=/tmp/run\nid", "run_dir"),
 ])
 def test_strings_that_reach_the_batch_script_are_validated(shard_stub, override, key):

@@ -483,6 +483,12 @@ class SlurmConfig:
     max_num_timeout: int = 20
     """Requeues allowed after time-limit stops (submitit's count; a stop before min(0.8 x time_min,
     time_min - 10) minutes of an attempt counts as a preemption, which does not spend it)."""
+    exclude: tuple[str, ...] = ()
+    """SLURM nodes the job never runs on (``--exclude``): nodes known to be bad. A list that leaves the partition
+    fewer nodes than ``nodes`` is refused at submission (the job could never start)."""
+    max_hang_requeues: int = 3
+    """Requeues after the hang watchdog ended an attempt (``dist.hang_timeout_s``); each excludes the nodes of the
+    ranks that went silent. The next hang past it ends the job (``roformer-submit --wait``: exit status 77)."""
     setup: tuple[str, ...] = ()
     """Shell lines run in the batch script before the job (e.g. module load): shell by design, one line each."""
     env: dict[str, str] = field(default_factory=dict)

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="SentencePiece .model or shard set, for a checkpoint whose shard set moved or a "
                         "weights file (default: the model's own)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to train: auto = CUDA when a GPU is visible, else CPU (default); under torchrun, "
+                        "cuda puts each rank on its local GPU over NCCL")
     return p
 
 

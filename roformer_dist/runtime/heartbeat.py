@@ -104,7 +104,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         record = {"rank": self.rank, "point": self.point, "step": self.step, "time": time.time(),
-                  "host": socket.gethostname(), "pid": os.getpid()}
+                  "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid()}
         try:
             os.pwrite(self._fd, json.dumps(record).encode().ljust(_RECORD_BYTES), 0)
             self._written = time.monotonic()
@@ -165,6 +165,12 @@ def _set_aside(path: Path) -> None:
         pass
 
 
+def _node(rec: dict) -> str:
+    """`` (SLURM node n1)`` where the rank ran on a SLURM node named otherwise than its host."""
+    node = rec.get("node", "")
+    return f" (SLURM node {node})" if node and node != rec["host"] else ""
+
+
 def hang_report(directory: Path, world_size: int, timeout_s: float, setting: str = "dist.hang_timeout_s") -> str:
     """The report of a hang from the ranks' heartbeat and stack files in ``directory``; ``timeout_s``: the limit
     that passed, ``setting`` its name."""
@@ -183,7 +189,7 @@ def hang_report(directory: Path, world_size: int, timeout_s: float, setting: str
         stack = Path(directory) / f"rank{r}.stack"
         where = ("no heartbeat file" if rec is None else
                  f"last at {rec['point']!r} after {rec['step']} step(s), {now - rec['time']:.0f} s ago, host "
-                 f"{rec['host']} pid {rec['pid']}")
+                 f"{rec['host']}{_node(rec)} pid {rec['pid']}")
         dumped = (f"stack: {stack}" if stack.exists() else
                   "no stack dumped (the process is stopped, or stuck outside Python)")
         lines.append(f"  rank {r}: {where}; {dumped}")
