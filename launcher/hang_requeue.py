@@ -117,18 +117,15 @@ def _update_exclusion(job_id: str, nodes: list[str], timeout_s: float = 5.0) -> 
         time.sleep(0.2)
 
 
-def _append(hang_dir: Path, record: dict) -> None:
+def _append(hang_dir: Path, record: dict, replace_last: bool = False) -> None:
+    """Add ``record`` to ``requeues.json`` (or put it in place of the last one)."""
+    kept = records(hang_dir)
+    if replace_last:
+        kept = kept[:-1]
     try:
-        atomic_write_text(hang_dir / REQUEUES, json.dumps(records(hang_dir) + [record], indent=1) + "\n")
+        atomic_write_text(hang_dir / REQUEUES, json.dumps(kept + [record], indent=1) + "\n")
     except OSError as e:  # a full disk: the decision still stands, the log says it
         print(f"hang: could not record the decision in {hang_dir / REQUEUES}: {e}", file=sys.stderr, flush=True)
-
-
-def _replace_last(hang_dir: Path, record: dict) -> None:
-    try:
-        atomic_write_text(hang_dir / REQUEUES, json.dumps(records(hang_dir)[:-1] + [record], indent=1) + "\n")
-    except OSError:
-        pass
 
 
 def after_hang(hang_dir: Path, job_id: str, world_size: int, max_requeues: int, grace_s: float = 10.0) -> None:
@@ -176,6 +173,6 @@ def after_hang(hang_dir: Path, job_id: str, world_size: int, max_requeues: int, 
         return
     failed = _update_exclusion(job_id, excluded) if excluded and not why else ""
     if failed:
-        _replace_last(hang_dir, {**record, "excluded": _hostnames(_job_fields(job_id).get("ExcNodeList", "")),
-                                 "not_excluded": failed})
+        _append(hang_dir, {**record, "excluded": _hostnames(_job_fields(job_id).get("ExcNodeList", "")),
+                           "not_excluded": failed}, replace_last=True)
         print(f"hang: {failed}", file=sys.stderr, flush=True)
