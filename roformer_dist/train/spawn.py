@@ -95,7 +95,7 @@ def _fork_ranks(ranks: list[int], world_size: int, port: int, launcher_pid: int,
     for rank in ranks:
         pid = os.fork()
         if pid == 0:
-            name_process(f"roformer-rank{rank}")
+            name_process(f"{RANK_NAME}{rank}")
             while os.getppid() == forker:  # until it has exited: then the launcher's child (or an orphan that ends)
                 time.sleep(0.002)
             _rank_main(rank, world_size, port, launcher_pid, job_dir)
@@ -110,6 +110,8 @@ RUN_FILE = "run.json"
 """The resolved run the ranks read, in the job's temporary directory."""
 GO = b"go\n"
 """What the launcher writes to each rank's stdin once the run file is complete."""
+RANK_NAME = "roformer-rank"
+"""A forked rank's process name is this and its rank (``roformer_dist.testing.rank_processes`` finds them by it)."""
 PIDS_FILE = "pids"
 """The forked ranks' pids, in rank order, written by the process that forked them before it exits."""
 FORKS = sys.platform.startswith("linux")
