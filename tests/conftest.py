@@ -79,6 +79,15 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.side)
 
 
+def pytest_collection_modifyitems(items):
+    """The files with SLURM tests first, in their order; the rest after them, in theirs. The SLURM tests mostly
+    wait for the cluster: run first in the side lane, they leave the cores to the main lane, and the benches'
+    CPU-bound tiny runs come last, when the main lane is done and both cores are theirs. A file stays in one
+    piece (its module fixtures are built once)."""
+    waiting = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("slurm")}
+    items.sort(key=lambda i: i.nodeid.split("::")[0] not in waiting)
+
+
 # ----------------------------------------------------------------------------------------- test times
 
 _TIMES = os.environ.get("ROFORMER_TEST_TIMES")

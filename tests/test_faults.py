@@ -43,6 +43,16 @@ def test_fault_specs_parse_and_bad_ones_name_what_is_expected():
             Faults.from_environ({"ROFORMER_FAULT_AT": bad})
 
 
+def test_the_step_delay_can_be_limited_to_a_jobs_first_attempts():
+    delay = {"ROFORMER_STEP_DELAY_S": "7"}
+    assert Faults.from_environ(delay).step_delay_s == 7.0
+    assert Faults.from_environ({**delay, "SLURM_RESTART_COUNT": "3"}).step_delay_s == 7.0
+    first = {**delay, "ROFORMER_STEP_DELAY_ATTEMPTS": "1"}
+    assert Faults.from_environ(first).step_delay_s == 7.0
+    assert Faults.from_environ({**first, "SLURM_RESTART_COUNT": "0"}).step_delay_s == 7.0
+    assert Faults.from_environ({**first, "SLURM_RESTART_COUNT": "1"}).step_delay_s == 0.0
+
+
 def test_a_point_fault_fires_on_its_nth_pass_on_its_rank_only():
     code = ("from roformer_dist.runtime.faults import Faults\n"
             "f = Faults.from_environ()\n"

@@ -275,11 +275,14 @@ def test_a_hung_rank_ends_the_attempt_within_the_hang_timeout_and_the_requeued_j
 
 def test_time_limit_signal_requeues_and_the_job_completes(small_shards, reference, tmp_path):
     """A 2-minute limit, a run longer than that (18 steps of >= 7 s, so even a quiet machine cannot finish
-    before the signal), USR2 30 s before the limit (SLURM may send it up to ~30 s earlier still): the job saves, is requeued before the limit (no TIMEOUT), and completes exactly."""
+    before the signal), USR2 30 s before the limit (SLURM may send it up to ~30 s earlier still): the job saves,
+    is requeued before the limit (no TIMEOUT), and completes exactly. The requeued attempt steps at full speed
+    (``ROFORMER_STEP_DELAY_ATTEMPTS``)."""
     run_dir = tmp_path / "run"
     p = subprocess.run(submit_cmd(small_shards, run_dir, "--profile", "local", "--time", "2",
                                   "slurm.signal_delay_s=30", "--wait"),
-                       env=job_env(ROFORMER_STEP_DELAY_S="7"), capture_output=True, text=True, timeout=900)
+                       env=job_env(ROFORMER_STEP_DELAY_S="7", ROFORMER_STEP_DELAY_ATTEMPTS="1"),
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     job = job_id_of(p.stdout)
     attempts = sacct_attempts(job)

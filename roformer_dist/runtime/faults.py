@@ -10,6 +10,8 @@ variables, read once where a rank process starts (``run_rank``) by :meth:`Faults
 - ``ROFORMER_CRASH_IN_SAVE_AT=6``: the last rank dies (``os._exit``) in the middle of saving that step,
   after DeepSpeed wrote its files and before the trainer state and COMPLETE.
 - ``ROFORMER_STEP_DELAY_S=0.3``: sleep after every step (lets a test signal a run mid-way).
+  ``ROFORMER_STEP_DELAY_ATTEMPTS=1``: only in a SLURM job's first attempt(s) (``SLURM_RESTART_COUNT`` below
+  it), so that a requeued attempt finishes at full speed.
 - ``ROFORMER_WRITE_DELAY_S=2``: an asynchronous save's background writer sleeps this long before writing
   (lets a test signal a run while a save is in flight).
 - ``ROFORMER_FAULT_AT=POINT@N:ACTION[@RANK]``: the N-th time (1-based, counted in each process) the code
@@ -57,6 +59,14 @@ ACTIONS = {
 
 _COUNTING = threading.Lock()  # the step loop and a checkpoint writer thread both pass points
 _SPEC = re.compile(r"^(?P<point>[a-z._]+)@(?P<n>\d+):(?P<action>[a-z0-9-]+)(?:@(?P<rank>\d+))?$")
+
+
+def _step_delay(env: Mapping[str, str]) -> float:
+    """``ROFORMER_STEP_DELAY_S``, or 0 from the attempt ``ROFORMER_STEP_DELAY_ATTEMPTS`` names on."""
+    attempts = env.get("ROFORMER_STEP_DELAY_ATTEMPTS", "")
+    if attempts and int(env.get("SLURM_RESTART_COUNT", "0") or 0) >= int(attempts):
+        return 0.0
+    return float(env.get("ROFORMER_STEP_DELAY_S", "0") or 0)
 
 
 def _steps(text: str) -> frozenset[int]:
@@ -131,7 +141,7 @@ class Faults:
                    spike_at_steps=_steps(env.get("ROFORMER_INJECT_SPIKE_AT", "")),
                    slow_rank=_slow(env.get("ROFORMER_SLOW_RANK", "")),
                    crash_in_save_at=_steps(env.get("ROFORMER_CRASH_IN_SAVE_AT", "")),
-                   step_delay_s=float(env.get("ROFORMER_STEP_DELAY_S", "0") or 0),
+                   step_delay_s=_step_delay(env),
                    write_delay_s=float(env.get("ROFORMER_WRITE_DELAY_S", "0") or 0),
                    at_points=at, rank=int(env.get("RANK", "0") or 0))
 
