@@ -47,15 +47,21 @@ test: venv
 	$(BIN)/python tests/tools/lanes.py -- $(ARGS)
 
 ## line coverage of roformer_dist, data_pipeline and launcher over the whole suite, every process the tests start
-## included (pyproject.toml: tool.coverage); the per-file table goes to .coverage_data/report.txt
+## included (pyproject.toml: tool.coverage): the per-file tables go to .coverage_data/report.txt (both lanes) and
+## .coverage_data/report-main.txt (the main lane alone: no SLURM test, no bench)
 COV := $(BIN)/coverage
-COV_DATA := $(CURDIR)/.coverage_data/cov
+COV_DIR := $(CURDIR)/.coverage_data
 coverage: venv
 	@if [ "$$(id -u)" = 0 ] && [ -z "$$ROFORMER_NO_SLURM" ]; then bash slurm/local_cluster/start.sh; fi
-	rm -rf .coverage_data && mkdir -p .coverage_data
-	$(BIN)/python tests/tools/lanes.py --coverage $(COV_DATA) -- $(ARGS); status=$$?; \
-	$(COV) combine -q --data-file=$(COV_DATA) && $(COV) report --data-file=$(COV_DATA) > .coverage_data/report.txt; \
-	tail -n 1 .coverage_data/report.txt; exit $$status
+	rm -rf $(COV_DIR) && mkdir -p $(COV_DIR)
+	$(BIN)/python tests/tools/lanes.py --coverage $(COV_DIR) -- $(ARGS); status=$$?; \
+	mkdir -p $(COV_DIR)/main-lane; \
+	$(COV) combine -q --keep --data-file=$(COV_DIR)/main-lane/cov $(COV_DIR)/main && \
+	$(COV) report --data-file=$(COV_DIR)/main-lane/cov > $(COV_DIR)/report-main.txt; \
+	$(COV) combine -q --keep --data-file=$(COV_DIR)/cov $(COV_DIR)/main $(COV_DIR)/side && \
+	$(COV) report --data-file=$(COV_DIR)/cov > $(COV_DIR)/report.txt; \
+	echo "the main lane: $$(tail -n 1 $(COV_DIR)/report-main.txt)"; \
+	echo "both lanes:    $$(tail -n 1 $(COV_DIR)/report.txt)"; exit $$status
 
 ## tests without the SLURM cluster
 test-fast: venv

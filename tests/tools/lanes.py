@@ -1,6 +1,6 @@
 """``make test``: the suite in two lanes at once, and at the end the slowest test files and the wall time.
 
-    python tests/tools/lanes.py [--results DIR] [--coverage DATA_FILE] [-- PYTEST_ARGS...]
+    python tests/tools/lanes.py [--results DIR] [--coverage COV_DIR] [-- PYTEST_ARGS...]
 
 The main lane (``pytest -m "not side"``: the trainer, faults, commands, docs... one test at a time, as always)
 writes to the terminal. Beside it the side lane (``-m side``) writes to DIR/side.log, whose end is printed once
@@ -11,7 +11,8 @@ Two lanes, not more: on 2 cores the suite is CPU-bound once the waiting is overl
 against 20.3). Each lane's test times go to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from
 which the end of the output lists the ten slowest files and each lane's wall time. Exit status: the first
 failing lane's (0 when all passed; a lane with no test selected by PYTEST_ARGS counts as passed).
-``--coverage``: each lane under ``coverage run --data-file=DATA_FILE`` (``make coverage``).
+``--coverage``: each lane under ``coverage run --data-file=COV_DIR/<lane>/cov`` (``make coverage`` combines the
+main lane's alone and both lanes').
 """
 
 from __future__ import annotations
@@ -82,16 +83,20 @@ def slowest_files(times: dict[str, list[dict]], top: int = 10) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=REPO / ".test_results", help="where the lanes' logs and times go")
-    ap.add_argument("--coverage", default="", help="run each lane under coverage.py with this data file")
+    ap.add_argument("--coverage", type=Path, default=None,
+                    help="run each lane under coverage.py, its data in COVERAGE/<lane>/")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     a = ap.parse_args(argv)
     a.results.mkdir(parents=True, exist_ok=True)
     for lane in LANES:
         (a.results / f"{lane}.jsonl").unlink(missing_ok=True)
-    python = [sys.executable, "-m"] + (["coverage", "run", f"--data-file={a.coverage}", "-m"] if a.coverage else [])
 
     def command(lane: str, basetemp: Path) -> list[str]:
-        return [*python, "pytest", "-q", *LANES[lane], f"--basetemp={basetemp}", *a.pytest_args]
+        cov = []
+        if a.coverage:
+            (a.coverage / lane).mkdir(parents=True, exist_ok=True)
+            cov = ["coverage", "run", f"--data-file={a.coverage / lane / 'cov'}", "-m"]
+        return [sys.executable, "-m", *cov, "pytest", "-q", *LANES[lane], f"--basetemp={basetemp}", *a.pytest_args]
 
     def env(lane: str) -> dict:
         return {**os.environ, "ROFORMER_TEST_TIMES": str(a.results / f"{lane}.jsonl")}
