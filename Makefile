@@ -58,7 +58,7 @@ coverage: venv
 	mkdir -p $(COV_DIR)/main-lane; \
 	$(COV) combine -q --keep --data-file=$(COV_DIR)/main-lane/cov $(COV_DIR)/main && \
 	$(COV) report --data-file=$(COV_DIR)/main-lane/cov > $(COV_DIR)/report-main.txt; \
-	$(COV) combine -q --keep --data-file=$(COV_DIR)/cov $(COV_DIR)/main $(COV_DIR)/slurm $(COV_DIR)/bench && \
+	$(COV) combine -q --keep --data-file=$(COV_DIR)/cov $(COV_DIR)/main $(COV_DIR)/side && \
 	$(COV) report --data-file=$(COV_DIR)/cov > $(COV_DIR)/report.txt; \
 	echo "the main lane: $$(tail -n 1 $(COV_DIR)/report-main.txt)"; \
 	echo "both lanes:    $$(tail -n 1 $(COV_DIR)/report.txt)"; exit $$status

@@ -30,8 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LANES = {"main": ["-m", "not side", "--durations=15"],
-         "slurm": ["-m", "side and slurm", "-p", "no:cacheprovider"],
-         "bench": ["-m", "side and not slurm", "-p", "no:cacheprovider"]}
+         "side": ["-m", "side", "-p", "no:cacheprovider"]}
 """Each lane's pytest selection; the first writes to the terminal, the others to DIR/<lane>.log."""
 NO_TESTS = 5
 """pytest's exit status when nothing was selected."""
