@@ -9,7 +9,8 @@ limits), and the benches' tiny runs (each a process tree of its own; tests/conft
 Two lanes, not more: on 2 cores the suite is CPU-bound once the waiting is overlapped, and a third lane
 (the SLURM tests and the benches apart) made the main lane slower by more than it saved (24.5 minutes
 against 20.3). Each lane's test times go to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from
-which the end of the output lists the ten slowest files and each lane's wall time. Exit status: the first
+which the end of the output lists the ten slowest files, each lane's wall time and how much of the CPU stayed idle
+(``/proc/stat``: the share of time the suite waited rather than computed). Exit status: the first
 failing lane's (0 when all passed; a lane with no test selected by PYTEST_ARGS counts as passed).
 ``--coverage``: each lane under ``coverage run --data-file=COV_DIR/<lane>/cov`` (``make coverage`` combines the
 main lane's alone and both lanes').
@@ -80,6 +81,22 @@ def slowest_files(times: dict[str, list[dict]], top: int = 10) -> str:
     return "\n".join(out)
 
 
+def cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(idle, total) clock ticks of all cores since boot (Linux's /proc/stat; iowait counts as idle), or None."""
+    try:
+        fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields)
+
+
+def idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
+    """The share of the CPU left idle between two ``cpu_times``: where the suite waits rather than computes."""
+    if before is None or after is None or after[1] <= before[1]:
+        return ""
+    return f"; the CPU {100 * (after[0] - before[0]) / (after[1] - before[1]):.0f} % idle"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=REPO / ".test_results", help="where the lanes' logs and times go")
@@ -102,6 +119,7 @@ def main(argv=None) -> int:
         return {**os.environ, "ROFORMER_TEST_TIMES": str(a.results / f"{lane}.jsonl")}
 
     first, *others = LANES
+    cpu_at_start = cpu_times()
     with tempfile.TemporaryDirectory(prefix="roformer-tests-") as tmp, contextlib.ExitStack() as logs:
         side = {}
         for lane in others:
@@ -119,7 +137,7 @@ def main(argv=None) -> int:
               f"{a.results / f'{lane}.log'}) ---")
         print("\n".join(text[-25:]))
     print()
-    print(slowest_files(read_times(a.results)), flush=True)
+    print(slowest_files(read_times(a.results)) + idle_share(cpu_at_start, cpu_times()), flush=True)
     codes = [0 if c == NO_TESTS else c for c in codes.values()]
     return next((c for c in codes if c), 0)
 
