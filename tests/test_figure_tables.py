@@ -1,5 +1,5 @@
 """Every table of measured figures in README.md and docs/guides names when, at which commit and on which machine
-it was measured (docs/guides/contributing.md, "Figures in the docs").
+it was measured (docs/guides/contributing.md, "Documentation", says the same).
 
 A table of figures is a Markdown table with at least ``MIN_DECIMALS`` decimal numbers. It is stamped either by
 a caption on the line after it,
@@ -72,7 +72,8 @@ def cells(row: str) -> list[str]:
 
 
 def stamps(t: Table) -> list[tuple[str, str]]:
-    """The (day, commit) pairs a table names; [] where it names none (or is on paper: None)."""
+    """The (day, commit) pairs a table names: its caption's, or each row's ``measured`` cell; [] where it has
+    neither (or a column with a cell that names no day and commit)."""
     m = CAPTION.match(t.after.strip())
     if m:
         return [(m["day"], m["commit"])]
