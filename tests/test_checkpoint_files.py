@@ -282,7 +282,7 @@ def test_a_trainer_state_is_read_once_per_version_and_its_config_comes_back_type
     ckpt.atomic_torch_save(payload(4).to_dict(), ckpt.state_file(d, 0))
     loads = []
     real = torch.load
-    monkeypatch.setattr(ckpt.torch, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
     first, second = ckpt.read_trainer_state(d, 0), ckpt.read_trainer_state(d, 0)
     assert len(loads) == 1 and first.trainer.step == second.trainer.step == 4
     first.trainer.step = 99

@@ -7,6 +7,7 @@
   it is at the call, and write where the caller writes (pytest's capture of the current test).
 - The preload (``roformer_dist.train.preload``) touches no CUDA entry point: a server that did could not fork a
   rank that uses a GPU.
+- The launcher resolves a fresh run without importing torch: on 2 cores its import would compete with the ranks'.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from roformer_dist.errors import EXIT_DATA
 from roformer_dist.testing import run_distributed
-from trainer_runs import cli_overrides, finish, run_cli, wait_for_group_gone
+from trainer_runs import DEBUG, cli_overrides, finish, run_cli, wait_for_group_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +40,30 @@ def test_a_launch_refused_while_resolving_ends_its_ranks_unused(small_shards, tm
     assert out.count(str(tmp_path / "no_such_set")) >= 1 and "Traceback" not in out, out
     assert wait_for_group_gone(proc.pid) == []
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_launcher_resolves_and_writes_a_fresh_run_without_torch(small_shards, tmp_path):
+    """What ``roformer-train``'s own process does before it hands the run to its ranks, done here in a fresh
+    interpreter: the config, the sinks, the shard sets, the stage plans, the run directory. No torch (nor
+    DeepSpeed) is imported; a resume reads its trainer state, a torch file, and imports it then."""
+    over = cli_overrides(small_shards, tmp_path / "run")
+    p = _python(f"""
+        import sys
+        from roformer_dist.checkpoint.store import check_writable
+        from roformer_dist.config import load_config
+        from roformer_dist.train.metrics import run_sinks
+        from roformer_dist.train.resolved import resolve_run
+
+        cfg = load_config({str(DEBUG)!r}, {over!r})
+        run_sinks(cfg)
+        run = resolve_run(cfg)
+        check_writable(run.run_dir.checkpoints, "the checkpoint directory")
+        run.write()
+        print("RESULT", "torch" in sys.modules, "deepspeed" in sys.modules, len(run.stages))
+    """)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split("RESULT")[1].split() == ["False", "False", "3"], p.stdout
+    assert (tmp_path / "run" / "resolved_run.json").is_file()
 
 
 def test_a_zero_engine_is_built_without_deepspeeds_muon(tmp_path):

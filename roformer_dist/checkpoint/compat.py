@@ -14,11 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-
 from roformer_dist.config import ROPE_KEYS, Config, ModelConfig, build, to_dict, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError
-from roformer_dist.nn.model import RoFormerForMaskedLM
 
 FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention_probs_dropout_prob",
                              "initializer_range", "document_positions", "document_attention", *ROPE_KEYS})
@@ -46,6 +43,10 @@ def _model_config(saved: dict) -> Optional[ModelConfig]:
 
 def parameter_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the plain model's state dict, built on the meta device (no memory, no time)."""
+    import torch  # (here: the launcher checks a resume without torch unless the model settings differ)
+
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+
     with torch.device("meta"):
         model = RoFormerForMaskedLM(model_cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

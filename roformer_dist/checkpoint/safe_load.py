@@ -32,7 +32,6 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import torch
 
 from roformer_dist.errors import CheckpointError
 
@@ -81,6 +80,8 @@ def _refused(path: Any, error: Exception) -> CheckpointError:
 def load(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     """``torch.load`` of a checkpoint file with the restricted unpickler; CheckpointError for a file that
     needs more (other errors propagate: the caller names the damage)."""
+    import torch  # (in the functions: check_archive, which the launcher uses, needs no torch)
+
     try:
         with torch.serialization.safe_globals(_deepspeed_classes()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -92,6 +93,8 @@ def load(path: str | os.PathLike, *, mmap: bool = False) -> Any:
 def weights_only_loads() -> Iterator[None]:
     """Within the block every ``torch.load`` (DeepSpeed's included) uses the restricted unpickler and the
     allowed DeepSpeed types; a refused file is a CheckpointError naming it."""
+    import torch
+
     real = torch.load
 
     def restricted(f, *args, **kwargs):

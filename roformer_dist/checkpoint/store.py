@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-import torch
-
 from data_pipeline.atomic import atomic_write_bytes, atomic_write_text
 from roformer_dist.checkpoint.checksums import ALGORITHM, digest_file
 from roformer_dist.checkpoint.safe_load import check_archive
@@ -100,6 +98,8 @@ def read_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
 
 @functools.lru_cache(maxsize=16)
 def _load_trainer_state(path: str, mtime_ns: int, size: int) -> TrainerState:  # noqa: ARG001 - the cache's key
+    import torch  # (here, not at the top: roformer-train's launcher resolves a fresh run without torch)
+
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is a damaged file
@@ -431,6 +431,8 @@ def _point_latest_at(ckpt_root: Path, tag: str) -> None:
 
 def torch_bytes(obj) -> bytes:
     """What ``torch.save`` would write for ``obj``."""
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

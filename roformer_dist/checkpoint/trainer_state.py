@@ -16,9 +16,6 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
-import torch
-
 from roformer_dist.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -53,6 +50,9 @@ class TrainCounters:
 
 def rng_state() -> dict:
     """Every RNG stream this process draws from (torch, Python, NumPy, CUDA)."""
+    import numpy as np  # (in the functions: the launcher reads trainer states without torch)
+    import torch
+
     np_state = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
              "python_pos": random.getstate()[2],
@@ -63,6 +63,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))

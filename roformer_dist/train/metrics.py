@@ -28,8 +28,6 @@ import resource
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-import torch
-
 from roformer_dist.config import Config, LoggingConfig, effective_sinks
 from roformer_dist.train.sinks import SinkContext, check_sinks, open_sinks
 
@@ -37,6 +35,8 @@ log = logging.getLogger(__name__)
 
 
 def max_mem_gb() -> float:
+    import torch  # (in the functions: the launcher imports this module for run_sinks, without torch)
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
@@ -100,6 +100,8 @@ def peak_memory_bandwidth(name: str) -> Optional[float]:
 def matmul_precision(precision: str) -> MatmulPrecision:
     """The precision a run's matmuls run at: ``deepspeed.precision`` (fp32 | bf16 | fp16), with fp32 read as
     tf32 when ``torch.backends.cuda.matmul.allow_tf32`` is on (PyTorch's default is off)."""
+    import torch
+
     if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     assert precision in ("fp32", "bf16", "fp16"), precision
@@ -112,6 +114,8 @@ def peak_flops(precision: MatmulPrecision) -> Optional[float]:
     and precision when the figure is not known (then there is no MFU).
 
     MFU = tokens/s x ``RoFormerForMaskedLM.flops_per_token(seq_len, predicted_fraction)`` / (peak x GPUs)."""
+    import torch
+
     if not torch.cuda.is_available():
         return None
     return _peak(torch.cuda.get_device_name(), precision)
