@@ -408,6 +408,7 @@ def status(run_dir: Path) -> int:
             print(f"  attempt {i + 1}: {r['state']:<10} start {r['start']} end {r['end']} nodes {r['nodes']}")
         for r in (r for r in hang_records(RunDir(run_dir).hang) if r.get("job_id") == jid):
             what = ("ended the job (slurm.max_hang_requeues)" if r.get("ended") else
+                    f"not requeued ({r['not_requeued']})" if r.get("not_requeued") else
                     f"requeued, excluded: {', '.join(r.get('excluded', [])) or 'none'}"
                     + (f" ({r['not_excluded']})" if r.get("not_excluded") else ""))
             print(f"  hang in attempt {r.get('attempt', 0) + 1}: silent ranks {r.get('silent_ranks')} on "

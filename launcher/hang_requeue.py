@@ -11,12 +11,14 @@ node is the suspect. Then:
   included: SLURM takes it once the job no longer runs, so right after the requeue, while the task is being
   ended) unless that would leave the partition fewer nodes than the job needs (then none is added, and the
   log says why); the next attempt starts elsewhere and resumes from the newest checkpoint;
+- a requeue that SLURM refuses (or an ``scontrol`` that does not answer within 30 s) is recorded as not
+  requeued, with its reason, and the job ends with the attempt;
 - past it: one line names the count and the suspects, and the job ends (its step's tasks are killed: a silent
   task would otherwise hold the job until its time limit); ``roformer-submit --wait`` exits with
   :data:`EXIT_HANG_LIMIT`.
 
 Each decision is appended to ``<run_dir>/hang/requeues.json`` (a list: time, job, attempt, silent ranks and
-nodes, excluded nodes, requeued or ended), which ``roformer-submit`` reads back.
+nodes, excluded nodes, requeued, not requeued or ended), which ``roformer-submit`` reads back.
 """
 
 from __future__ import annotations
@@ -67,8 +69,13 @@ def ended_record(hang_dir: Path, job_id: str) -> Optional[dict]:
     return next((r for r in records(hang_dir) if r.get("job_id") == job_id and r.get("ended")), None)
 
 
-def _scontrol(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30, check=False)
+def _scontrol(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+    """``scontrol ARGS``; one that cannot start or does not answer within ``timeout_s`` is a failed call
+    (return code 1, the reason in ``stderr``): a hang's decision goes on without what it would have said."""
+    try:
+        return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return subprocess.CompletedProcess(["scontrol", *args], 1, "", f"scontrol {' '.join(args)}: {e}")
 
 
 def _hostnames(expression: str) -> list[str]:
@@ -165,11 +172,11 @@ def after_hang(hang_dir: Path, job_id: str, world_size: int, max_requeues: int, 
     print(f"hang: requeueing job {job_id} ({done + 1} of slurm.max_hang_requeues {max_requeues}); nodes of the "
           f"ranks that went silent: {named}; excluded from the job now: {', '.join(excluded) or 'none'}"
           + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
-    try:
-        subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
-        print(f"hang: requeueing job {job_id} failed ({e}); submit the same command again to resume",
-              file=sys.stderr, flush=True)
+    r = _scontrol("requeue", str(job_id))
+    if r.returncode != 0:  # the job ends with this attempt: the record and the log say so
+        failed = f"scontrol requeue failed: {(r.stderr or r.stdout).strip() or f'exit {r.returncode}'}"
+        _append(hang_dir, {**record, "requeued": False, "not_requeued": failed}, replace_last=True)
+        print(f"hang: {failed}; submit the same command again to resume", file=sys.stderr, flush=True)
         return
     failed = _update_exclusion(job_id, excluded) if excluded and not why else ""
     if failed:
