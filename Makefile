@@ -39,15 +39,15 @@ debug: venv
 	    --out $(DEBUG_DATA)/eval --max-docs-per-shard 125 --no-progress || exit 1; fi
 	$(BIN)/roformer-train --config configs/experiments/debug.yaml $(ARGS)
 
-## the whole test suite (starts the local SLURM cluster when run as root, as in CI), in two lanes: the SLURM tests,
-## which mostly wait for the cluster, and the benches' tiny runs beside the rest; at the end the ten slowest files
-## and the wall time (tests/tools/lanes.py; ARGS: more pytest arguments, e.g. ARGS="-x -k resume")
+## the whole test suite (starts the local SLURM cluster when run as root, as in CI), in three lanes: the SLURM tests,
+## which mostly wait for the cluster, and the benches' tiny runs (at a lower CPU priority) beside the rest; at the
+## end the ten slowest files and the wall time (tests/tools/lanes.py; ARGS: more pytest arguments, e.g. ARGS="-x")
 test: venv
 	@if [ "$$(id -u)" = 0 ] && [ -z "$$ROFORMER_NO_SLURM" ]; then bash slurm/local_cluster/start.sh; fi
 	$(BIN)/python tests/tools/lanes.py -- $(ARGS)
 
 ## line coverage of roformer_dist, data_pipeline and launcher over the whole suite, every process the tests start
-## included (pyproject.toml: tool.coverage): the per-file tables go to .coverage_data/report.txt (both lanes) and
+## included (pyproject.toml: tool.coverage): the per-file tables go to .coverage_data/report.txt (all lanes) and
 ## .coverage_data/report-main.txt (the main lane alone: no SLURM test, no bench)
 COV := $(BIN)/coverage
 COV_DIR := $(CURDIR)/.coverage_data
@@ -58,10 +58,10 @@ coverage: venv
 	mkdir -p $(COV_DIR)/main-lane; \
 	$(COV) combine -q --keep --data-file=$(COV_DIR)/main-lane/cov $(COV_DIR)/main && \
 	$(COV) report --data-file=$(COV_DIR)/main-lane/cov > $(COV_DIR)/report-main.txt; \
-	$(COV) combine -q --keep --data-file=$(COV_DIR)/cov $(COV_DIR)/main $(COV_DIR)/side && \
+	$(COV) combine -q --keep --data-file=$(COV_DIR)/cov $(COV_DIR)/main $(COV_DIR)/waiting $(COV_DIR)/bench && \
 	$(COV) report --data-file=$(COV_DIR)/cov > $(COV_DIR)/report.txt; \
 	echo "the main lane: $$(tail -n 1 $(COV_DIR)/report-main.txt)"; \
-	echo "both lanes:    $$(tail -n 1 $(COV_DIR)/report.txt)"; exit $$status
+	echo "all lanes:     $$(tail -n 1 $(COV_DIR)/report.txt)"; exit $$status
 
 ## tests without the SLURM cluster
 test-fast: venv

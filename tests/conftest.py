@@ -68,9 +68,11 @@ def small_shards(tmp_path_factory, peoples_daily) -> SmallShards:
 
 # ------------------------------------------------------------------------------------------ the lanes
 
-SIDE_LANE_FILES = ("tests/test_benches.py",)
+SIDE_LANE_FILES = ("tests/test_benches.py", "tests/test_compile_kernels.py", "tests/test_flex_compiles.py")
 """The files that ``make test`` runs beside the main lane (tests/tools/lanes.py) besides the SLURM tests: the
-benches' tiny runs, each a process tree of its own that shares nothing with the other tests."""
+benches' tiny runs, each a process tree of its own that shares nothing with the other tests, and the tests that
+compile on CPU; none reads wall time (those that do are marked ``wall_clock``): they go in the bench lane, at a
+lower CPU priority."""
 
 
 def pytest_itemcollected(item):
@@ -80,10 +82,9 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(items):
-    """The files with SLURM tests first, in their order; the rest after them, in theirs. The SLURM tests mostly
-    wait for the cluster: run first in the side lane, they leave the cores to the main lane, and the benches'
-    CPU-bound tiny runs come last, when the main lane is done and both cores are theirs. A file stays in one
-    piece (its module fixtures are built once)."""
+    """The files with SLURM tests first, in their order; the rest after them, in theirs. In make test's waiting
+    lane (tests/tools/lanes.py) the SLURM tests, which mostly wait for the cluster, start at once, and the fault
+    campaign's tiny runs come after them. A file stays in one piece (its module fixtures are built once)."""
     waiting = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("slurm")}
     items.sort(key=lambda i: i.nodeid.split("::")[0] not in waiting)
 

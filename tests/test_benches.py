@@ -91,7 +91,16 @@ def run_tiny(name: str, *flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in BENCHES])
+WALL_CLOCK = {"chaos"}
+"""Benches whose tiny runs check what wall time decides (the fault campaign: hang timeouts, straggler ratios):
+``make test`` runs them at normal CPU priority (tests/tools/lanes.py)."""
+
+
+def _marks(name: str) -> list:
+    return ([pytest.mark.slow] if name in SLOW else []) + ([pytest.mark.wall_clock] if name in WALL_CLOCK else [])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in BENCHES])
 def test_bench_runs_in_tiny_mode(name):
     if name in COVERED:
         pytest.skip(f"bench/{name}.py runs inside test_bench_runs_in_tiny_mode[{COVERED[name]}]")
@@ -464,6 +473,7 @@ CHECKS["chaos"] = check_chaos
 
 
 @pytest.mark.slow
+@pytest.mark.wall_clock
 def test_chaos_spike_variant_in_tiny_mode():
     """bench/chaos.py --tiny --spike rollback --faults 1 (about 50 s): the uninterrupted run and an episode with a
     fault, both with trainer.spike=rollback and two loss spikes injected, rolled back at each (reference() exits 1

@@ -337,9 +337,13 @@ def _start_time(pid: int) -> int:
 
 def _sleeper():
     # SIGINT's default action set explicitly: a shell starting the suite in the background ignores SIGINT in
-    # what it starts, and a Python started that way keeps ignoring it
-    return subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                             "signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"])
+    # what it starts, and a Python started that way keeps ignoring it; returned once it is set (a SIGINT sent
+    # while the interpreter still starts would be ignored: a busy machine takes a second or more to get there)
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                             "signal.signal(signal.SIGINT, signal.default_int_handler); print('ready', flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
 
 
 def test_cancel_signals_a_local_job_only_when_it_is_the_recorded_process(tmp_path, capsys):
@@ -369,6 +373,7 @@ def test_cancel_signals_a_local_job_only_when_it_is_the_recorded_process(tmp_pat
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
 
 
 def test_a_local_record_holds_the_start_time_of_its_process(tmp_path):

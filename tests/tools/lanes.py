@@ -1,19 +1,26 @@
-"""``make test``: the suite in two lanes at once, and at the end the slowest test files and the wall time.
+"""``make test``: the suite in three lanes at once, and at the end the slowest test files and the wall time.
 
     python tests/tools/lanes.py [--results DIR] [--coverage COV_DIR] [-- PYTEST_ARGS...]
 
-The main lane (``pytest -m "not side"``: the trainer, faults, commands, docs... one test at a time, as always)
-writes to the terminal. Beside it the side lane (``-m side``) writes to DIR/side.log, whose end is printed once
-both are done: the SLURM tests, which mostly wait for the local cluster (its scheduling, requeues and time
-limits), and the benches' tiny runs (each a process tree of its own; tests/conftest.py's ``SIDE_LANE_FILES``).
-Two lanes, not more: on 2 cores the suite is CPU-bound once the waiting is overlapped, and a third lane
-(the SLURM tests and the benches apart) made the main lane slower by more than it saved (24.5 minutes
-against 20.3). Each lane's test times go to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from
-which the end of the output lists the ten slowest files, each lane's wall time and how much of the CPU stayed idle
-(``/proc/stat``: the share of time the suite waited rather than computed). Exit status: the first
-failing lane's (0 when all passed; a lane with no test selected by PYTEST_ARGS counts as passed).
-``--coverage``: each lane under ``coverage run --data-file=COV_DIR/<lane>/cov`` (``make coverage`` combines the
-main lane's alone and both lanes').
+- The main lane (``pytest -m "not side"``: the trainer, faults, commands, docs... one test at a time, as always)
+  writes to the terminal.
+- The waiting lane (``-m "side and (slurm or wall_clock)"``): the SLURM tests, which mostly wait for the local
+  cluster (its scheduling, requeues and time limits), then the fault campaign's tiny runs, whose checks read
+  wall time (hang timeouts, straggler ratios).
+- The bench lane (``-m "side and not slurm and not wall_clock"``): the other benches' tiny runs, each a process
+  tree of its own, at a lower CPU priority (``nice`` :data:`NICE`, inherited by every process it starts).
+
+On 2 cores, two lanes left the CPU 23 % idle over a run, nearly all of it in the first 12 minutes, while the
+SLURM tests waited; after that the CPU was saturated. A third lane at the same priority filled the idle time
+but took the cores from the main lane, the critical path, and made the suite slower (22.8 and 24.5 minutes). At
+a lower priority the benches take what the other two lanes leave and give it back as soon as they want it.
+The other lanes write their output to DIR/<lane>.log, whose end is printed once all are done; each lane writes its
+test times to DIR/<lane>.jsonl (tests/conftest.py: ROFORMER_TEST_TIMES), from which the
+end of the output lists the ten slowest files, each lane's wall time and how much of the CPU stayed idle
+(``/proc/stat``: the share of time the suite waited rather than computed). Exit status: the first failing
+lane's (0 when all passed; a lane with no test selected by PYTEST_ARGS counts as passed). ``--coverage``: each
+lane under ``coverage run --data-file=COV_DIR/<lane>/cov`` (``make coverage`` combines the main lane's alone
+and all lanes').
 """
 
 from __future__ import annotations
@@ -31,8 +38,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LANES = {"main": ["-m", "not side", "--durations=15"],
-         "side": ["-m", "side", "-p", "no:cacheprovider"]}
+         "waiting": ["-m", "side and (slurm or wall_clock)", "-p", "no:cacheprovider"],
+         "bench": ["-m", "side and not slurm and not wall_clock", "-p", "no:cacheprovider"]}
 """Each lane's pytest selection; the first writes to the terminal, the others to DIR/<lane>.log."""
+NICE = {"bench": 10}
+"""Lanes started at a lower CPU priority (``os.nice`` increment): at 10 a lane gets about a tenth of what a
+normal one gets of a contended core, enough that no tiny run stalls for long; the fault campaign's runs, whose
+checks read wall time, are not among them."""
 NO_TESTS = 5
 """pytest's exit status when nothing was selected."""
 
@@ -124,8 +136,10 @@ def main(argv=None) -> int:
         side = {}
         for lane in others:
             out = logs.enter_context(open(a.results / f"{lane}.log", "w", encoding="utf-8"))
+            nice = NICE.get(lane, 0)
             side[lane] = subprocess.Popen(command(lane, Path(tmp) / lane), cwd=REPO, env=env(lane), stdout=out,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          preexec_fn=(lambda n=nice: os.nice(n)) if nice else None)
         codes = {first: subprocess.call(command(first, Path(tmp) / first), cwd=REPO, env=env(first))}
         for lane, proc in side.items():
             if proc.poll() is None:

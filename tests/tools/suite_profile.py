@@ -4,7 +4,7 @@ started, the rank processes among them and the seconds each rank spent before it
     python tests/tools/suite_profile.py run --out /tmp/prof [-- PYTEST_ARGS...]   # the suite, probed, then the report
     python tests/tools/suite_profile.py report /tmp/prof                          # the report of a run again
 
-``run`` runs the suite as ``make test`` does (tests/tools/lanes.py: its two lanes) with this folder's
+``run`` runs the suite as ``make test`` does (tests/tools/lanes.py: its three lanes) with this folder's
 ``suite_probe`` first on PYTHONPATH: its ``sitecustomize`` writes one line per Python process of the run
 (pytest's, every rank, every CLI and bench; SLURM jobs included, they inherit the environment). The test and
 fixture times are the lanes' own (tests/conftest.py). ``pytest --durations`` alone cannot count launches. A *rank* is a process that set up a torch.distributed process group; its
