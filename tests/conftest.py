@@ -68,17 +68,24 @@ def small_shards(tmp_path_factory, peoples_daily) -> SmallShards:
 
 # ------------------------------------------------------------------------------------------ the lanes
 
-SIDE_LANE_FILES = ("tests/test_benches.py", "tests/test_compile_kernels.py", "tests/test_flex_compiles.py")
-"""The files that ``make test`` runs beside the main lane (tests/tools/lanes.py) besides the SLURM tests: the
-benches' tiny runs, each a process tree of its own that shares nothing with the other tests, and the tests that
-compile on CPU; none reads wall time (those that do are marked ``wall_clock``): they go in the bench lane, at a
-lower CPU priority."""
+BESIDE_MAIN = {"tests/test_benches.py": "bench", "tests/test_compile_kernels.py": "bench",
+               "tests/test_flex_compiles.py": "bench", "tests/test_faults.py": "waiting",
+               "tests/test_reliability.py": "waiting"}
+"""The files that ``make test`` runs beside the main lane (tests/tools/lanes.py) besides the SLURM tests, and the
+lane each goes to: the benches' tiny runs (each a process tree of its own that shares nothing with the other
+tests) and the tests that compile on CPU go to the bench lane, at a lower CPU priority (a bench whose checks read
+wall time is marked ``wall_clock`` where it is defined); the faults' and stops' tests, whose checks read wall time
+(hang timeouts, signals between steps), go to the waiting lane after the SLURM tests (marked ``wall_clock``
+here). Together they take about as long as the main lane."""
 
 
 def pytest_itemcollected(item):
-    # as each test is collected, so that `-m side` / `-m "not side"` select by it
-    if item.get_closest_marker("slurm") or item.nodeid.split("::")[0] in SIDE_LANE_FILES:
+    # as each test is collected, so that `-m side` / `-m "not side"` / `-m wall_clock` select by it
+    lane = BESIDE_MAIN.get(item.nodeid.split("::")[0])
+    if item.get_closest_marker("slurm") or lane:
         item.add_marker(pytest.mark.side)
+    if lane == "waiting":
+        item.add_marker(pytest.mark.wall_clock)
 
 
 def pytest_collection_modifyitems(items):
