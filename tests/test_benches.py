@@ -58,7 +58,9 @@ SLOW = {"ablation", "chaos", "checkpoint_stall", "context_extension", "curriculu
 busy machine)."""
 NEEDS = {"e2e": "accelerate", "hf_trainer_mlm": "accelerate", "profile_e2e": "accelerate", "parity": "accelerate"}
 """Packages beyond the core ones (the HF Trainer needs accelerate)."""
-TIMEOUT = 420
+TIMEOUT = 540
+"""Seconds a bench's tiny run may take (the slowest take ~80 s on 2 quiet cores; make test runs them at a lower
+CPU priority beside the other lanes, which may hold both cores for minutes), under pytest's 600 s per test."""
 COVERED = {"hf_trainer_mlm": "e2e"}
 """Benches whose whole code path another bench's tiny run takes (hf_trainer_mlm is the HF side of bench/e2e.py,
 which runs it, crashes one of its runs and checks its figures): their own tiny run is left out."""

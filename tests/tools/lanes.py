@@ -41,10 +41,11 @@ LANES = {"main": ["-m", "not side", "--durations=15"],
          "waiting": ["-m", "side and (slurm or wall_clock)", "-p", "no:cacheprovider"],
          "bench": ["-m", "side and not slurm and not wall_clock", "-p", "no:cacheprovider"]}
 """Each lane's pytest selection; the first writes to the terminal, the others to DIR/<lane>.log."""
-NICE = {"bench": 10}
-"""Lanes started at a lower CPU priority (``os.nice`` increment): at 10 a lane gets about a tenth of what a
-normal one gets of a contended core, enough that no tiny run stalls for long; the fault campaign's runs, whose
-checks read wall time, are not among them."""
+NICE = {"bench": 5}
+"""Lanes started at a lower CPU priority (``os.nice`` increment). At 5 a process gets about a third of what a
+normal one gets of a contended core (Linux's weights: 335 against 1024); at 10, a tenth, and a bench's tiny run
+could then wait past its timeout while the other lanes keep both cores busy for minutes. No test that reads wall
+time (``wall_clock``) runs in such a lane."""
 NO_TESTS = 5
 """pytest's exit status when nothing was selected."""
 
