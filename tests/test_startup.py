@@ -68,12 +68,15 @@ def test_the_launcher_resolves_and_writes_a_fresh_run_without_torch(small_shards
 
 def test_a_zero_engine_is_built_without_deepspeeds_muon(tmp_path):
     """``import_deepspeed`` puts stand-ins in for DeepSpeed's Muon modules; a ZeRO-2 engine then builds without
-    importing inductor's compiler (which the real Muon module's import-time compiles pulled in)."""
+    importing inductor's compiler (which the real Muon module's import-time compiles pulled in), and whatever would
+    run Muon raises, naming the stand-in. Without DS_ACCELERATOR, the accelerator is said, not guessed: cpu here."""
     r = _python(f"""
         import os, sys
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="{_port()}")
+        os.environ.pop("DS_ACCELERATOR", None)
         from roformer_dist.runtime.deepspeed_import import MUON_MODULES, import_deepspeed
         deepspeed = import_deepspeed()
+        accelerator = os.environ.get("DS_ACCELERATOR")
         import torch, torch.distributed as dist
         dist.init_process_group("gloo", rank=0, world_size=1)
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -83,12 +86,18 @@ def test_a_zero_engine_is_built_without_deepspeeds_muon(tmp_path):
         cfg = load_config("configs/experiments/debug.yaml", ["model.vocab_size=500", "dist.world_size=1"])
         engine = build_engine(cfg, RoFormerForMaskedLM(cfg.model), stage_plans(cfg, 1)[0])
         stand_in = sys.modules[MUON_MODULES[1]].MuonWithAuxAdam
+        refused = []
+        for call in (stand_in, sys.modules[MUON_MODULES[0]].muon_update):
+            try:
+                call()
+            except NotImplementedError as e:
+                refused.append("is a stand-in" in str(e))
         print("RESULT", type(engine.optimizer).__name__, "torch._inductor.compile_fx" in sys.modules,
-              "is not loaded" in (stand_in.__doc__ or ""))
+              "is not loaded" in (stand_in.__doc__ or ""), accelerator, refused)
         dist.destroy_process_group()
-        """, DS_ACCELERATOR="cpu")
+        """)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "RESULT DeepSpeedZeroOptimizer False True" in r.stdout, r.stdout[-2000:]
+    assert "RESULT DeepSpeedZeroOptimizer False True cpu [True, True]" in r.stdout, r.stdout[-2000:]
 
 
 def _port() -> int:
