@@ -43,7 +43,7 @@ def _model_config(saved: dict) -> Optional[ModelConfig]:
 
 def parameter_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the plain model's state dict, built on the meta device (no memory, no time)."""
-    import torch  # (here: the launcher checks a resume without torch unless the model settings differ)
+    import torch  # (here: the launcher imports this module, and a fresh run needs no torch there)
 
     from roformer_dist.nn.model import RoFormerForMaskedLM
 

@@ -32,7 +32,6 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-
 from roformer_dist.errors import CheckpointError
 
 __all__ = ["DEEPSPEED_TYPES", "load", "weights_only_loads", "check_archive"]

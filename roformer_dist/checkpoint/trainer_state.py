@@ -50,7 +50,7 @@ class TrainCounters:
 
 def rng_state() -> dict:
     """Every RNG stream this process draws from (torch, Python, NumPy, CUDA)."""
-    import numpy as np  # (in the functions: the launcher reads trainer states without torch)
+    import numpy as np  # (in the functions: the launcher imports this module, and a fresh run needs no torch)
     import torch
 
     np_state = np.random.get_state()
