@@ -50,11 +50,17 @@ from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
 from roformer_dist.runtime.rundir import RunDir
 
 
+MASTER_PORTS = (20000, 32767)
+"""The range MASTER_PORT is drawn from: below Linux's default ephemeral range (32768-60999), where every outgoing
+connection of the node takes its local port. A port drawn there was now and then taken at the moment rank 0
+listened (EADDRINUSE, seen with a busy node's test suite)."""
+
+
 def _master_port(job_id: str) -> int:
     # Deterministic per job and attempt, so every task derives the same port without talking; a requeued
     # attempt gets another one than the attempt before it (whose sockets may linger).
     attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return random.Random(f"{job_id}-{attempt}").randint(20000, 60000)
+    return random.Random(f"{job_id}-{attempt}").randint(*MASTER_PORTS)
 
 
 def export_dist_env() -> submitit.JobEnvironment:
@@ -97,7 +103,7 @@ class TrainJob(submitit.helpers.Checkpointable):
               file=sys.stderr, flush=True)
         from roformer_dist.train.entry import run_rank  # torch and DeepSpeed: only in the job
 
-        from roformer_dist.runtime.process_group import peer_lost
+        from roformer_dist.runtime.process_group import peer_lost, port_in_use
 
         try:
             hang = RunDir.of(self.cfg).hang
@@ -105,6 +111,11 @@ class TrainJob(submitit.helpers.Checkpointable):
                 hang, env.job_id, int(os.environ["WORLD_SIZE"]), self.cfg.slurm.max_hang_requeues,
                 grace_s=min(10.0, self.cfg.dist.hang_timeout_s / 2)))
         except Exception as e:
+            if port_in_use(e):  # said as what it is, not as a lost peer; the other ranks wait for rank 0 in vain
+                print(f"rank {env.global_rank}: MASTER_PORT {os.environ['MASTER_PORT']} on {os.environ['MASTER_ADDR']} "
+                      f"is held by another process (EADDRINUSE): the process group of job {env.job_id} cannot form; "
+                      "submit the same command again (a new attempt draws another port)", file=sys.stderr, flush=True)
+                sys.exit(1)
             if not peer_lost(e):
                 raise
             # another task died or was ended (a crash, the hang watchdog, SLURM's requeue): its news, not this

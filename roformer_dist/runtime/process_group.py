@@ -45,9 +45,17 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 """How gloo's collectives (and the rendezvous of the process group) fail when another rank has died."""
 
 
+def port_in_use(e: BaseException) -> bool:
+    """Whether ``e`` is rank 0 failing to listen on MASTER_PORT because another process holds it (EADDRINUSE):
+    the process group cannot form, and no other rank died."""
+    return isinstance(e, RuntimeError) and "EADDRINUSE" in str(e)
+
+
 def peer_lost(e: BaseException) -> bool:
     """Whether ``e`` is a collective or the group's rendezvous failing because another rank died (that death
     is the news, not this)."""
+    if port_in_use(e):
+        return False
     return isinstance(e, dist.DistNetworkError) or \
         isinstance(e, RuntimeError) and any(text in str(e) for text in _PEER_GONE)
 
