@@ -5,10 +5,14 @@
 - The main lane (``pytest -m "not side"``: the trainer, faults, commands, docs... one test at a time, as always)
   writes to the terminal.
 - The waiting lane (``-m "side and (slurm or wall_clock)"``): the SLURM tests, which mostly wait for the local
-  cluster (its scheduling, requeues and time limits), then the fault campaign's tiny runs, whose checks read
-  wall time (hang timeouts, straggler ratios).
+  cluster (its scheduling, requeues and time limits), then the tests whose checks read wall time (hang
+  timeouts, straggler ratios, signals between steps): the fault campaign's tiny runs, the faults' and the stops'
+  tests.
 - The bench lane (``-m "side and not slurm and not wall_clock"``): the other benches' tiny runs, each a process
-  tree of its own, at a lower CPU priority (``nice`` :data:`NICE`, inherited by every process it starts).
+  tree of its own, and the tests that compile on CPU, at a lower CPU priority (``nice`` :data:`NICE`, inherited
+  by every process it starts).
+
+Which files go beside the main lane, and to which lane: ``BESIDE_MAIN`` in tests/conftest.py.
 
 On 2 cores, two lanes left the CPU 23 % idle over a run, nearly all of it in the first 12 minutes, while the
 SLURM tests waited; after that the CPU was saturated. A third lane at the same priority filled the idle time
