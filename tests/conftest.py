@@ -90,8 +90,8 @@ def pytest_itemcollected(item):
 
 def pytest_collection_modifyitems(items):
     """The files with SLURM tests first, in their order; the rest after them, in theirs. In make test's waiting
-    lane (tests/tools/lanes.py) the SLURM tests, which mostly wait for the cluster, start at once, and the fault
-    campaign's tiny runs come after them. A file stays in one piece (its module fixtures are built once)."""
+    lane (tests/tools/lanes.py) the SLURM tests, which mostly wait for the cluster, start at once, and the other
+    wall_clock tests (the fault campaign's tiny runs, the faults' and the stops' tests) come after them. A file stays in one piece (its module fixtures are built once)."""
     waiting = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("slurm")}
     items.sort(key=lambda i: i.nodeid.split("::")[0] not in waiting)
 
