@@ -35,14 +35,14 @@ LAYOUTS = {
 }
 PIPELINE_LAYOUTS = {name for name, o in LAYOUTS.items() if any(x.startswith("parallel.pipeline=") for x in o)}
 """Layouts whose two ranks are pipeline stages: no per-rank forward (stragglers compared by data wait only,
-``train/stragglers.py``, so a slowed stage is not named) and no ``trainer.spike`` (config validation)."""
+``observe/stragglers.py``, so a slowed stage is not named) and no ``trainer.spike`` (config validation)."""
 STEP_DELAY_S = "0.2"
 """ROFORMER_STEP_DELAY_S of the campaign's launches: steps long enough for wall-time faults to land in them."""
 HANG_TIMEOUT_S = 15
 """dist.hang_timeout_s of the campaign's runs: a stopped rank ends its launch within this (+ 30 s, the oracle)."""
 LOG_EVERY = 2
 """trainer.log_every of the campaign's runs (debug.yaml's, set again on the command line): each rank's forward
-and data-wait times are compared at every log step (``train/stragglers.py``)."""
+and data-wait times are compared at every log step (``observe/stragglers.py``)."""
 STRAGGLER_LOG_STEPS = 1
 """dist.straggler_log_steps of the campaign's runs: a rank slower than 1.5x the ranks' median at a log step is
 named (the default, 3 in a row, would rarely be reached in a launch's at most 9 log steps, and one noisy log step
@@ -61,7 +61,7 @@ into a run window of 30-60 ms (stopped 70 % of 100-200 ms, tried with ZeRO-2: fo
 log steps of 8; stopped 85 % of 5-15 ms: 8 of 8, with ZeRO-3 7 of 8 by data wait)."""
 SPIKE_WINDOW = 8
 """trainer.spike_window of the spike variant: spikes are looked for once that many kept losses up to the last log
-step exist (``train/spikes.py``: min(window, MIN_HISTORY 20)), from step 9 of 18."""
+step exist (``loop/spikes.py``: min(window, MIN_HISTORY 20)), from step 9 of 18."""
 SPIKE_AT = (10, 15)
 """ROFORMER_INJECT_SPIKE_AT of the spike variant (episodes and reference): the loss of these steps x50."""
 
@@ -366,7 +366,7 @@ def _signal_at(proc: subprocess.Popen, fault: Fault, t0: float, run_dir: Path) -
 
 
 STRAGGLER = re.compile(r"step (\d+): rank (\d+) \(host [^)]*\) is a straggler")
-"""The warning of ``train/stragglers.py`` naming a rank."""
+"""The warning of ``observe/stragglers.py`` naming a rank."""
 
 
 def _slowed(fault: Fault, run_dir: Path, out: str) -> None:

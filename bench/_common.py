@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from roformer_dist.config import CONFIGS_DIR  # noqa: E402
 from roformer_dist.runtime.jit_builds import use_environment_extensions_dir  # noqa: E402
-from roformer_dist.train.plots import line_plot  # noqa: E402,F401  (re-exported: benches plot with it)
+from roformer_dist.observe.plots import line_plot  # noqa: E402,F401  (re-exported: benches plot with it)
 
 # DeepSpeed on CPU, its JIT-built ops in the ranks' directory (set before DeepSpeed is imported; every
 # child process inherits it)

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     for enc in ENCODINGS:
         seconds[enc] = train(args.config, out / enc, enc, args.overrides, out / f"{enc}.log")
 
-    from roformer_dist.train.length_report import evaluate_checkpoint, format_comparison, format_report
+    from roformer_dist.observe.length_report import evaluate_checkpoint, format_comparison, format_report
 
     curves = {enc: eval_curves(out / enc) for enc in ENCODINGS}
     rows, table = eval_table(curves)

@@ -30,7 +30,7 @@ process of a launch outlives it, no traceback, no hang. Of the launch that recei
 is obeyed, a full disk named (exit 74), a stopped rank ends the launch through the hang watchdog (exit 76)
 within ``dist.hang_timeout_s`` (15 s) + 30 s, a checkpoint with a flipped bit never resumed from, and a slowed
 rank is not taken for a hang and is named by the straggler warning ("step N: rank R (host H) is a straggler",
-``train/stragglers.py``; the runs log every 2 steps with ``dist.straggler_log_steps=1``) at one of the log
+``observe/stragglers.py``; the runs log every 2 steps with ``dist.straggler_log_steps=1``) at one of the log
 steps after its slowing began (with ZeRO-3, whose forwards wait for each other in their all-gathers, by its
 data wait); a launch that ended before 4 such log steps without naming it counts the fault as not reached.
 In the pipeline layout the two ranks are stages, which the straggler check compares by data wait alone (all

@@ -6,7 +6,7 @@ numbered in the attention mask as the loader's ``data.packing: document`` number
 predicted). ``torch.profiler``'s memory events count every byte torch allocates in a rank from before
 the model is built to the end: the running sum's maximum is the measured peak (the CPU's counterpart of
 ``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state, DeepSpeed's buckets and the
-activations). Beside it, ``roformer_dist.train.memory_estimate.estimate_stage`` for the same config,
+activations). Beside it, ``roformer_dist.launch.memory_estimate.estimate_stage`` for the same config,
 computed from the config alone. Ratios are estimate / measured, the worst rank's peak; "less the bucket"
 takes DeepSpeed's ``reduce_bucket_size`` scratch buffer (known exactly, and most of the total for these
 small models) out of both, so that the rest of the estimate is checked too.
@@ -91,7 +91,7 @@ def run_case(rank: int, world_size: int, a, model: str, zero: int) -> int:
 
 def main(argv=None) -> None:
     from roformer_dist.config import stage_plans
-    from roformer_dist.train.memory_estimate import estimate_stage, format_bytes
+    from roformer_dist.launch.memory_estimate import estimate_stage, format_bytes
 
     a = parse_args(argv)
     rows, worst = [], 0.0

@@ -456,7 +456,7 @@ def bare_worker(a) -> None:
     import torch
 
     from data_pipeline.loader import ShardLoader
-    from roformer_dist.train.curriculum import lr_at
+    from roformer_dist.plan.curriculum import lr_at
     from roformer_dist.config import stage_plans
     from roformer_dist.parallel.engine import build_engine, param_groups
     from roformer_dist.nn.model import RoFormerForMaskedLM

@@ -325,7 +325,7 @@ def train_figures(run: Path, skip: int) -> dict:
 
 
 def train_report(a) -> int:
-    from roformer_dist.train.metrics import matmul_precision, peak_flops
+    from roformer_dist.observe.metrics import matmul_precision, peak_flops
 
     run = Path(a.run_dir)
     f = train_figures(run, a.skip)

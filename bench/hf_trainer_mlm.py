@@ -113,7 +113,7 @@ class PackedSequences(torch.utils.data.Dataset):
 class StepProfile(TrainerCallback):
     """torch.profiler over optimizer steps [start, start + steps) on rank 0 (see the module docstring), each
     step inside ``record_function("optimizer_step_<k>")`` and the files named as roformer-train's
-    (``roformer_dist/train/profiling.py``)."""
+    (``roformer_dist/observe/profiling.py``)."""
 
     def __init__(self, out: Path, start: int, steps: int):
         self.out, self.start, self.steps = out, start, steps

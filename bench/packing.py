@@ -245,7 +245,7 @@ def evaluate(run_dirs: list[Path], lengths: list[int], packing: str, json_path: 
 
 
 def quality_part(args) -> None:
-    from roformer_dist.train.curriculum import total_steps
+    from roformer_dist.plan.curriculum import total_steps
 
     cfg = load(args)
     out = Path(args.out)

@@ -55,7 +55,7 @@ Measured per run:
    HF's from ``trainer.save_model``), on the same ``--eval-batches`` batches of ``--global-batch`` rows
    of the held-out set (one pass at most), packed and masked by our loader with ``--eval-seed``: the
    cross-entropy summed over every masked position / their number, with the MLM accuracy and the unigram
-   baseline (``roformer_dist.train.baselines``, counted on the training shards) at the same positions.
+   baseline (``roformer_dist.observe.baselines``, counted on the training shards) at the same positions.
    A sanity check evaluates our first seed's model natively too (the ``roformer_dist`` model and its eval
    step, same batches): it must agree with its HF form within 1e-4 nats;
 3. wall time: launch to exit, and the median step-to-step interval.
@@ -214,8 +214,8 @@ def evaluate_hf(model_dir: Path, batches: list[dict]) -> dict:
 
 
 def evaluate_native(model, batches: list[dict]) -> float:
-    """Our model's own eval step (``roformer_dist.train.evaluation.model_eval_step``) on the same batches."""
-    from roformer_dist.train.evaluation import model_eval_step
+    """Our model's own eval step (``roformer_dist.observe.evaluation.model_eval_step``) on the same batches."""
+    from roformer_dist.observe.evaluation import model_eval_step
 
     step = model_eval_step(model)
     s = sum(step(b) for b in batches)
@@ -224,7 +224,7 @@ def evaluate_native(model, batches: list[dict]) -> float:
 
 def unigram_loss(train: Path, batches: list[dict]) -> float:
     """The unigram baseline (training-shard frequencies) at the eval batches' masked positions."""
-    from roformer_dist.train.baselines import BaselineSums, count_tokens
+    from roformer_dist.observe.baselines import BaselineSums, count_tokens
 
     sums = BaselineSums(count_tokens(train))
     for b in batches:
@@ -241,7 +241,7 @@ def run_ours(a, ea, seed: int, train: Path, run_dir: Path, batches: list[dict], 
 
     from roformer_dist.checkpoint.store import resolve
     from roformer_dist.hf.convert import to_hf_pretrained
-    from roformer_dist.train.length_report import load_model
+    from roformer_dist.observe.length_report import load_model
 
     t0 = time.time()
     res = e2e.run_ours(ea, a.seq, a.ranks, train, run_dir, C.child_env(), trainer={"seed": seed})

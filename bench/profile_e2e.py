@@ -8,7 +8,7 @@ table of a step's time by category for both.
     python bench/profile_e2e.py --tiny           # debug model, seq 64, 2 of 4 steps: a smoke test
 
 ours    ``trainer.profile.start_step=K trainer.profile.steps=N`` (the trainer's profile window, rank 0,
-        ``roformer_dist/train/profiling.py``), its trace from ``run_dir/profile/trace_steps_*.json``
+        ``roformer_dist/observe/profiling.py``), its trace from ``run_dir/profile/trace_steps_*.json``
 hf      ``bench/hf_trainer_mlm.py --profile-dir --profile-start K --profile-steps N`` (a ``TrainerCallback``
         around ``torch.profiler`` on rank 0, from the end of step K-1 to the end of step K+N-1); HF + DeepSpeed
         ZeRO-2 by default, e2e's faster HF set-up at 512 tokens

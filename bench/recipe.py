@@ -149,7 +149,7 @@ def ner_lines(ner: dict) -> list[str]:
 
 
 def plot(path: Path, table: dict, branches: list[dict], length: str) -> bool:
-    from roformer_dist.train.plots import line_plot
+    from roformer_dist.observe.plots import line_plot
 
     series = {f"({n}) {VARIANTS[n]}": (list(range(1, len(t["values"]) + 1)), t["values"]) for n, t in table.items()}
     panels = [{"title": f"final eval loss at {length} (15 % masking), by seed", "xlabel": "seed (1, 2, ...)",

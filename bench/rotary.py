@@ -9,7 +9,7 @@ interleaved repeats in one process.
 
 GB/s = bytes a rotary must move (read q, k and write q', k' in forward, the same for the grads in
 backward) / time: the figure to compare with the device's memory bandwidth. On a GPU whose datasheet
-bandwidth is known (``roformer_dist.train.metrics.PEAK_MEMORY_TBPS``) the table gives each figure's share
+bandwidth is known (``roformer_dist.observe.metrics.PEAK_MEMORY_TBPS``) the table gives each figure's share
 of it, and the JSON line the best backend's (the goal: >= 50 % at the base shapes, B 64, S 512 and 1536).
 
     python bench/rotary.py                         # CPU, 2 threads
@@ -24,7 +24,7 @@ import _common as C  # noqa: E402  (puts the checkout on sys.path)
 import torch
 
 from roformer_dist.nn.rotary import RotaryCache, apply_rotary
-from roformer_dist.train.metrics import peak_memory_bandwidth
+from roformer_dist.observe.metrics import peak_memory_bandwidth
 
 
 def parse_args(argv=None):

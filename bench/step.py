@@ -195,7 +195,7 @@ def peak_tflops(a) -> float | None:
         return a.peak_tflops
     if not a.device.startswith("cuda"):
         return None
-    from roformer_dist.train.metrics import matmul_precision, peak_flops
+    from roformer_dist.observe.metrics import matmul_precision, peak_flops
 
     peak = peak_flops(matmul_precision(a.dtype))
     return peak / 1e12 if peak else None

@@ -27,7 +27,7 @@ layers below its own), a checked contract (``lint-imports``, ``pyproject.toml``)
 The pipeline imports nothing of roformer_dist or launcher (checked too), and knows none of their
 config keys: an error about one of several inputs says which in a structured field (``DataError.input``,
 ``UsageError.argument``: a role of :mod:`.errors`), and the caller names it in its own words
-(``roformer_dist.train.data``: ``data.shards``; :mod:`.cli`: ``--tokenizer``). ``roformer-data
+(``roformer_dist.plan.data``: ``data.shards``; :mod:`.cli`: ``--tokenizer``). ``roformer-data
 prepare|shards --tasks N`` runs its tasks through a runner handed to :func:`.cli.main`: the
 ``roformer-data`` console script is ``launcher.prepare.main``, which hands it submitit and the cluster
 profiles of ``roformer-submit``. :mod:`.errors` holds the project's error protocol (every error class

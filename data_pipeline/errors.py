@@ -15,7 +15,7 @@ vocabulary size, a tokenizer given by its caller) says which one an error is abo
 field, a role (:data:`TRAINING_SET`, ...), never in the caller's words: ``DataError(message,
 input=TRAINING_SET, field="vocab_size")``, ``UsageError(message, argument=TOKENIZER)``. ``str(error)``
 is ``"<role>: <message>"``; a caller that has its own name for the role renders it with
-:meth:`DataError.naming` (``roformer_dist.train.data``: ``data.shards``, ``data.sources[0] (news)``,
+:meth:`DataError.naming` (``roformer_dist.plan.data``: ``data.shards``, ``data.sources[0] (news)``,
 ``model.vocab_size``; ``roformer-data``: ``--tokenizer``, ``--out``). ``field`` is the manifest field
 that is wrong, where there is one (also named in the message).
 

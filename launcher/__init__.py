@@ -10,7 +10,7 @@
   values) and how it is quoted.
 - ``launcher.cli``: ``roformer-submit``.
 
-The launcher knows the trainer only through ``roformer_dist.train.entry.run_rank`` and the config.
+The launcher knows the trainer only through ``roformer_dist.launch.entry.run_rank`` and the config.
 
 Untrusted inputs (docs/guides/security.md): what reaches the batch script is validated and quoted
 (``launcher.slurm_settings``, applied by ``launcher.profiles``); secrets are given by reference (``slurm.env_from``: only the names are written

@@ -146,8 +146,8 @@ def submit(args: argparse.Namespace) -> int:
         else:
             print(f"# --cluster local: {cfg.dist.world_size} task(s) on this machine (submitit LocalExecutor), "
                   f"time limit {s.time_min} min, logs in {logs}")
-        from roformer_dist.train.dry_run import dry_run
-        from roformer_dist.train.memory_estimate import parse_bytes
+        from roformer_dist.launch.dry_run import dry_run
+        from roformer_dist.launch.memory_estimate import parse_bytes
 
         # the plan as comments: the output stays a batch script (--dry-run > job.sh)
         dry_run(cfg, cfg.dist.world_size, parse_bytes(args.gpu_memory) if args.gpu_memory else None,

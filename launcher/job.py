@@ -101,7 +101,7 @@ class TrainJob(submitit.helpers.Checkpointable):
               f"local rank {os.environ['LOCAL_RANK']}), master {os.environ['MASTER_ADDR']}:"
               f"{os.environ['MASTER_PORT']}, restart {os.environ.get('SLURM_RESTART_COUNT', '0')}",
               file=sys.stderr, flush=True)
-        from roformer_dist.train.entry import run_rank  # torch and DeepSpeed: only in the job
+        from roformer_dist.launch.entry import run_rank  # torch and DeepSpeed: only in the job
 
         from roformer_dist.runtime.process_group import peer_lost, port_in_use
 

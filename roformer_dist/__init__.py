@@ -36,7 +36,7 @@ def __getattr__(name: str):
 
         return RoFormerForMaskedLM
     if name == "run_rank":
-        from roformer_dist.train.entry import run_rank
+        from roformer_dist.launch.entry import run_rank
 
         return run_rank
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

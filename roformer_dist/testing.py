@@ -5,7 +5,7 @@ extensions directory this environment's build of a DeepSpeed op (``copy_built_op
     run_distributed(fn, world_size=2, args=(tmp_path,))
 
 ``fn(rank, world_size, *args)`` runs in each process (forked from a server that imported torch, DeepSpeed and
-the trainer once: ``roformer_dist.train.preload``) after
+the trainer once: ``roformer_dist.launch.preload``) after
 ``torch.distributed.init_process_group("gloo")`` on a free localhost port. Its
 return values come back as a list indexed by rank. Any rank's exception fails
 the call with that rank's traceback; a rank that does not finish within
@@ -54,7 +54,7 @@ def rank_processes(launcher_pid: int) -> list[int]:
     """The ranks ``roformer-train`` (pid ``launcher_pid``) forked, in rank order: its children named
     ``roformer-rank<r>`` (Linux ``/proc``; [] before they are forked)."""
     from roformer_dist.runtime.stop import children
-    from roformer_dist.train.spawn import RANK_NAME
+    from roformer_dist.launch.spawn import RANK_NAME
 
     found = {}
     for pid in children(launcher_pid):
@@ -87,7 +87,7 @@ class DistributedTestError(AssertionError):
 
 
 def _context():
-    """A fork server that imported what a rank imports (``roformer_dist.train.preload``), started once per
+    """A fork server that imported what a rank imports (``roformer_dist.launch.preload``), started once per
     process: each rank is a fork of it instead of a new interpreter that imports torch and DeepSpeed again
     (seconds a rank). With CUDA, fresh interpreters: the server must not touch CUDA, and a test on a GPU is rare."""
     import torch
@@ -95,7 +95,7 @@ def _context():
     if torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["roformer_dist.train.preload"])
+    ctx.set_forkserver_preload(["roformer_dist.launch.preload"])
     return ctx
 
 

@@ -59,7 +59,7 @@ def test_the_dry_run_fits_its_micro_batch_into_80gb_and_not_twice_that(small_sha
 @pytest.mark.parametrize("maskless", [True, False], ids=["flex-or-varlen", "block-diagonal-mask"])
 def test_the_micro_batch_fits_80gb_at_the_papers_vocabulary(maskless):
     """At the paper's 50000 words, with or without a kernel that spares the S x S mask of packed documents."""
-    from roformer_dist.train.memory_estimate import HEADROOM, estimate_stage
+    from roformer_dist.launch.memory_estimate import HEADROOM, estimate_stage
 
     cfg = load_config(PRESET, ["model.vocab_size=50000"])
     (plan,) = stage_plans(cfg, 1)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from roformer_dist.config import OptimConfig, StageConfig, load_config
-from roformer_dist.train.curriculum import lr_at, schedule_phases, stage_at, stage_boundaries, total_steps
+from roformer_dist.plan.curriculum import lr_at, schedule_phases, stage_at, stage_boundaries, total_steps
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_lr_cosine_and_constant_and_floor():
 def test_every_lr_schedule_the_config_offers_has_a_shape():
     """A new schedule is one entry in curriculum.SCHEDULES and its name in config.LRSchedule."""
     from roformer_dist.config import DecayShape, LRSchedule, choices
-    from roformer_dist.train.curriculum import SCHEDULES
+    from roformer_dist.plan.curriculum import SCHEDULES
 
     assert set(SCHEDULES) == set(choices(LRSchedule)) - {"wsd"} | set(choices(DecayShape))
     for name, shape in SCHEDULES.items():
@@ -113,7 +113,7 @@ def test_wsd_warms_up_holds_the_peak_then_decays_over_its_last_steps_to_the_floo
 
 
 def test_the_schedule_line_names_each_phase_in_steps_and_tokens():
-    from roformer_dist.train.curriculum import describe_schedule
+    from roformer_dist.plan.curriculum import describe_schedule
 
     optim = OptimConfig(lr=2.0, warmup_steps=4, schedule="wsd", decay_steps=5, min_lr_ratio=0.1)
     # tokens: stage a 8 x 128 = 1,024 a step (steps 1-12), stage b 4 x 256 = 1,024 a step (steps 13-20)

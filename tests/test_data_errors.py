@@ -170,10 +170,10 @@ def test_manifest_that_disagrees_with_its_tokenizer(made_set, tmp_path, capsys):
 
 
 def test_training_start_checks_name_the_field(made_set, small_shards, tmp_path):
-    """What the trainer runs before it builds a model (roformer_dist.train.data.resolve_data)."""
+    """What the trainer runs before it builds a model (roformer_dist.plan.data.resolve_data)."""
     from roformer_dist.config import load_config
     from roformer_dist.errors import ConfigError
-    from roformer_dist.train.data import resolve_data
+    from roformer_dist.plan.data import resolve_data
 
     debug = ROOT / "configs" / "experiments" / "debug.yaml"
     cfg = load_config(debug, [f"data.shards={small_shards.dir}", f"data.eval_shards={small_shards.eval_dir}"])
@@ -209,7 +209,7 @@ def test_errors_carry_their_input_and_each_layer_names_it(made_set, small_shards
     from data_pipeline.imported import kind_of
     from roformer_dist.config import load_config
     from roformer_dist.errors import ConfigError
-    from roformer_dist.train.data import resolve_data
+    from roformer_dist.plan.data import resolve_data
 
     # the library: roles and fields, no config keys
     with pytest.raises(DataError, match=r"^eval set: .*manifest\.json: field 'tokenizer\.sha256'") as e:

@@ -23,7 +23,7 @@ from trainer_runs import make_cfg
                                        ["model=tiny", "model.position_embedding=absolute"]])
 def test_the_estimates_parameter_count_is_the_models(overrides):
     from roformer_dist.nn.model import RoFormerForMaskedLM
-    from roformer_dist.train.memory_estimate import parameter_count
+    from roformer_dist.launch.memory_estimate import parameter_count
 
     cfg = load_config(None, [*overrides, "model.vocab_size=3001"])
     outer, layer = parameter_count(cfg.model)
@@ -31,7 +31,7 @@ def test_the_estimates_parameter_count_is_the_models(overrides):
 
 
 def test_zero_partitions_the_states_and_the_largest_micro_batch_is_the_largest_that_fits():
-    from roformer_dist.train.memory_estimate import estimate_stage
+    from roformer_dist.launch.memory_estimate import estimate_stage
 
     def at(*overrides):
         cfg = load_config(None, ["model=base", "model.vocab_size=21128", "dist.world_size=8",
@@ -51,7 +51,7 @@ def test_zero_partitions_the_states_and_the_largest_micro_batch_is_the_largest_t
 
 
 def test_sizes_are_read_as_people_write_them():
-    from roformer_dist.train.memory_estimate import parse_bytes
+    from roformer_dist.launch.memory_estimate import parse_bytes
 
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("141 GiB") == 141 * 2**30 and parse_bytes("8e9") == 8e9
     for bad in ("eighty", "80XB", "-1GB", "0"):
@@ -115,8 +115,8 @@ def test_packed_documents_cost_no_score_mask_where_a_kernel_takes_them_without_o
     estimate leaves out the bias per row and layer; with attention dropout, on CPU, or with the blocks asked
     for, it stays in."""
     from roformer_dist.nn.documents import flash_varlen_available
-    from roformer_dist.train.memory_estimate import maskless as _maskless
-    from roformer_dist.train.memory_estimate import estimate_stage
+    from roformer_dist.launch.memory_estimate import maskless as _maskless
+    from roformer_dist.launch.memory_estimate import estimate_stage
 
     def cfg(*overrides):
         return load_config(None, ["model=base", "model.vocab_size=21128", "deepspeed.precision=bf16",
@@ -136,7 +136,7 @@ def test_the_reduce_buckets_follow_the_deepspeed_keys():
     """The estimate's bucket is ``deepspeed.reduce_bucket_size`` elements, two of them with ``overlap_comm``
     (ZeRO-2 double-buffers); what DeepSpeed is handed carries the same keys."""
     from roformer_dist.parallel.engine import deepspeed_config
-    from roformer_dist.train.memory_estimate import estimate_stage
+    from roformer_dist.launch.memory_estimate import estimate_stage
 
     def at(*overrides):
         cfg = load_config(None, ["model=base", "model.vocab_size=21128", "deepspeed.precision=bf16", *overrides])

@@ -41,7 +41,7 @@ def tar_token_counts(shard_dir: Path) -> Counter:
 
 
 def test_unigram_counts_equal_an_independent_count(small_shards):
-    from roformer_dist.train.baselines import count_tokens
+    from roformer_dist.observe.baselines import count_tokens
 
     u = count_tokens(small_shards.dir)
     expected = tar_token_counts(small_shards.dir)
@@ -55,7 +55,7 @@ def test_unigram_counts_equal_an_independent_count(small_shards):
 
 def test_unigram_count_stops_at_the_cap_on_whole_shards(small_shards):
     from data_pipeline.shards import read_manifest
-    from roformer_dist.train.baselines import count_tokens
+    from roformer_dist.observe.baselines import count_tokens
 
     sizes = {e["num_tokens"] for e in read_manifest(small_shards.dir)["shards"]}
     one = count_tokens(small_shards.dir, max_tokens=1)
@@ -69,7 +69,7 @@ def test_unigram_count_stops_at_the_cap_on_whole_shards(small_shards):
 
 def test_baselines_at_the_eval_positions(small_shards):
     """Unigram cross-entropy and most-frequent-token accuracy, recomputed by hand on the same batches."""
-    from roformer_dist.train.evaluation import Evaluator, eval_loader
+    from roformer_dist.observe.evaluation import Evaluator, eval_loader
 
     cfg = debug_cfg(small_shards, "data.eval_batches=3")
     counts = tar_token_counts(small_shards.dir)
@@ -100,7 +100,7 @@ def test_baselines_at_the_eval_positions(small_shards):
 def test_eval_does_not_depend_on_the_data_parallel_size(small_shards):
     """Replicas split the eval batches; their summed result equals one process's, and each replica
     runs the same number of forwards (an odd batch count makes one replica discard a forward)."""
-    from roformer_dist.train.evaluation import Evaluator, model_eval_step
+    from roformer_dist.observe.evaluation import Evaluator, model_eval_step
     from roformer_dist.nn.model import RoFormerForMaskedLM
 
     cfg = debug_cfg(small_shards, "data.eval_batches=3")
@@ -139,7 +139,7 @@ def test_eval_cli_explains_bad_input(tmp_path, capsys):
 
 
 def test_length_notes():
-    from roformer_dist.train.length_report import length_note
+    from roformer_dist.observe.length_report import length_note
 
     assert length_note("rotary", 512, 512, 1536) == (True, "")
     assert length_note("rotary", 2048, 512, 1536)[0] is True
@@ -234,8 +234,8 @@ def test_eval_cli_sweeps_rope_settings_past_max_position_embeddings(small_shards
     from roformer_dist.cli.eval import main
     from roformer_dist.config import from_dict, rope_settings
     from roformer_dist.nn.model import RoFormerForMaskedLM
-    from roformer_dist.train.evaluation import Evaluator, evaluate_model
-    from roformer_dist.train.length_report import load_model
+    from roformer_dist.observe.evaluation import Evaluator, evaluate_model
+    from roformer_dist.observe.length_report import load_model
 
     ckpt = tiny_checkpoint(small_shards, tmp_path / "run", 6)  # stage s128 done: trained up to 128
     out = tmp_path / "sweep.json"

@@ -387,7 +387,7 @@ IMAGE_LACKED = ("deepspeed", "webdataset", "braceexpand", "submitit", "hjson", "
 it (the venv's transformers brings pydantic through typer; the image's did not)."""
 TRAINER_IMPORTS = ("deepspeed", "deepspeed.ops.adam", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.checkpoint",
                    "deepspeed.utils.zero_to_fp32", "deepspeed.comm.torch", "deepspeed.runtime.pipe.p2p", "cpuinfo",
-                   "roformer_dist.cli.train", "roformer_dist.train.entry", "roformer_dist.train.trainer",
+                   "roformer_dist.cli.train", "roformer_dist.launch.entry", "roformer_dist.loop.trainer",
                    "roformer_dist.parallel.engine", "roformer_dist.checkpoint.checksums", "data_pipeline.loader",
                    "torch.utils.tensorboard", "webdataset", "yaml", "sentencepiece")
 """``import deepspeed``, the DeepSpeed modules the engine and the checkpoints reach, py-cpuinfo (DeepSpeed's op

@@ -179,7 +179,7 @@ def test_a_tokenizer_json_with_its_own_pad_id(json_set, wordpiece):
 def test_the_model_takes_vocab_size_and_pad_id_from_the_manifest(json_set):
     from roformer_dist.config import load_config
     from roformer_dist.errors import ConfigError
-    from roformer_dist.train.data import resolve_data
+    from roformer_dist.plan.data import resolve_data
 
     _, d = json_set
     debug = ROOT / "configs" / "experiments" / "debug.yaml"

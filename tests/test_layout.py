@@ -36,7 +36,7 @@ def test_the_import_contract_holds():
 
 @pytest.mark.parametrize("module, upward", [
     ("roformer_dist/nn/model.py", "roformer_dist.cli.train"),          # the model reaching for a command
-    ("roformer_dist/checkpoint/store.py", "roformer_dist.train.trainer"),  # a lower layer importing the loop
+    ("roformer_dist/checkpoint/store.py", "roformer_dist.loop.trainer"),  # a lower layer importing the loop
     ("data_pipeline/loader.py", "roformer_dist.config"),               # the pipeline importing the package
     ("data_pipeline/manifest.py", "data_pipeline.loader"),             # the manifest checks reaching for the loader
     ("data_pipeline/formats/txt.py", "data_pipeline.corpus"),          # a format reaching for its dispatcher
@@ -130,8 +130,8 @@ def test_run_directory_paths_are_built_only_by_rundir():
 
 
 
-RANK_MODULES = ("train/trainer.py", "train/entry.py", "train/spawn.py", "parallel")
-"""The code a rank runs once its launch is resolved (``train/resolved.py``). ``train/evaluation.py`` plans the
+RANK_MODULES = ("loop/trainer.py", "launch/entry.py", "launch/spawn.py", "parallel")
+"""The code a rank runs once its launch is resolved (``launch/resolved.py``). ``observe/evaluation.py`` plans the
 mixture's shares for a caller that gives none (``roformer-eval``); the trainer gives them (the spy test)."""
 RE_DERIVING = {"resolve_data", "source_manifests", "plan_mixture", "choose_resume", "check_compatible", "validate",
                "micro_batch_size", "stage_plans", "data_parallel_size"}
@@ -142,7 +142,7 @@ FIELDS = {"micro_batch_size"}
 def test_ranks_do_not_derive_what_the_resolved_run_holds():
     """The ranks take the manifests, the mixture plan, the stage plans and the resume decision from the
     ResolvedRun: their modules neither import nor name the functions that derive them (a rank started under
-    torchrun resolves only through ``train.resolved``, on rank 0). tests/test_resolved_run.py runs two ranks
+    torchrun resolves only through ``launch.resolved``, on rank 0). tests/test_resolved_run.py runs two ranks
     with these functions replaced by ones that fail."""
     found = []
     paths = [p for m in RANK_MODULES for p in ([PACKAGE / m] if m.endswith(".py") else sorted((PACKAGE / m).glob("*.py")))]
@@ -153,3 +153,57 @@ def test_ranks_do_not_derive_what_the_resolved_run_holds():
                 [node.attr] if isinstance(node, ast.Attribute) and node.attr not in FIELDS else []
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in RE_DERIVING]
     assert not found, "a rank derives what the resolved run holds:\n" + "\n".join(sorted(set(found)))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def cross_module_private_uses(root: Path, packages=("roformer_dist", "data_pipeline", "launcher")) -> list[str]:
+    """Each ``obj._name`` (``self._name`` too: a mixin's or a subclass's) whose ``_name`` is a private name one of
+    our modules defines (a function, a class, an attribute or variable it assigns) but not the module that uses
+    it, and each ``from ... import _name`` between our modules. Privates of other libraries (``torch._dynamo``)
+    are not ours to police: a name none of our modules defines is left alone."""
+    trees, defined = {}, {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            trees[rel] = tree = ast.parse(path.read_text(encoding="utf-8"))
+            names = set()
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+            defined[rel] = {n for n in names if _private(n)}
+    ours = set().union(*defined.values())
+    found = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in ours \
+                    and node.attr not in defined[rel]:
+                found.append(f"{rel}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in packages:
+                found += [f"{rel}:{node.lineno}: import {node.module}.{a.name}" for a in node.names if _private(a.name)]
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    found = cross_module_private_uses(ROOT)
+    assert not found, "private names used outside the module that defines them:\n" + "\n".join(found)
+
+
+def test_a_private_name_used_across_modules_is_found(tmp_path):
+    """A mixin reading its host's private attribute, and a private function imported by another module."""
+    pkg = tmp_path / "roformer_dist"
+    pkg.mkdir()
+    (pkg / "host.py").write_text("class Host:\n    def __init__(self):\n        self._due = False\n\n\n"
+                                 "def _helper():\n    return 1\n")
+    (pkg / "mixin.py").write_text("class Part:\n    def run(self):\n        return self._due\n")
+    (pkg / "user.py").write_text("from roformer_dist.host import _helper\n\n\ndef f(tr):\n"
+                                 "    return tr._due or _helper() or tr._own_library_thing\n")
+    assert cross_module_private_uses(tmp_path, ("roformer_dist",)) == [
+        "roformer_dist/mixin.py:3: ._due", "roformer_dist/user.py:1: import roformer_dist.host._helper",
+        "roformer_dist/user.py:5: ._due"]

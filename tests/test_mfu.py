@@ -1,4 +1,4 @@
-"""MFU's two halves (roformer_dist/train/metrics.py): the dense peak follows the GPU and the run's matmul
+"""MFU's two halves (roformer_dist/observe/metrics.py): the dense peak follows the GPU and the run's matmul
 precision (CUDA faked: no GPU here), an unknown GPU gives no MFU and one log line; and
 ``RoFormerForMaskedLM.flops_per_token`` equals an independent count of a tiny model's matmul FLOPs
 (``torch.utils.flop_counter.FlopCounterMode``) at several lengths, so attention's S-dependent part is right."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from roformer_dist.train import metrics
+from roformer_dist.observe import metrics
 
 
 @pytest.fixture

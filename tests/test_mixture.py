@@ -1,4 +1,4 @@
-"""Corpus mixtures (data_pipeline/mixture.py, roformer_dist/train/mixture.py): token shares over every
+"""Corpus mixtures (data_pipeline/mixture.py, roformer_dist/plan/mixture.py): token shares over every
 window, exact and elastic resume per source, changed weights, the repetition cap, the plan, and the
 errors. Loader tests use shard sets whose token ids are unique and disjoint per source, so a row's
 source and every document's reading are read off the tokens themselves, independently of the
@@ -171,8 +171,8 @@ def test_a_source_at_its_cap_stops_and_the_others_go_on(sets):
 def test_plan_caps_a_source_and_renormalises_the_others(sets):
     from roformer_dist.config import load_config
     from roformer_dist.errors import ConfigError
-    from roformer_dist.train.data import source_manifests
-    from roformer_dist.train.mixture import plan_mixture
+    from roformer_dist.plan.data import source_manifests
+    from roformer_dist.plan.mixture import plan_mixture
     from trainer_runs import DEBUG
 
     def plan(*over, cap=True):

@@ -1,4 +1,4 @@
-"""The GPU preflight (``train/preflight.py``) runs the step as the run will: the worst stage's micro-batch, in the
+"""The GPU preflight (``launch/preflight.py``) runs the step as the run will: the worst stage's micro-batch, in the
 run's precision, through the plan the loader ships (packed documents and the document kernel), at the stage's
 masking rate; the model's own fp32 weights are never cast or moved. On CPU its parts run here (the CUDA gate
 apart); its arithmetic agrees with the dry run on the GPU preset."""
@@ -13,8 +13,8 @@ import torch
 from roformer_dist.config import load_config, stage_plans
 from roformer_dist.errors import ConfigError
 from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM
-from roformer_dist.train.memory_estimate import estimate_stage
-from roformer_dist.train.preflight import (forward_backward, mean_document_length, preflight_batch, run_copy,
+from roformer_dist.launch.memory_estimate import estimate_stage
+from roformer_dist.launch.preflight import (forward_backward, mean_document_length, preflight_batch, run_copy,
                                            verdict, worst_stage, _refusal)
 from trainer_runs import DEBUG
 

@@ -1,4 +1,4 @@
-"""The ``trainer.profile`` window (roformer_dist/train/profiling.py): a real ``torch.profiler`` trace of a tiny
+"""The ``trainer.profile`` window (roformer_dist/observe/profiling.py): a real ``torch.profiler`` trace of a tiny
 torch workload holds the window's steps and no others; other ranks, start_step 0 and windows outside the
 run write nothing; and, through the trainer, a debug run leaves the trace under run_dir/profile/."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from roformer_dist.config import ProfileConfig
-from roformer_dist.train.profiling import ProfileWindow
+from roformer_dist.observe.profiling import ProfileWindow
 
 
 def _workload():
@@ -51,7 +51,7 @@ WINDOW_FILES = ["key_averages_steps_2-3.txt", "phases_steps_2-3.json", "phases_s
 
 
 def test_window_traces_only_its_steps(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="roformer_dist.train.profiling")
+    caplog.set_level(logging.INFO, logger="roformer_dist.observe.profiling")
     drive(ProfileWindow(ProfileConfig(start_step=2, steps=2), tmp_path, rank=0), steps=6)
     out = tmp_path / "profile"
     assert sorted(p.name for p in out.iterdir()) == WINDOW_FILES

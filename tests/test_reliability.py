@@ -327,7 +327,7 @@ def test_read_only_checkpoints_and_bad_config_paths_are_messages(small_shards, t
 def test_a_bug_is_a_traceback_not_bad_config(monkeypatch, small_shards, tmp_path):
     """Only our error classes become messages and statuses; any other exception propagates (exit 1)."""
     from roformer_dist.cli import train as train_cli
-    from roformer_dist.train import resolved
+    from roformer_dist.launch import resolved
 
     def broken(cfg, resumed=None):
         raise ValueError("an internal bug")
@@ -339,7 +339,7 @@ def test_a_bug_is_a_traceback_not_bad_config(monkeypatch, small_shards, tmp_path
 
 
 def _run_then_report_signals(rank, world_size, cfg):
-    from roformer_dist.train.entry import run_rank
+    from roformer_dist.launch.entry import run_rank
 
     code = run_rank(cfg)
     return code, {s: signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGUSR2, signal.SIGTERM)}

@@ -25,7 +25,7 @@ from roformer_dist.testing import run_distributed
 from trainer_runs import DEBUG, ROOT, make_cfg, records, train
 
 def test_a_resolved_run_round_trips_through_the_run_directory(small_shards, tmp_path):
-    from roformer_dist.train.resolved import ResolvedRun, config_sha256, resolve_run
+    from roformer_dist.launch.resolved import ResolvedRun, config_sha256, resolve_run
 
     cfg = make_cfg(small_shards, tmp_path / "run", "model.vocab_size=auto")
     run = resolve_run(cfg)
@@ -46,7 +46,7 @@ def test_a_resolved_run_round_trips_through_the_run_directory(small_shards, tmp_
 
 def test_a_damaged_resolved_run_is_one_error_naming_the_file(small_shards, tmp_path):
     from roformer_dist.runtime.rundir import RunDir
-    from roformer_dist.train.resolved import ResolvedRun, resolve_run
+    from roformer_dist.launch.resolved import ResolvedRun, resolve_run
 
     run = resolve_run(make_cfg(small_shards, tmp_path / "run"))
     run.write()
@@ -72,12 +72,12 @@ def _run_with_spies(rank, world_size, run):
     of ours holds it by) by one that fails loudly."""
     import importlib
 
-    from roformer_dist.train.entry import run_rank
+    from roformer_dist.launch.entry import run_rank
 
     homes = [importlib.import_module(m) for m in (
         "roformer_dist.checkpoint.compat", "roformer_dist.checkpoint.store", "roformer_dist.config.derived",
-        "roformer_dist.config.validate", "roformer_dist.train.data", "roformer_dist.train.mixture",
-        "roformer_dist.train.resolved")]
+        "roformer_dist.config.validate", "roformer_dist.plan.data", "roformer_dist.plan.mixture",
+        "roformer_dist.launch.resolved")]
     originals = {id(getattr(m, n)) for m in homes for n in RE_DERIVERS if callable(getattr(m, n, None))}
     assert len(originals) == len(RE_DERIVERS)
 
@@ -98,7 +98,7 @@ def _run_with_spies(rank, world_size, run):
 
 
 def test_ranks_run_from_the_resolved_run_not_the_config(small_shards, tmp_path):
-    from roformer_dist.train.resolved import resolve_run
+    from roformer_dist.launch.resolved import resolve_run
 
     run_dir = tmp_path / "run"
     cfg = make_cfg(small_shards, run_dir, "trainer.save_every=3", "trainer.log_every=1", "trainer.stop_at_step=3")
@@ -126,7 +126,7 @@ def _rank_cli(config: Path, run_dir: Path, rank: int, port: int) -> subprocess.P
 def test_a_config_changed_between_resolve_and_start_is_refused_on_every_rank(small_shards, tmp_path):
     """torchrun starts each rank as its own roformer-train: rank 0 resolves its config; rank 1 read the file
     after someone edited it."""
-    from roformer_dist.train.resolved import config_sha256
+    from roformer_dist.launch.resolved import config_sha256
 
     run_dir = tmp_path / "run"
     cfg = make_cfg(small_shards, run_dir)

@@ -1,4 +1,4 @@
-"""Sinks (``roformer_dist.train.sinks``): every sink of the table gives back what it was given, drops what came
+"""Sinks (``roformer_dist.observe.sinks``): every sink of the table gives back what it was given, drops what came
 after a resumed step, and holds every event of a checkpoint's steps once that checkpoint commits, even when
 the launch is killed right after (the fault campaign's guarantee, per sink).
 
@@ -20,8 +20,8 @@ import sys
 import pytest
 
 from roformer_dist.errors import ConfigError
-from roformer_dist.train.metrics import MetricsWriter, run_sinks
-from roformer_dist.train.sinks import SINKS, SinkContext, check_sinks, open_sinks
+from roformer_dist.observe.metrics import MetricsWriter, run_sinks
+from roformer_dist.observe.sinks import SINKS, SinkContext, check_sinks, open_sinks
 from trainer_runs import cli_overrides, run_cli, wait_for_group_gone
 
 

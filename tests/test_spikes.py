@@ -1,4 +1,4 @@
-"""Loss spikes (``trainer.spike: skip``, ``train/spikes.py``): a step whose loss is far above the recent ones
+"""Loss spikes (``trainer.spike: skip``, ``loop/spikes.py``): a step whose loss is far above the recent ones
 drops its update, exactly as a non-finite step does, and a resumed run takes the same decisions.
 
 - On real ranks: a run with spikes injected at two steps (``ROFORMER_INJECT_SPIKE_AT``, the loss x 50), stopped
@@ -18,7 +18,7 @@ import pytest
 from roformer_dist.config import load_config
 from roformer_dist.errors import ConfigError
 from roformer_dist.runtime.stop import EXIT_DONE
-from roformer_dist.train.spikes import SpikeGuard
+from roformer_dist.loop.spikes import SpikeGuard
 from trainer_runs import assert_traces_equal, make_cfg, records, train
 
 SPIKES = "10,14"

@@ -5,7 +5,7 @@
 - DeepSpeed's Muon modules are stand-ins in this project's processes: building a ZeRO engine imports no inductor.
 - ``run_distributed`` forks its ranks from a preloaded server; the ranks still see the caller's environment as
   it is at the call, and write where the caller writes (pytest's capture of the current test).
-- The preload (``roformer_dist.train.preload``) touches no CUDA entry point: a server that did could not fork a
+- The preload (``roformer_dist.launch.preload``) touches no CUDA entry point: a server that did could not fork a
   rank that uses a GPU.
 - The launcher resolves a fresh run without importing torch: on 2 cores its import would compete with the ranks'.
 """
@@ -51,8 +51,8 @@ def test_the_launcher_resolves_and_writes_a_fresh_run_without_torch(small_shards
         import sys
         from roformer_dist.checkpoint.store import check_writable
         from roformer_dist.config import load_config
-        from roformer_dist.train.metrics import run_sinks
-        from roformer_dist.train.resolved import resolve_run
+        from roformer_dist.observe.metrics import run_sinks
+        from roformer_dist.launch.resolved import resolve_run
 
         cfg = load_config({str(DEBUG)!r}, {over!r})
         run_sinks(cfg)
@@ -138,7 +138,7 @@ def test_the_preload_touches_no_cuda_entry_point():
                 calls.append(_name)
                 return _real(*a, **k)
             setattr(owner, name, spy)
-        import roformer_dist.train.preload
+        import roformer_dist.launch.preload
         import sys
         print("CALLS", calls, "deepspeed" in sys.modules)
         """

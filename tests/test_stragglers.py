@@ -1,4 +1,4 @@
-"""Stragglers (``train/stragglers.py``): on two real ranks, one made slow (``ROFORMER_SLOW_RANK``: a sleep in its
+"""Stragglers (``observe/stragglers.py``): on two real ranks, one made slow (``ROFORMER_SLOW_RANK``: a sleep in its
 forward) is named in rank 0's log with its host, and the per-rank spread reaches ``metrics.jsonl`` and TensorBoard
 with the slow rank as the slowest; a run without a slow rank names nobody."""
 

@@ -203,20 +203,19 @@ def _loaded_weights(rank, world_size, run):
     from roformer_dist.runtime.deepspeed_import import import_deepspeed
     deepspeed = import_deepspeed()  # without the mlflow import of its autotuner
 
+    from roformer_dist.launch.build import build_trainer
+    from roformer_dist.launch.entry import init_distributed
     from roformer_dist.runtime.process_group import DistEnv
-    from roformer_dist.train.entry import init_distributed
-    from roformer_dist.train.trainer import Trainer
 
     env = DistEnv.from_environ()
     cfg = run.cfg
     init_distributed(cfg, env)
-    tr = Trainer(run, env)
-    tr.setup()
+    tr = build_trainer(run, env)
     params = dict(tr.engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=cfg.deepspeed.zero_stage == 3):
         weights = {k: v.detach().float().clone() for k, v in params.items()}
     tr.close()
-    return weights, tr.state.step, tr.elastic
+    return weights, tr.state.step, tr.run.elastic
 
 
 @pytest.mark.parametrize("stage, before, after", [(2, 2, 1), (3, 2, 1), (2, 1, 2)])
@@ -229,7 +228,7 @@ def test_elastic_resume_other_world_size(small_shards, tmp_path, stage, before, 
     train(cfg)
     _, saved = load_checkpoint_weights(run / "checkpoints" / "step_00000003")
     resumed = make_cfg(small_shards, run, STAGES_1, f"deepspeed.zero_stage={stage}", world_size=after)
-    from roformer_dist.train.resolved import resolve_run
+    from roformer_dist.launch.resolved import resolve_run
 
     weights, step, elastic = run_distributed(_loaded_weights, world_size=after, args=(resolve_run(resumed),),
                                              timeout=300)[0]

@@ -14,7 +14,7 @@ from roformer_dist.config import load_config, replace, to_dict
 from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, CheckpointError, DataError
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.parallel.runner import StepStats
-from roformer_dist.train.policies import LoopPolicy
+from roformer_dist.loop.policies import LoopPolicy
 from roformer_dist.checkpoint.compat import differences
 from roformer_dist.checkpoint.trainer_state import FORMAT_VERSION, TrainCounters, TrainerState
 
@@ -29,10 +29,10 @@ def run_of(cfg):
     """A ResolvedRun of ``cfg`` for one rank without data (the loop's tests give the trainer fakes of it)."""
     from roformer_dist.config import stage_plans
     from roformer_dist.runtime.rundir import RunDir
-    from roformer_dist.train.mixture import MixturePlan
-    from roformer_dist.train.resolved import ResolvedRun, Resume
+    from roformer_dist.plan.mixture import MixturePlan
+    from roformer_dist.launch.resolved import ResolvedRun, Resume
 
-    return ResolvedRun(cfg, 1, "", {"main": {}}, MixturePlan((), (), ()), stage_plans(cfg, 1), Resume(),
+    return ResolvedRun(cfg, 1, "", {"main": {"tokenizer": {"sha256": "ab" * 32}}}, MixturePlan((), (), ()), stage_plans(cfg, 1), Resume(),
                        RunDir(cfg.run_dir))
 
 
@@ -130,43 +130,47 @@ class FakeLoader:
         pass
 
 
-class FakeMetrics:
-    def __init__(self, events):
-        self.events = events
-
-    def step_record(self, rec):
-        self.events.append(("record", rec["step"]))
-
-    def scalars(self, step, values):
-        if "train/loss" in values:
-            self.events.append(("log", step))
-
-    def close(self):
-        pass
-
-
 def loop(*overrides, stop_at=(), nonfinite_at=(), eval_fails_at=None, faults=NO_FAULTS, full=False):
-    """Trainer.fit over the debug curriculum with a fake runner, loader and metrics; returns (status, events)."""
-    from roformer_dist.runtime.process_group import DistEnv
-    from roformer_dist.train.trainer import Trainer
+    """Trainer.fit over the debug curriculum with a fake runner and loader, the real callbacks of the loop's
+    decisions (spikes, evaluation, checkpointing: when to evaluate and save) and fakes of what they write;
+    returns (status, events, trainer)."""
+    from roformer_dist.loop.callback import Callback, Callbacks
+    from roformer_dist.loop.callbacks import BuildContext, faults as faulting, spikes
+    from roformer_dist.loop.callbacks.checkpointing import Checkpointing
+    from roformer_dist.loop.callbacks.evaluation import Evaluation
+    from roformer_dist.loop.trainer import Trainer
+    from roformer_dist.runtime.process_group import DistEnv, TorchComm
 
     events = []
 
-    class T(Trainer):
-        def save(self):
-            events.append(("save", self.state.step))
+    class Records(Callback):
+        def step_read(self, tr, done):
+            done.scalars = {} if tr.policy.log(done.step) else None
 
-        def evaluate(self):
-            events.append(("eval", self.state.step))
-            if self.state.step == eval_fails_at:
+        def step_recorded(self, tr, done):
+            events.append(("record", done.step))
+            if done.scalars is not None:
+                events.append(("log", done.step))
+
+    class Saves(Checkpointing):
+        def save(self, tr, payload):
+            events.append(("save", tr.state.step))
+
+    class Evals(Evaluation):
+        def evaluate(self, tr):
+            events.append(("eval", tr.state.step))
+            if tr.state.step == eval_fails_at:
                 from data_pipeline.shards import CorruptShardError
 
                 raise CorruptShardError("shard-000001.tar: sha256 mismatch")
             return {}
 
-    t = T(run_of(cfg_with("trainer.log_every=100", *overrides)), DistEnv(0, 1, 0), faults=faults)
-    t.runner, t.loader, t.metrics = FakeRunner(events, stop_at, nonfinite_at), FakeLoader(), FakeMetrics(events)
-    t.stage_index = 0
+    run, env = run_of(cfg_with("trainer.log_every=100", *overrides)), DistEnv(0, 1, 0)
+    ctx = BuildContext(run, env, TorchComm(), lambda *_: 0.0, faults)
+    table = {"faults": faulting.build(ctx), "records": Records(), "spikes": spikes.build(ctx), "evaluation": Evals(ctx),
+             "checkpointing": Saves(ctx)}
+    t = Trainer(run, env, FakeRunner(events, stop_at, nonfinite_at), FakeLoader(),
+                Callbacks({k: v for k, v in table.items() if v is not None}))
     try:
         status = t.fit()
     except DataError as e:
@@ -190,7 +194,7 @@ def test_loop_signal_saves_skips_the_eval_and_requeues():
     status, events, t = loop("trainer.save_every=0", stop_at={6})
     assert status == EXIT_REQUEUE
     assert events[-2:] == [("step", 6), ("save", 6)]  # no eval at this stage end: stopping
-    assert ("eval", 6) not in events and t._eval_due  # the checkpoint says so: the next launch runs it first
+    assert ("eval", 6) not in events and t.callbacks.get("evaluation").due  # the checkpoint says so: the next launch runs it first
 
 
 def test_loop_signal_mid_stage_saves_that_step():
@@ -237,10 +241,12 @@ def test_loop_injected_nan_comes_through_the_fault_hook():
 
 
 def test_loop_nothing_to_do_when_already_at_the_end():
+    from roformer_dist.loop.callback import Callbacks
+    from roformer_dist.loop.trainer import Trainer
     from roformer_dist.runtime.process_group import DistEnv
-    from roformer_dist.train.trainer import Trainer
 
-    t = Trainer(run_of(cfg_with("trainer.stop_at_step=4")), DistEnv(0, 1, 0))
+    t = Trainer(run_of(cfg_with("trainer.stop_at_step=4")), DistEnv(0, 1, 0), FakeRunner([]), FakeLoader(),
+                Callbacks({}))
     t.state.step = 4
     assert t.fit() == EXIT_DONE
 

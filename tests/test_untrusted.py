@@ -277,7 +277,7 @@ def test_fine_tuning_readers_refuse_an_endless_line_and_deep_json(tmp_path):
 
 def test_the_url_time_limit_is_the_configs(small_shards):
     from data_pipeline.source import default_retry, set_default_retry
-    from roformer_dist.train.data import resolve_data
+    from roformer_dist.plan.data import resolve_data
 
     before = default_retry()
     try:

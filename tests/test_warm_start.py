@@ -12,7 +12,7 @@ import torch
 from roformer_dist.config import ModelConfig
 from roformer_dist.errors import ConfigError
 from roformer_dist.nn.model import RoFormerForMaskedLM
-from roformer_dist.train.warm_start import adapt, read_parent
+from roformer_dist.launch.warm_start import adapt, read_parent
 from trainer_runs import make_cfg, records, train
 
 VOCAB = 300
@@ -163,7 +163,7 @@ def test_fork_across_zero_stages_and_layouts(tmp_path, small_shards):
 
     # and back: the tensor-parallel checkpoint into ZeRO-3, whose step-0 eval is the TP model's own (which has
     # rope_theta 20000 now: here a stage's own setting, in force from the stage's first step)
-    from roformer_dist.train.length_report import evaluate_checkpoint
+    from roformer_dist.observe.length_report import evaluate_checkpoint
 
     back = tmp_path / "back"
     cfg = make_cfg(small_shards, back, "deepspeed.zero_stage=3", "trainer.stop_at_step=1", f"init.from={tp}")

@@ -40,7 +40,7 @@ def make_cfg(shards, run_dir, *overrides, world_size=2):
 
 def _run(rank, world_size, cfg, env):
     os.environ.update(env)
-    from roformer_dist.train.entry import run_rank
+    from roformer_dist.launch.entry import run_rank
 
     return run_rank(cfg)
 

@@ -1,6 +1,6 @@
 """A run's lineage: what its first weights came from (``run_dir/parent.json``), written by the trainer
-of a warm start or fork (:mod:`roformer_dist.train.warm_start`) and by the first launch of a decay branch
-(:mod:`roformer_dist.train.decay_branch`), read by exports for the model card and by ``roformer-eval``."""
+of a warm start or fork (:mod:`roformer_dist.launch.warm_start`) and by the first launch of a decay branch
+(:mod:`roformer_dist.plan.decay_branch`), read by exports for the model card and by ``roformer-eval``."""
 
 from __future__ import annotations
 

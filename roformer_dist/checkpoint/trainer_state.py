@@ -98,7 +98,7 @@ class TrainerState:
     eval_due: bool = False
     """The eval scheduled at this step was skipped (a stop): the launch that resumes runs it first."""
     spikes: dict = field(default_factory=dict)
-    """``train.spikes.SpikeGuard.state_dict()`` (``trainer.spike``); empty in a payload from before it."""
+    """``loop.spikes.SpikeGuard.state_dict()`` (``trainer.spike``); empty in a payload from before it."""
     format: int = field(default=FORMAT_VERSION)
     """Payload format version."""
 

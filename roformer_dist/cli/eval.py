@@ -6,13 +6,13 @@
 A checkpoint is a run directory or a ``checkpoints/`` directory (then its newest complete checkpoint
 not marked BAD, the one training would resume from) or one ``checkpoints/step_XXXXXXXX/`` directory,
 of any ZeRO stage or parallel layout. The eval batches
-are the trainer's (same eval shards, seed, masks and micro-batch rule, :mod:`roformer_dist.train.evaluation`),
+are the trainer's (same eval shards, seed, masks and micro-batch rule, :mod:`roformer_dist.observe.evaluation`),
 so at a length the run evaluated during training the loss equals the trainer's. Every row carries
 the unigram baseline at the same predicted positions.
 
 Lengths past the longest the checkpoint was trained on are marked (rotary: beyond the trained
 length; absolute: untrained position rows, or none past model.max_position_embeddings). The work is
-:mod:`roformer_dist.train.length_report`.
+:mod:`roformer_dist.observe.length_report`.
 
 Rotary settings sweep (context extension without training; rotary models read any length, past
 model.max_position_embeddings too):
@@ -127,7 +127,7 @@ def _main(args) -> int:
     import torch  # heavy: not needed for a usage error
 
     from data_pipeline.atomic import atomic_write_text
-    from roformer_dist.train.length_report import evaluate_checkpoint, format_comparison, format_report
+    from roformer_dist.observe.length_report import evaluate_checkpoint, format_comparison, format_report
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,8 +190,8 @@ def rope_label(rope: RopeSettings, max_positions: int) -> str:
 
 def _sweep(path: str, args) -> dict:
     """Evaluate one checkpoint under every swept setting, print its table; returns it for --json."""
-    from roformer_dist.train.evaluation import evaluate_rope_settings
-    from roformer_dist.train.length_report import open_checkpoint
+    from roformer_dist.observe.evaluation import evaluate_rope_settings
+    from roformer_dist.observe.length_report import open_checkpoint
 
     c = open_checkpoint(path, args.lengths, eval_shards=args.eval_shards, shards=args.shards,
                         batches=args.batches, packing=args.packing)

@@ -101,20 +101,20 @@ def _run(args, stop: StopFlag) -> int:
     if args.gpu_memory and not args.dry_run:
         raise ConfigError("--gpu-memory: only with --dry-run (the estimate's budget)")
     if args.dry_run:
-        from roformer_dist.train.dry_run import dry_run
-        from roformer_dist.train.memory_estimate import parse_bytes
+        from roformer_dist.launch.dry_run import dry_run
+        from roformer_dist.launch.memory_estimate import parse_bytes
 
         gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
         dry_run(cfg, int(os.environ["WORLD_SIZE"]) if as_rank else None, gpu_memory)
         return 0
     # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
     if as_rank:
-        from roformer_dist.train.entry import run_rank
-        from roformer_dist.train.metrics import run_sinks
+        from roformer_dist.launch.entry import run_rank
+        from roformer_dist.observe.metrics import run_sinks
 
         run_sinks(cfg)  # an unknown sink is refused before anything starts
         return run_rank(cfg, stop=stop)  # global rank 0 resolves the run; the others read it
-    from roformer_dist.train.spawn import LocalRanks
+    from roformer_dist.launch.spawn import LocalRanks
 
     # the ranks start first and import torch and DeepSpeed while this process resolves the run (a refused run
     # ends them unused)
@@ -128,8 +128,8 @@ def _run(args, stop: StopFlag) -> int:
 
     try:
         from roformer_dist.checkpoint.store import check_writable
-        from roformer_dist.train.metrics import run_sinks
-        from roformer_dist.train.resolved import resolve_run
+        from roformer_dist.observe.metrics import run_sinks
+        from roformer_dist.launch.resolved import resolve_run
 
         run_sinks(cfg)  # an unknown sink is refused before anything is written
         run = resolve_run(cfg, take_lock=take_lock)  # manifests, mixture, stage plans, resume decision: once

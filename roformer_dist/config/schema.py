@@ -250,7 +250,7 @@ class InitConfig:
     decay_steps: int = 0
     """> 0: a decay branch. init.from names a checkpoint of ours taken at its peak lr, which this run resumes
     whole (weights, optimizer, step, data position) and ends with a wsd decay of this many steps
-    (optim.decay_shape); the curriculum is cut or lengthened to end there (roformer_dist/train/decay_branch.py).
+    (optim.decay_shape); the curriculum is cut or lengthened to end there (roformer_dist/plan/decay_branch.py).
     0 = a warm start."""
     check_tokenizer: bool = True
     """Refuse a parent of ours trained on shards of another tokenizer (sha256 of its model); false when the
@@ -329,7 +329,7 @@ class DistConfig:
     """Collective timeout in seconds."""
     straggler_factor: float = 1.5
     """A rank whose own time (forward passes, data wait) exceeds this many times the ranks' median is slow
-    (train/stragglers.py)."""
+    (observe/stragglers.py)."""
     straggler_log_steps: int = 3
     """Log steps in a row a rank must be slow before a warning names it."""
     hang_timeout_s: float = 300.0
@@ -371,9 +371,9 @@ class TrainerConfig:
     steps that later steps recovered from before the read is counted, warned about, and not stopped for."""
     spike: SpikePolicy = "none"
     """none | skip | rollback: a step whose loss exceeds ``spike_factor`` x the median of the last
-    ``spike_window`` kept steps' losses is a spike (train/spikes.py). ``skip`` drops its update, as a non-finite
+    ``spike_window`` kept steps' losses is a spike (loop/spikes.py). ``skip`` drops its update, as a non-finite
     step does; ``rollback`` reloads the newest checkpoint before it and skips the batches from there up to the
-    spike (train/rollback.py; needs ``save_every``)."""
+    spike (loop/callbacks/spikes.py; needs ``save_every``)."""
     spike_factor: float = 5.0
     """How many times the recent median loss makes a spike (> 1)."""
     spike_window: int = 100

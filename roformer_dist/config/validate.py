@@ -341,7 +341,7 @@ def _validate_logging(lg: LoggingConfig) -> None:
     _check_choices(lg.wandb, "logging.wandb")
     if lg.level.upper() not in choices(LogLevel):
         raise choice_error("logging.level", choices(LogLevel), lg.level)
-    # which names are sinks is the sink table's business (roformer_dist/train/), checked when a run starts
+    # which names are sinks is the sink table's business (roformer_dist/observe/sinks/), checked when a run starts
     if not isinstance(lg.sinks, (tuple, list)):
         raise ConfigError(f"logging.sinks: expected a list of sink names, got {lg.sinks!r}")
     for name in lg.sinks:

@@ -175,7 +175,7 @@ class RankTimes:
     """This rank's own seconds since the last :meth:`take`: waiting for its batches, and in its forward passes
     (wall time on the host; on a GPU device time through CUDA events, read at ``take`` after the log step's
     read has synced). With ZeRO 0-2 a forward runs before any collective of its step, so it shows a rank's own
-    speed, where a whole step's time is the slowest rank's for every rank (``train/stragglers.py``)."""
+    speed, where a whole step's time is the slowest rank's for every rank (``observe/stragglers.py``)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -295,7 +295,7 @@ class ParallelRunner:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
         (dicts with input_ids, attention_mask, token_type_ids, labels, and what ``model.batch_plan`` adds;
         only read where ``reads_data``). ``stop``: this rank's stop request (any rank's stops all).
-        ``spike_above``: a micro-batch loss above it is a spike (``train/spikes.py``): its gradients become NaN,
+        ``spike_above``: a micro-batch loss above it is a spike (``loop/spikes.py``): its gradients become NaN,
         so that the update is dropped as a non-finite one is. ``inject_nan`` / ``inject_spike`` (a factor on
         the loss) / ``delay_s`` (a sleep in the first forward: a slow rank): the tests' faults. The device's
         statistics come back unread (see the module docstring)."""

@@ -1,4 +1,4 @@
-"""Reading a run's TensorBoard events back (the writer is :mod:`roformer_dist.train.metrics`): for model
+"""Reading a run's TensorBoard events back (the writer is :mod:`roformer_dist.observe.metrics`): for model
 cards, the demo's summary, benches and tests, which must not depend on the trainer."""
 
 from __future__ import annotations

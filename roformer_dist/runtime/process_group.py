@@ -140,3 +140,11 @@ class TorchComm:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def sum_on(self, sums: torch.Tensor, device: torch.device) -> None:
+        """Sum a CPU tensor over all ranks, in place, on ``device`` (NCCL reduces no CPU tensors)."""
+        if not self._multi():
+            return
+        on_device = sums.to(device)
+        dist.all_reduce(on_device)
+        sums.copy_(on_device.cpu())

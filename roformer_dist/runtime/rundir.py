@@ -38,17 +38,17 @@ class RunDir:
     """Every path of a run directory, named once (``RunDir(cfg.run_dir)``; ``RunDir.of(cfg)``)::
 
         <run_dir>/checkpoints/              step_XXXXXXXX/ ..., latest           (checkpoint.store)
-        <run_dir>/metrics.jsonl             one line per step                     (train.sinks.jsonl)
-        <run_dir>/tb/                       TensorBoard events                    (train.sinks.tensorboard)
-        <run_dir>/config.yaml               the resolved config                   (train.trainer, roformer-submit)
-        <run_dir>/logs/                     each rank's log, jobs.jsonl           (train.logs, launcher)
+        <run_dir>/metrics.jsonl             one line per step                     (observe.sinks.jsonl)
+        <run_dir>/tb/                       TensorBoard events                    (observe.sinks.tensorboard)
+        <run_dir>/config.yaml               the resolved config                   (loop.trainer, roformer-submit)
+        <run_dir>/logs/                     each rank's log, jobs.jsonl           (launch.logs, launcher)
         <run_dir>/parent.json               what a fork started from              (checkpoint.lineage)
-        <run_dir>/profile/                  trainer.profile's traces              (train.profiling)
+        <run_dir>/profile/                  trainer.profile's traces              (observe.profiling)
         <run_dir>/compile_cache/            trainer.compile's kernels             (parallel.compiled)
-        <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (train.trainer)
-        <run_dir>/resolved_run.json         what this launch resolved             (train.resolved)
-        <run_dir>/wandb/, wandb_run.json    W&B's offline files, the run's id     (train.sinks.wandb_sink)
-        <run_dir>/mlruns/, mlflow_run.json  MLflow's file store, the run's id     (train.sinks.mlflow_sink)
+        <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (loop.trainer)
+        <run_dir>/resolved_run.json         what this launch resolved             (launch.resolved)
+        <run_dir>/wandb/, wandb_run.json    W&B's offline files, the run's id     (observe.sinks.wandb_sink)
+        <run_dir>/mlruns/, mlflow_run.json  MLflow's file store, the run's id     (observe.sinks.mlflow_sink)
     """
 
     root: Path

@@ -67,7 +67,7 @@ def _install() -> None:
     def trainer_loaded(module) -> None:
         wrap(module.Trainer, "train_step", before="first_step")
 
-    hooks = {"torch": torch_loaded, "deepspeed": deepspeed_loaded, "roformer_dist.train.trainer": trainer_loaded}
+    hooks = {"torch": torch_loaded, "deepspeed": deepspeed_loaded, "roformer_dist.loop.trainer": trainer_loaded}
 
     class After(importlib.abc.MetaPathFinder):
         """Runs a hook once a watched module has been executed."""

@@ -1,7 +1,7 @@
 """A checkpoint's eval loss at any sequence length, beside the unigram baseline (``roformer-eval``'s work).
 
 The eval batches are the trainer's (same eval shards, seed, masks and micro-batch rule,
-:mod:`roformer_dist.train.evaluation`), so at a length the run evaluated during training the loss
+:mod:`roformer_dist.observe.evaluation`), so at a length the run evaluated during training the loss
 equals the trainer's. Every row carries the unigram baseline at the same predicted positions.
 
 Lengths past the longest the checkpoint was trained on are marked: a rotary model computes its
@@ -27,9 +27,9 @@ from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from
 from roformer_dist.config import Config, replace, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.nn.model import RoFormerForMaskedLM
-from roformer_dist.train.curriculum import trained_max_len
-from roformer_dist.train.decay_branch import describe_decay
-from roformer_dist.train.evaluation import Evaluator, evaluate_model
+from roformer_dist.plan.curriculum import trained_max_len
+from roformer_dist.plan.decay_branch import describe_decay
+from roformer_dist.observe.evaluation import Evaluator, evaluate_model
 
 __all__ = ["Row", "Report", "Opened", "length_note", "load_model", "open_checkpoint", "evaluate_checkpoint", "format_report",
            "format_comparison"]

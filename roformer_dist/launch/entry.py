@@ -1,9 +1,9 @@
 """The rank entry point: ``run_rank(run)`` runs this process as one rank of a training job.
 
-``run``: the :class:`~roformer_dist.train.resolved.ResolvedRun` its launcher resolved (``roformer-train``'s
+``run``: the :class:`~roformer_dist.launch.resolved.ResolvedRun` its launcher resolved (``roformer-train``'s
 spawner, which holds the run lock), or this rank's ``Config`` (torchrun, the SLURM launcher): then global rank
 0 takes the run lock and resolves, and the other ranks read what it resolved
-(:func:`~roformer_dist.train.resolved.hand_down`).
+(:func:`~roformer_dist.launch.resolved.hand_down`).
 
 The torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) must be set
 by whoever started it (``roformer-train``'s spawner, torchrun, or the SLURM launcher). It returns
@@ -33,9 +33,10 @@ from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wai
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
-from roformer_dist.train.logs import setup_logging
-from roformer_dist.train.resolved import ResolvedRun, hand_down, resolve_run
-from roformer_dist.train.trainer import Trainer
+from roformer_dist.launch.logs import setup_logging
+from roformer_dist.launch.build import build_trainer
+from roformer_dist.launch.resolved import ResolvedRun, hand_down, resolve_run
+from roformer_dist.loop.callbacks.heartbeat import last_barrier_watch
 
 __all__ = ["run_rank", "init_distributed"]
 
@@ -120,9 +121,8 @@ def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None
         run, lock = _resolve_as_rank(cfg, env, stop)
     try:
         setup_logging(run.cfg, env.rank)
-        trainer = Trainer(run, env, stop=stop, faults=faults, on_hang=on_hang)
+        trainer = build_trainer(run, env, stop=stop, faults=faults, on_hang=on_hang)
         try:
-            trainer.setup()
             code = trainer.fit()
         finally:
             trainer.close()
@@ -132,7 +132,7 @@ def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None
     if code == EXIT_DONE:
         ignore_late_stop_signals()
     if own_group and dist.is_initialized():
-        watch = trainer.heartbeat  # armed again for the job's last barrier: a rank stopped there hangs it too
+        watch = last_barrier_watch(trainer.callbacks)  # armed again for the job's last barrier: a rank stopped there hangs it too
         if watch is not None:
             watch.start()
         try:

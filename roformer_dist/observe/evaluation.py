@@ -10,13 +10,13 @@ discards it), so the numbers do not depend on the world size, and ``roformer-eva
 reproduces the trainer's eval of the same checkpoint.
 
 Beside the model's loss and accuracy, every length reports the unigram model's cross-entropy and
-the most-frequent-token accuracy at the same predicted positions (:mod:`roformer_dist.train.baselines`),
+the most-frequent-token accuracy at the same predicted positions (:mod:`roformer_dist.observe.baselines`),
 computed once per length and kept for later evals:
 
     eval/loss_<L>  eval/mlm_acc_<L>  eval/unigram_loss_<L>  eval/most_frequent_acc_<L>
 
 and each held-out set of ``data.eval_sources`` the same under ``eval_<name>/`` (the unigram model
-is the training mixture's, :func:`~roformer_dist.train.baselines.count_mixture`).
+is the training mixture's, :func:`~roformer_dist.observe.baselines.count_mixture`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from roformer_dist.config import Config, RopeSettings, StageConfig, rope_settings, training_sources
 from roformer_dist.nn.rotary import set_rope
-from roformer_dist.train.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_mixture
+from roformer_dist.observe.baselines import DEFAULT_MAX_TOKENS, BaselineSums, UnigramModel, count_mixture
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ class Evaluator:
             sources = training_sources(self.cfg.data)
             shares = self.training_shares
             if shares is None and len(sources) > 1:
-                from roformer_dist.train.data import source_manifests
-                from roformer_dist.train.mixture import plan_mixture
+                from roformer_dist.plan.data import source_manifests
+                from roformer_dist.plan.mixture import plan_mixture
 
                 shares = plan_mixture(self.cfg, source_manifests(self.cfg)).overall
             self._unigram = count_mixture({s.shards: (shares or {}).get(s.name, 1.0) for s in sources},

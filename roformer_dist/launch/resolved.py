@@ -38,10 +38,10 @@ from roformer_dist.checkpoint.lineage import Parent
 from roformer_dist.config import Config, RopeSettings, StagePlan, dump_yaml, from_dict, stage_plans, to_dict, validate
 from roformer_dist.errors import ConfigError, StorageError, exit_status
 from roformer_dist.runtime.rundir import RunDir, prepare_run_dir
-from roformer_dist.train.curriculum import describe_schedule
-from roformer_dist.train.decay_branch import BranchPoint, branch_config, branch_point, describe_decay, seed_branch
-from roformer_dist.train.data import resolve_data
-from roformer_dist.train.mixture import MixturePlan, SourcePlan, plan_mixture
+from roformer_dist.plan.curriculum import describe_schedule
+from roformer_dist.plan.decay_branch import BranchPoint, branch_config, branch_point, describe_decay, seed_branch
+from roformer_dist.plan.data import resolve_data
+from roformer_dist.plan.mixture import MixturePlan, SourcePlan, plan_mixture
 
 __all__ = ["ResolvedRun", "Resume", "resolve_run", "config_sha256", "hand_down", "FORMAT"]
 
@@ -209,7 +209,7 @@ def _resume(cfg: Config, world_size: int, manifest: dict, run_dir: RunDir, read_
             check_compatible(found, ckpt.read_trainer_state(found.dir, 0), cfg, world_size, manifest)
             return Resume(checkpoint=found, branch=None if branch is None else branch.parent)
     if cfg.init.from_:
-        from roformer_dist.train.warm_start import warm_start  # torch state dicts: only when there is a parent
+        from roformer_dist.launch.warm_start import warm_start  # torch state dicts: only when there is a parent
 
         parent, _ = warm_start(cfg, manifest["tokenizer"]["sha256"], read_only)
         return Resume(warm_start=parent)

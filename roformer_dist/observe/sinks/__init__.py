@@ -5,7 +5,7 @@
     for s in sinks: s.flush()        # before a checkpoint commits: every event so far on disk
     for s in sinks: s.close()
 
-The trainer (``train.metrics.MetricsWriter``, rank 0) and fine-tuning write through it; ``logging.sinks``
+The trainer (``observe.metrics.MetricsWriter``, rank 0) and fine-tuning write through it; ``logging.sinks``
 chooses them (``jsonl`` is always on: ``metrics.jsonl`` is the run's record; ``config.effective_sinks``). What each call means:
 
 ``log_record(record)``   one optimizer step's record (``step``, ``loss``, ... ; ``metrics.jsonl``'s line)
@@ -34,10 +34,10 @@ from typing import Callable, Iterable, Protocol
 
 from roformer_dist.config import LoggingConfig
 from roformer_dist.errors import ConfigError
-from roformer_dist.train.sinks.jsonl import JsonlSink
-from roformer_dist.train.sinks.mlflow_sink import MlflowSink
-from roformer_dist.train.sinks.tensorboard import TensorBoardSink
-from roformer_dist.train.sinks.wandb_sink import WandbSink
+from roformer_dist.observe.sinks.jsonl import JsonlSink
+from roformer_dist.observe.sinks.mlflow_sink import MlflowSink
+from roformer_dist.observe.sinks.tensorboard import TensorBoardSink
+from roformer_dist.observe.sinks.wandb_sink import WandbSink
 
 __all__ = ["Sink", "SinkContext", "SINKS", "check_sinks", "open_sinks"]
 

@@ -10,7 +10,7 @@ flex attention, flash-attn's varlen or the blocks, whichever the run takes), mas
 The verdict is arithmetic on what was measured: the step's peak over the copy's own weights (activations and
 gradients, what the device allocated for the step) plus what DeepSpeed will add and the copy does not hold
 (the memory estimate's optimizer state, master weights and buckets: :func:`needed_bytes`) against the device's
-memory less :data:`~roformer_dist.train.memory_estimate.HEADROOM`, as ``--dry-run`` budgets it. A micro-batch
+memory less :data:`~roformer_dist.launch.memory_estimate.HEADROOM`, as ``--dry-run`` budgets it. A micro-batch
 that does not fit (or runs out of memory in the step itself) fails at start-up naming the stage and the largest
 micro-batch that would, not hours later when a long stage begins.
 """
@@ -28,7 +28,7 @@ import torch
 from roformer_dist.config import Config, StagePlan
 from roformer_dist.errors import ConfigError
 from roformer_dist.nn.model import IGNORE_INDEX, batch_plan, document_kernel
-from roformer_dist.train.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes, maskless
+from roformer_dist.launch.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes, maskless
 
 __all__ = ["preflight", "worst_stage", "preflight_batch", "run_copy", "Verdict", "needed_bytes", "verdict",
            "mean_document_length"]

@@ -1,5 +1,5 @@
 """What a training rank imports, for a process that forks ranks to import once: ``roformer-train``'s
-(``train/spawn.py``) and the fork server of ``roformer_dist.testing.run_distributed``. torch, torch's dynamo (torch's optimizers import it when the first one
+(``launch/spawn.py``) and the fork server of ``roformer_dist.testing.run_distributed``. torch, torch's dynamo (torch's optimizers import it when the first one
 is built), the trainer and, with DeepSpeed's CPU accelerator, DeepSpeed.
 
 Nothing here may touch CUDA: a process that initialised CUDA cannot fork a process that uses it. On a GPU,
@@ -10,7 +10,7 @@ import os
 
 import torch._dynamo  # noqa: F401
 
-import roformer_dist.train.entry  # noqa: F401
+import roformer_dist.launch.entry  # noqa: F401
 from roformer_dist.runtime.deepspeed_import import import_deepspeed
 
 if os.environ.get("DS_ACCELERATOR") == "cpu":

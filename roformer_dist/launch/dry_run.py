@@ -3,8 +3,8 @@ nothing, and say whether each curriculum stage fits the device's memory.
 
 What it prints: the resume decision (the checkpoint it would resume, a warm start, or a fresh start; a
 damaged checkpoint is reported, not marked), the training mixture's shares, each stage's plan, and per
-stage the memory one rank needs (:mod:`roformer_dist.train.memory_estimate`) against the budget: the given
-``--gpu-memory``, else the visible GPU's, less :data:`~roformer_dist.train.memory_estimate.HEADROOM`, with
+stage the memory one rank needs (:mod:`roformer_dist.launch.memory_estimate`) against the budget: the given
+``--gpu-memory``, else the visible GPU's, less :data:`~roformer_dist.launch.memory_estimate.HEADROOM`, with
 the largest micro-batch that would fit. A stage that does not fit is a ConfigError naming it and its figures
 (exit 2), after the plan is printed.
 """
@@ -15,8 +15,8 @@ from typing import Optional
 
 from roformer_dist.config import Config
 from roformer_dist.errors import ConfigError
-from roformer_dist.train.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes, maskless
-from roformer_dist.train.resolved import ResolvedRun, resolve_run
+from roformer_dist.launch.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes, maskless
+from roformer_dist.launch.resolved import ResolvedRun, resolve_run
 
 __all__ = ["dry_run", "plan_text", "visible_gpu_memory"]
 

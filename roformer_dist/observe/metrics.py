@@ -1,4 +1,4 @@
-"""Rank 0's view of a run: its sinks (``metrics.jsonl``, TensorBoard, ...: :mod:`roformer_dist.train.sinks`)
+"""Rank 0's view of a run: its sinks (``metrics.jsonl``, TensorBoard, ...: :mod:`roformer_dist.observe.sinks`)
 and MFU.
 
 ``metrics.jsonl`` holds one JSON line per optimizer step (step, loss, seq_len,
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 from roformer_dist.config import Config, LoggingConfig, effective_sinks
-from roformer_dist.train.sinks import SinkContext, check_sinks, open_sinks
+from roformer_dist.observe.sinks import SinkContext, check_sinks, open_sinks
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def run_sinks(cfg: Config) -> tuple[str, ...]:
 
 
 class MetricsWriter:
-    """Rank 0's sinks (:mod:`roformer_dist.train.sinks`: ``metrics.jsonl`` always, the others of
+    """Rank 0's sinks (:mod:`roformer_dist.observe.sinks`: ``metrics.jsonl`` always, the others of
     ``logging.sinks``); a no-op on other ranks. ``metrics.jsonl`` is the record of the run: a failure to
     write it is a StorageError (exit 74). The other sinks are views: each handles its own failures."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from roformer_dist.config import Config
-from roformer_dist.train.curriculum import stage_boundaries, total_steps
+from roformer_dist.plan.curriculum import stage_boundaries, total_steps
 from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE
 
 
@@ -78,7 +78,7 @@ class LoopPolicy:
         of the run changes nothing: the run is done."""
         if consecutive_nonfinite >= self.max_nonfinite_steps:
             return Stop("nonfinite", EXIT_NONFINITE)
-        if too_many_spikes:  # trainer.spike_max within the window (train/spikes.py)
+        if too_many_spikes:  # trainer.spike_max within the window (loop/spikes.py)
             return Stop("spikes", EXIT_NONFINITE)
         if self.done(step):
             return Stop("done", EXIT_DONE)

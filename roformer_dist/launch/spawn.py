@@ -1,17 +1,17 @@
 """Start a training job's ranks on this machine and wait for them (``roformer-train`` without torchrun).
 
 :class:`LocalRanks` starts the ranks as soon as the launcher has read the config, before it resolves the run.
-On Linux one process (``python -m roformer_dist.train.spawn 0,1,...``) imports torch, dynamo and, on CPU,
+On Linux one process (``python -m roformer_dist.launch.spawn 0,1,...``) imports torch, dynamo and, on CPU,
 DeepSpeed and the trainer once, forks one rank per rank and exits: the ranks are the launcher's children from
 then on (it adopts orphans, ``PR_SET_CHILD_SUBREAPER``), each named ``roformer-rank<r>`` (``ps -o comm``).
 Elsewhere each rank is a process of its own. While the launcher checks the data and the checkpoints, the ranks
 finish their start-up and wait on stdin. :meth:`LocalRanks.run` hands them the resolved run, in a file written
 before they read it (a launcher killed at any moment leaves no rank reading half its arguments), with the caller
 holding the run lock; a launch refused while resolving ends its ranks unused (:meth:`LocalRanks.cancel`). gloo on
-CPU, nccl on GPUs (nothing before the fork touches CUDA: ``train/preload.py``). Stop signals reaching the
+CPU, nccl on GPUs (nothing before the fork touches CUDA: ``launch/preload.py``). Stop signals reaching the
 launcher go on to the ranks; the ranks die with it (SIGKILL included); a failing rank stops the others and its
 status is the job's. Our errors' messages are printed once, not once per rank. The ranks are handed the run the
-launcher resolved (:class:`~roformer_dist.train.resolved.ResolvedRun`).
+launcher resolved (:class:`~roformer_dist.launch.resolved.ResolvedRun`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from roformer_dist.runtime.stop import STOP_SIGNALS, StopFlag, adopt_orphans, bl
     die_with_parent, exit_now, kill_tree, name_process
 
 if TYPE_CHECKING:
-    from roformer_dist.train.resolved import ResolvedRun
+    from roformer_dist.launch.resolved import ResolvedRun
 
 __all__ = ["LocalRanks"]
 
@@ -51,11 +51,11 @@ def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir
         pass
     stop = StopFlag.install(quiet_abort=True)  # the launcher says it once
     # while the launcher resolves the run: what every rank imports (imported already where the ranks were forked)
-    import roformer_dist.train.preload  # noqa: F401
+    import roformer_dist.launch.preload  # noqa: F401
     from roformer_dist.runtime.deepspeed_import import import_deepspeed
     from roformer_dist.runtime.process_group import peer_lost
-    from roformer_dist.train.entry import run_rank
-    from roformer_dist.train.resolved import ResolvedRun
+    from roformer_dist.launch.entry import run_rank
+    from roformer_dist.launch.resolved import ResolvedRun
 
     import_deepspeed()
     if os.read(0, len(GO)) != GO:  # (the ranks may share one stdin: each takes its own line, no more)
@@ -80,7 +80,7 @@ def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir
 
 
 def _fork_ranks(ranks: list[int], world_size: int, port: int, launcher_pid: int, job_dir: str) -> None:
-    """``python -m roformer_dist.train.spawn 0,1,... WORLD_SIZE PORT LAUNCHER_PID JOB_DIR``: import what a rank
+    """``python -m roformer_dist.launch.spawn 0,1,... WORLD_SIZE PORT LAUNCHER_PID JOB_DIR``: import what a rank
     imports once, fork the ranks, write their pids (``JOB_DIR/pids``) and exit, which makes them the launcher's
     children. Stop signals stay blocked from here until each rank's handlers are in place (a stop sent to the
     group meanwhile waits for them); an error while importing is left to the ranks, which raise it again where
@@ -88,7 +88,7 @@ def _fork_ranks(ranks: list[int], world_size: int, port: int, launcher_pid: int,
     die_with_parent(launcher_pid)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        import roformer_dist.train.preload  # noqa: F401
+        import roformer_dist.launch.preload  # noqa: F401
     except Exception:  # noqa: BLE001 (see the docstring)
         pass
     pids, forker = [], os.getpid()

@@ -6,7 +6,7 @@ micro-batch's loss on the device with the threshold the host hands it (``Paralle
 ``spike_above``: no sync) and turns a spike's gradients into NaN, which DeepSpeed's overflow check drops,
 as it drops a non-finite step's. The step is recorded with its loss and ``"spike": true``, counted, and
 warned about. With ``skip`` that is all; with ``rollback`` the trainer then goes back to the newest
-checkpoint before the spike and skips the batches since (``train/rollback.py``). ``trainer.spike_max``
+checkpoint before the spike and skips the batches since (``loop/callbacks/spikes.py``). ``trainer.spike_max``
 spikes within the window stop the run (exit 3, the checkpoint of the last step saved).
 
 Exact resume: the threshold of step ``t`` is computed from the kept losses of the steps up to the last log
