@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from roformer_dist.nn import attention as A
+from roformer_dist.nn.attention_kinds.softmax import eager_softmax_attention
 from roformer_dist.nn import rotary as R
 from roformer_dist.config import ModelConfig
 from roformer_dist.nn.model import RoFormerForMaskedLM
@@ -176,7 +177,7 @@ def test_eager_attention_matches_sdpa_without_dropout():
     mask[1, ..., 6:] = False
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.manual_seed(0)
-    got = A.eager_softmax_attention(q, k, v, mask, 1e-9)  # dropout on, with a negligible probability
+    got = eager_softmax_attention(q, k, v, mask, 1e-9)  # dropout on, with a negligible probability
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -313,7 +313,7 @@ def test_flex_attention_on_gpu_equals_the_blocks_forward_and_backward(dtype):
 
 
 def test_the_document_kernel_is_chosen_by_device_and_asked_for_kernels_are_checked():
-    from roformer_dist.config import validate_model
+    from roformer_dist.nn.attention_kinds import check_attention
     from roformer_dist.nn.model import batch_plan
 
     assert Dm.kernel_for("auto", "softmax", "cpu") == "blocks"
@@ -324,8 +324,8 @@ def test_the_document_kernel_is_chosen_by_device_and_asked_for_kernels_are_check
         batch_plan(tiny(document_attention="flex"), "cpu")
     with pytest.raises(ConfigError, match="model.document_attention: varlen needs flash-attn"):
         batch_plan(tiny(document_attention="varlen"), "cpu")
-    with pytest.raises(ConfigError, match="model.document_attention: flex is a softmax kernel"):
-        validate_model(tiny(attention="linear", document_attention="flex"))
+    with pytest.raises(ConfigError, match="model.document_attention: linear attention does not run flex; linear attention keeps documents apart in blocks"):
+        check_attention(tiny(attention="linear", document_attention="flex"))
     with pytest.raises(ConfigError, match="model.document_attention"):
         load_config(None, ["model=debug", "model.document_attention=sparse"])
     assert batch_plan(tiny(), "cpu").args[1] == "blocks"

@@ -21,6 +21,7 @@ from pathlib import Path
 from data_pipeline.command_line import CommandParser
 from roformer_dist.config import Config, DecayShape, choices, dump_yaml, fork_overrides, load_config
 from roformer_dist.errors import EXIT_STATUS_HELP, ConfigError, run_command
+from roformer_dist.nn.attention_kinds import check_attention
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, exit_now
 
@@ -67,9 +68,11 @@ def _load(path: str, overrides: list[str]) -> Config:
     if not p.exists():
         raise ConfigError(f"--config: {path}: no such file")
     try:
-        return load_config(p, overrides)
+        cfg = load_config(p, overrides)
     except OSError as e:  # unreadable (permissions, I/O)
         raise ConfigError(f"--config: cannot read {path}: {e.strerror or e}") from None
+    check_attention(cfg.model)  # the attention kinds' table (no torch): before anything starts
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from roformer_dist.config.derived import (ROPE_KEYS, RopeSettings, StagePlan, da
                                           training_sources, wsd_decay_steps)
 from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yaml, fork_overrides, from_dict,
                                        load_config, parse_overrides, replace, save_config, to_dict)
-from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, AttentionKind, CheckpointConfig, Config,
+from roformer_dist.config.schema import (DEFAULT_RUN_DIR_MODE, CheckpointConfig, Config,
                                          CurriculumConfig, DataConfig, DeepSpeedConfig, DistBackend, DistConfig,
                                          DecayShape, DocumentAttention, DocumentPositions, EvalSourceConfig,
                                          HiddenAct, InitConfig, LoggingConfig, LogLevel, LRSchedule, MlflowSettings,
@@ -43,7 +43,7 @@ __all__ = [
     "InitConfig", "OptimConfig", "DeepSpeedConfig", "ParallelConfig", "DistConfig", "ProfileConfig",
     "TrainerConfig", "CheckpointConfig", "LoggingConfig", "WandbSettings", "MlflowSettings", "SlurmConfig",
     "DEFAULT_RUN_DIR_MODE", "WandbMode", "SpikePolicy",
-    "HiddenAct", "PositionEmbedding", "RopeScaling", "NewRows", "RotaryBackend", "AttentionKind", "Packing",
+    "HiddenAct", "PositionEmbedding", "RopeScaling", "NewRows", "RotaryBackend", "Packing",
     "DocumentAttention", "DocumentPositions", "OptimizerName", "LRSchedule", "DecayShape", "ZeroStage", "Precision",
     "OffloadDevice",
     "DistBackend", "LogLevel", "choices",

@@ -28,7 +28,6 @@ PositionEmbedding = Literal["rotary", "absolute"]
 RopeScaling = Literal["none", "linear", "ntk", "yarn"]
 NewRows = Literal["mean", "init"]
 RotaryBackend = Literal["auto", "reference", "compiled", "triton", "apex", "flash_attn"]
-AttentionKind = Literal["softmax", "linear"]
 Packing = Literal["document", "cross_document"]
 DocumentPositions = Literal["restart", "continue"]
 DocumentAttention = Literal["auto", "blocks", "flex", "varlen"]
@@ -44,7 +43,7 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"
 
 
 def choices(choice_type: Any) -> tuple:
-    """The allowed values of a choice type, in declaration order: ``choices(AttentionKind)``."""
+    """The allowed values of a choice type, in declaration order: ``choices(HiddenAct)``."""
     return typing.get_args(choice_type)
 
 
@@ -89,9 +88,10 @@ class ModelConfig:
     """rotary (RoFormer) | absolute (the BERT baseline, learned absolute positions)."""
     rotary_backend: RotaryBackend = "auto"
     """auto | reference | compiled | triton | apex | flash_attn (see roformer_dist/nn/rotary.py)."""
-    attention: AttentionKind = "softmax"
-    """softmax (scaled dot-product, O(S^2)) | linear (the paper's section 3.3: feature map elu(x)+1,
-    rotary on the feature maps, O(S) time and memory; see roformer_dist/nn/attention.py)."""
+    attention: str = "softmax"
+    """An attention kind of ``nn/attention_kinds/`` (checked where the model is built, and by ``roformer-train``
+    before anything starts): softmax (scaled dot-product, O(S^2)) | linear (the paper's section 3.3: feature
+    map elu(x)+1, rotary on the feature maps, O(S) time and memory)."""
     document_positions: DocumentPositions = "restart"
     """Positions in rows that carry document numbers (``data.packing: document``): restart (each
     document counts from 0, as if it were alone) | continue (the row's positions). No parameters: a

@@ -59,9 +59,6 @@ def validate_model(m: ModelConfig) -> None:
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.num_attention_heads: {m.num_attention_heads} does not divide model.hidden_size {m.hidden_size}")
-    if m.attention == "linear" and m.document_attention in ("flex", "varlen"):
-        raise ConfigError(f"model.document_attention: {m.document_attention} is a softmax kernel; linear attention "
-                          "keeps documents apart in blocks (its sums are per document): use auto or blocks")
     if (m.hidden_size // m.num_attention_heads) % 2:
         raise ConfigError("model.num_attention_heads: head size hidden_size/heads must be even for rotary pairs")
     for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):

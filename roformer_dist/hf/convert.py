@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from roformer_dist.nn.attention_kinds import attention_kind
 from roformer_dist.checkpoint.weights import model_from_state_dict
 from roformer_dist.config import ModelConfig, RopeSettings, build, rope_settings
 from roformer_dist.errors import ConfigError
@@ -89,7 +90,7 @@ def _require_rotary(cfg: ModelConfig) -> None:
         raise ConfigError("model.position_embedding: only 'rotary' models have an HF RoFormer equivalent "
                           f"(HF RoFormer has no learned absolute positions), got {cfg.position_embedding!r}")
     attention = getattr(cfg, "attention", "softmax")
-    if attention != "softmax":
+    if not attention_kind(attention).hf_export:
         raise ConfigError(f"model.attention: {attention!r} has no HF RoFormer equivalent (HF RoFormer computes "
                           "softmax attention only); only 'softmax' models can be exported")
 

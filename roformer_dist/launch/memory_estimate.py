@@ -37,6 +37,7 @@ from typing import Optional
 
 from roformer_dist.config import Config, ModelConfig, StagePlan, data_parallel_size
 from roformer_dist.errors import ConfigError
+from roformer_dist.nn.attention_kinds import MemoryContext, attention_kind
 
 __all__ = ["StageMemory", "parameter_count", "estimate_stage", "parse_bytes", "format_bytes",
            "HEADROOM", "DS_PREFETCH_BUCKET", "maskless"]
@@ -120,13 +121,10 @@ def _per_sample(cfg: Config, plan: StagePlan, device: str, maskless: bool) -> tu
     t, p, seq_len = par.tensor, par.pipeline, plan.seq_len
     dropout = m.hidden_dropout_prob > 0 or m.attention_probs_dropout_prob > 0
     per_token = (4 * h + (7 * h + 2 * f) / t) * w + (2 * h + f / t if dropout else 0)  # masks: a byte each
-    if m.attention == "softmax" and m.attention_probs_dropout_prob > 0 and device == "cpu":
-        # the eager path: scores' softmax and the dropped probabilities (w each) and the dropout mask (a byte)
-        per_token += heads / t * seq_len * (2 * w + 1)
-    elif m.attention == "softmax" and cfg.data.packing == "document" and not maskless:
-        # rows of several documents: SDPA takes the block-diagonal mask as an additive (S x S) bias of the
-        # compute dtype and keeps it for backward, in every layer (the worst case of documents.row_layout)
-        per_token += seq_len * w
+    per_token += attention_kind(m.attention).activation_bytes(MemoryContext(
+        seq_len=seq_len, heads=heads // t, value_bytes=w,
+        eager_dropout=m.attention_probs_dropout_prob > 0 and device == "cpu",
+        document_mask=cfg.data.packing == "document" and not maskless))
     layers = m.num_hidden_layers / p
     in_flight = min(p, plan.accumulation)  # 1F1B: the first pipeline stage holds up to p micro-batches
     if d.activation_checkpointing:

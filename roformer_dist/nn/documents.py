@@ -418,16 +418,18 @@ def flex_available() -> bool:
 
 def kernel_for(setting: str, kind: str, device) -> str:
     """``model.document_attention`` (``setting``) for ``kind`` attention on ``device``: ``blocks``, ``flex``
-    or ``varlen`` (see the module docstring). Linear attention always takes the blocks."""
-    if kind != "softmax":
-        return "blocks"
+    or ``varlen`` (see the module docstring), among those the kind runs (``AttentionKind.document_kernels``:
+    linear attention takes the blocks only)."""
+    from roformer_dist.nn.attention_kinds import attention_kind
+
+    runs = attention_kind(kind).document_kernels
     if setting != "auto":
-        return setting
+        return setting if setting in runs else "blocks"
     if torch.device(device).type != "cuda":
         return "blocks"
-    if flash_varlen_available():
+    if flash_varlen_available() and "varlen" in runs:
         return "varlen"
-    return "flex" if flex_available() else "blocks"
+    return "flex" if flex_available() and "flex" in runs else "blocks"
 
 
 def _block_mask(tiles: tuple, doc: torch.Tensor):

@@ -37,6 +37,7 @@ from roformer_dist.config import ModelConfig, rope_settings, validate_model
 from roformer_dist.errors import ConfigError
 from roformer_dist.nn import documents
 from roformer_dist.nn.attention import attention_core
+from roformer_dist.nn.attention_kinds import attention_kind, check_attention
 from roformer_dist.nn.documents import Layout, RowMask, RowPlan, device_layout, plan_rows
 from roformer_dist.nn.rotary import HALF_LAYOUT, RotaryCache, half_layout_weights, model_kernel
 
@@ -276,7 +277,7 @@ def document_kernel(cfg: ModelConfig, device) -> str:
 def plan_batch_rows(cfg: ModelConfig, attention_mask, kernel: str) -> RowPlan:
     """The host's part of :func:`layer_inputs` for a (B, S) mask on the host (``documents.plan_rows`` with
     this model's settings); ``kernel``: :func:`document_kernel` on the device that will run it."""
-    return plan_rows(attention_mask, cfg.document_positions == "restart", blocks_only=cfg.attention == "linear",
+    return plan_rows(attention_mask, cfg.document_positions == "restart", blocks_only=not attention_kind(cfg.attention).row_masks,
                      kernel=kernel)
 
 
@@ -338,6 +339,7 @@ class RoFormerForMaskedLM(nn.Module):
             raise ValueError(f"model.vocab_size: the model needs an integer, got {cfg.vocab_size!r} "
                              "(resolve 'auto' from the shard manifest first)")
         validate_model(cfg)
+        check_attention(cfg)
         self.config = cfg
         # Modules draw their default init from the RNG; rewind it so that the weights depend only
         # on init_weights(): seed s -> same weights as ``torch.manual_seed(s); model.init_weights()``.
@@ -437,14 +439,14 @@ class RoFormerForMaskedLM(nn.Module):
     def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward = 3x forward) per token, matmuls only.
 
-        Dense layers 2*params-per-token each, attention 2 * 2 * S * hidden per layer (softmax: scores
-        and context; linear: 2 * 2 * head_dim * hidden, its KV state and the query against it), and the
+        Dense layers 2*params-per-token each, attention 2 * 2 * mixing * hidden per layer (the kind's ``mixing``:
+        softmax S, its scores and context; linear head_dim, its KV state and the query against it), and the
         vocabulary projection only on ``predicted_fraction`` of the tokens.
         """
         c = self.config
         emb = c.embedding_size or c.hidden_size
         h, f, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-        mixing = seq_len if c.attention == "softmax" else h // c.num_attention_heads
+        mixing = attention_kind(c.attention).mixing(seq_len, h // c.num_attention_heads)
         per_layer = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * mixing * h
         proj = 2 * emb * h if emb != h else 0
         head = predicted_fraction * (2 * h * emb + 2 * emb * c.vocab_size)
