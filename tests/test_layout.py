@@ -112,7 +112,7 @@ def test_package_modules_are_small():
 NOT_RUN_DIRECTORIES = {"launcher/prepare.py": "logs of roformer-data's staging directory, not of a run"}
 RUN_DIR_NAMES = ("checkpoints", "latest", "metrics.jsonl", "tb", "config.yaml", "logs", "jobs.jsonl", "parent.json",
                  "profile", "compile_cache", "rotary_backend.json", "resolved_run.json",
-                 "wandb", "wandb_run.json", "mlruns", "mlflow_run.json")
+                 "wandb", "wandb_run.json", "mlruns", "mlflow.db", "mlflow_run.json")
 
 
 def test_run_directory_paths_are_built_only_by_rundir():

@@ -14,6 +14,7 @@ caught the missing flush once.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -141,7 +142,7 @@ def killed_after_a_checkpoint(small_shards, tmp_path_factory):
     base = tmp_path_factory.mktemp("sinks")
     common = ("trainer.save_every=4", "trainer.log_every=2", "trainer.eval_every=4",
               f"logging.sinks=[{', '.join(INSTALLED)}]")
-    # W&B offline and MLflow's file store in the run directory, whatever the environment says
+    # W&B offline and MLflow's store in the run directory, whatever the environment says
     quiet = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": ""}
     out = {}
     for name, extra, env in (("killed", (), {**quiet, "ROFORMER_FAULT_AT": "save.after_latest@1:kill-group@0"}),
@@ -174,6 +175,36 @@ def test_deepspeed_is_imported_without_mlflow_which_still_imports_afterwards():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "mlflow"]
+
+
+def test_mlflow_keeps_a_run_in_sqlite_and_a_run_directory_with_a_file_store_keeps_that(tmp_path, monkeypatch):
+    """The default store is the one MLflow 3 supports (a SQLite file in the run directory), read back by MLflow's
+    own client without MLFLOW_ALLOW_FILE_STORE, as `mlflow ui` would; a run directory that already has a file
+    store (this sink's default before) goes on in it."""
+    _needs_package("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")
+    new = tmp_path / "new"
+    for resume_step, steps in ((0, (1, 2, 3)), (2, (3,))):                  # a launch, then a resume from step 2
+        sink = SINKS["mlflow"](SinkContext(new, resume_step))
+        for step in steps:
+            sink.log_scalars(step, {"train/loss": 10.0 * step + resume_step})
+        sink.close()
+    assert (new / "mlflow.db").is_file() and not (new / "mlruns").exists()
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    client = MlflowClient(tracking_uri=f"sqlite:///{new / 'mlflow.db'}")
+    history = client.get_metric_history(sink.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 10.0), (2, 20.0), (3, 32.0)]
+    assert client.get_run(sink.run_id).data.metrics["train/loss"] == 32.0  # the latest value, taken again
+    old = tmp_path / "old"
+    (old / "mlruns").mkdir(parents=True)
+    sink = SINKS["mlflow"](SinkContext(old))
+    sink.log_scalars(1, {"train/loss": 1.5})
+    sink.close()
+    assert not (old / "mlflow.db").exists() and any((old / "mlruns").rglob("train/loss"))
+    assert SINKS["mlflow"].read(old) == {"train/loss": [(1, 1.5)]}
 
 
 def test_the_sinks_settings_come_from_the_config_before_the_environment(tmp_path, monkeypatch):

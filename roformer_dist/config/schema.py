@@ -429,8 +429,8 @@ class WandbSettings:
 class MlflowSettings:
     """The ``mlflow`` sink's settings; an empty value takes MLflow's own environment variable, then the default."""
     tracking_uri: str = ""
-    """A server (``http(s)://``), a database or a file store; '' = ``MLFLOW_TRACKING_URI``, else a file store
-    in run_dir/mlruns."""
+    """A server (``http(s)://``), a database or a file store; '' = ``MLFLOW_TRACKING_URI``, else a SQLite file
+    in the run directory (run_dir/mlflow.db; a run directory that has a file store, run_dir/mlruns, keeps it)."""
     experiment: str = ""
     """'' = ``MLFLOW_EXPERIMENT_NAME``, else roformer-dist."""
 
@@ -444,7 +444,7 @@ class LoggingConfig:
     """Python logging level."""
     sinks: tuple[str, ...] = ("jsonl", "tensorboard")
     """Where metrics and text go: jsonl (metrics.jsonl, the run's record: always on), tensorboard, wandb
-    (offline by default, under the run directory), mlflow (a file store in the run directory by default), and
+    (offline by default, under the run directory), mlflow (a SQLite file in the run directory by default), and
     any other registered sink; validated against the sink table (and the sinks' packages) at start. Without ``tensorboard`` here (or with
     ``tensorboard: false``) no TensorBoard events are written."""
     wandb: WandbSettings = WandbSettings()

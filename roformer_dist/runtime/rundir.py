@@ -40,15 +40,16 @@ class RunDir:
         <run_dir>/checkpoints/              step_XXXXXXXX/ ..., latest           (checkpoint.store)
         <run_dir>/metrics.jsonl             one line per step                     (observe.sinks.jsonl)
         <run_dir>/tb/                       TensorBoard events                    (observe.sinks.tensorboard)
-        <run_dir>/config.yaml               the resolved config                   (loop.trainer, roformer-submit)
+        <run_dir>/config.yaml               the resolved config                   (launch.build, roformer-submit)
         <run_dir>/logs/                     each rank's log, jobs.jsonl           (launch.logs, launcher)
         <run_dir>/parent.json               what a fork started from              (checkpoint.lineage)
         <run_dir>/profile/                  trainer.profile's traces              (observe.profiling)
         <run_dir>/compile_cache/            trainer.compile's kernels             (parallel.compiled)
-        <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (loop.trainer)
+        <run_dir>/rotary_backend.json       rotary_backend auto's measurements    (loop.callbacks.rotary)
         <run_dir>/resolved_run.json         what this launch resolved             (launch.resolved)
         <run_dir>/wandb/, wandb_run.json    W&B's offline files, the run's id     (observe.sinks.wandb_sink)
-        <run_dir>/mlruns/, mlflow_run.json  MLflow's file store, the run's id     (observe.sinks.mlflow_sink)
+        <run_dir>/mlflow.db, mlflow_run.json MLflow's store, the run's id         (observe.sinks.mlflow_sink)
+        <run_dir>/mlruns/                   MLflow's file store (runs before mlflow.db)
     """
 
     root: Path
@@ -125,6 +126,10 @@ class RunDir:
     @property
     def mlruns(self) -> Path:
         return self.root / "mlruns"
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.root / "mlflow.db"
 
     @property
     def mlflow_run(self) -> Path:

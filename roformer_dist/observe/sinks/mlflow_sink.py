@@ -1,15 +1,19 @@
-"""MLflow: scalars as metrics of one MLflow run, text as artifacts; by default in a file store under
-``<dir>/mlruns``.
+"""MLflow: scalars as metrics of one MLflow run, text as artifacts; by default in a SQLite database in the run
+directory, ``<dir>/mlflow.db``.
 
     roformer-train ... logging.sinks=[tensorboard,mlflow]
-    MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <run_dir>/mlruns     # the full mlflow package
+    mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db        # the full mlflow package
 
-Settings: ``logging.mlflow.tracking_uri`` (a file store in the run directory, ``file://<dir>/mlruns``) and
-``.experiment`` (``roformer-dist``); each one left empty takes MLflow's own environment variable
-(``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``) and then the default in brackets. The run is named after the run directory; a metric's step is the optimizer step. MLflow 3 keeps its
-file store in maintenance mode and refuses to open one unless ``MLFLOW_ALLOW_FILE_STORE`` is true: this
-sink sets it for its process when the store is a file store (unless it is set already); ``mlflow
-migrate-filestore`` moves a run directory's store into a database.
+Settings: ``logging.mlflow.tracking_uri`` (``sqlite:///<dir>/mlflow.db``) and ``.experiment``
+(``roformer-dist``); each one left empty takes MLflow's own environment variable (``MLFLOW_TRACKING_URI``,
+``MLFLOW_EXPERIMENT_NAME``) and then the default in brackets. The run is named after the run directory; a
+metric's step is the optimizer step. The default is the store MLflow 3 supports: it keeps its file store
+(``mlruns/``) in maintenance mode and refuses to open one unless ``MLFLOW_ALLOW_FILE_STORE`` is true. A run
+directory that already has a file store (``<dir>/mlruns``, this sink's default before) keeps using it: this
+sink then sets ``MLFLOW_ALLOW_FILE_STORE`` for its process (unless it is set already), and ``mlflow
+migrate-filestore`` moves the store into a database. A SQLite store needs ``sqlalchemy`` and ``alembic``
+(the ``mlflow`` extra installs them with ``mlflow-skinny``); MLflow creates its tables on first use (a few
+seconds, once per run directory).
 
 **One run across launches.** Its id and tracking URI are kept in ``<dir>/mlflow_run.json``; every launch
 of the run directory (a requeue, a resume) logs into that run while the tracking URI is the same (another
@@ -17,13 +21,16 @@ URI, or a run deleted from the store, starts a new run). A launch marks it RUNNI
 FINISHED.
 
 **No step twice.** Every metric is written when it is logged (``log_batch(synchronous=True)``; nothing is
-buffered, so :meth:`flush` has nothing to do). A launch resumed from step ``resume_step`` rewrites the run's
-metric history in a file store: each metric's file (``<root>/<experiment id>/<run id>/metrics/<key>``, one
-``timestamp value step`` line per value, the store's layout since MLflow 1) keeps the lines of steps <=
-``resume_step`` (a fresh start, 0, keeps none), so ``get_metric_history`` equals an uninterrupted run's.
+buffered, so :meth:`flush` has nothing to do). A launch resumed from step ``resume_step`` drops what the run
+holds after that step (a fresh start, 0, keeps nothing), so ``get_metric_history`` equals an uninterrupted
+run's: in a SQLite file the rows of the run's metrics after the step go (table ``metrics``), and each metric's
+latest value is taken again from what is left (``latest_metrics``: the highest step, then timestamp, then
+value, MLflow's own rule); in a file store each metric's file (``<root>/<experiment id>/<run id>/metrics/<key>``,
+one ``timestamp value step`` line per value, the store's layout since MLflow 1) keeps the lines of steps <=
+``resume_step``.
 
-Limits: a tracking server or database keeps what it was sent: there a resume after a hard kill logs the
-steps after the checkpoint a second time beside the killed launch's values (a warning says so when a run
+Limits: a tracking server or another database keeps what it was sent: there a resume after a hard kill logs
+the steps after the checkpoint a second time beside the killed launch's values (a warning says so when a run
 resumes). Text is one artifact per tag, ``text/<tag>.md``, replaced when logged again.
 
 The metrics are a view of the run: a failure after the sink is open is logged once and this sink stops.
@@ -35,6 +42,7 @@ import json
 import logging
 import os
 import re
+import sqlite3
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -49,7 +57,16 @@ DEFAULT_EXPERIMENT = "roformer-dist"
 
 
 def _uri(directory: Path, configured: str) -> str:
-    return configured or RunDir(directory).mlruns.resolve().as_uri()
+    """``configured``, else the run directory's store: its file store where it has one, else its SQLite file."""
+    if configured:
+        return configured
+    rd = RunDir(directory)
+    return rd.mlruns.resolve().as_uri() if rd.mlruns.is_dir() else f"sqlite:///{rd.mlflow_db.resolve()}"
+
+
+def _sqlite_file(uri: str):
+    """The database file of a ``sqlite:///`` URI; None for any other store."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
 def _local_root(uri: str):
@@ -92,6 +109,19 @@ def _load_state(path: Path) -> dict:
         return {}
 
 
+def _drop_rows_after(database: Path, run_id: str, resume_step: int) -> None:
+    """In MLflow's SQLite schema: the run's metric rows after ``resume_step`` deleted (all on a fresh start, 0),
+    and each metric's latest value taken again from the rows left, in one transaction."""
+    with sqlite3.connect(database) as db:
+        db.execute("DELETE FROM metrics WHERE run_uuid = ? AND (? = 0 OR step > ?)", (run_id, resume_step, resume_step))
+        db.execute("DELETE FROM latest_metrics WHERE run_uuid = ?", (run_id,))
+        db.execute("INSERT INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid) "
+                   "SELECT key, value, timestamp, step, is_nan, run_uuid FROM ("
+                   "  SELECT *, ROW_NUMBER() OVER (PARTITION BY key ORDER BY step DESC, timestamp DESC, value DESC)"
+                   "  AS latest FROM metrics WHERE run_uuid = ?) WHERE latest = 1", (run_id,))
+    db.close()
+
+
 class MlflowSink:
     package = "mlflow"
     extra = "mlflow"
@@ -127,6 +157,10 @@ class MlflowSink:
 
     def _drop_after(self, uri: str, resume_step: int) -> None:
         """Keep each metric's values of steps <= ``resume_step`` (none on a fresh start): see the module docstring."""
+        database = _sqlite_file(uri)
+        if database is not None:
+            _drop_rows_after(database, self.run_id, resume_step)
+            return
         root = _local_root(uri)
         if root is None:
             log.warning("MLflow at %s cannot drop what earlier launches of run %s logged after step %d: if one got "
