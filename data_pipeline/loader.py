@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -50,7 +50,7 @@ from .mixture import Source, as_sources, shares, source_seed
 from .slots import Piece, SlotState, deal, elastic_slot_states, epoch_shard_order
 from .source import RetryPolicy, ShardSource, default_retry
 
-__all__ = ["ShardLoader", "deal", "epoch_shard_order", "slot_sequences", "slot_batches", "elastic_slot_states",
+__all__ = ["ShardLoader", "LoaderSettings", "deal", "epoch_shard_order", "slot_sequences", "slot_batches", "elastic_slot_states",
            "merge_states", "upgrade_state", "ShardCache", "SlotState", "SlotSource", "SourceSet", "Piece", "Position",
            "BatchInfo", "STATE_FORMAT", "PACKINGS", "Source", "shard_sizes", "PieceStream", "PackedSequence"]
 
@@ -234,6 +234,26 @@ class SourceSet:
         return own if loader_max is None else loader_max if own is None else min(own, loader_max)
 
 
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What a :class:`ShardLoader` reads with, apart from its sources, its rank and the stage's source weights;
+    :meth:`build` makes the loader (the trainer's: ``launch/build.py``, from the resolved run)."""
+    seq_len: int
+    micro_batch_size: int
+    num_workers: int = 1
+    seed: int = 0
+    mlm_probability: float = 0.15
+    whole_word_mask: bool = True
+    skip_bad_shards: bool = False
+    pin_memory: bool = False
+    packing: str = "document"
+    mask_replace: tuple[float, float, float] = MASK_REPLACE
+
+    def build(self, sources, dp_rank: int = 0, dp_size: int = 1, *, weights: Optional[dict] = None,
+              prepare: Optional[Callable[[dict], dict]] = None) -> "ShardLoader":
+        return ShardLoader(sources, dp_rank=dp_rank, dp_size=dp_size, weights=weights, prepare=prepare, **asdict(self))
+
+
 class ShardLoader:
     """Deterministic, resumable MLM batches from a shard set, or a mixture of them, for one data-parallel rank.
 
@@ -294,7 +314,8 @@ class ShardLoader:
         self.sets: list[SourceSet] = []
         for src in listed:
             where = ShardSource(src.location, retry)
-            self.sets.append(SourceSet(src.name, where, read_manifest(where), source_seed(seed, src.name, len(listed)),
+            manifest = src.manifest if src.manifest is not None else read_manifest(where)
+            self.sets.append(SourceSet(src.name, where, manifest, source_seed(seed, src.name, len(listed)),
                                        src.max_epochs))
         first = self.sets[0]
         self.source, self.shard_dir, self.manifest = first.source, first.source.location, first.manifest

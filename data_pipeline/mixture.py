@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from .errors import UsageError
@@ -51,10 +51,12 @@ this many rows times the number of sources."""
 
 @dataclass(frozen=True)
 class Source:
-    """A named shard set; ``max_epochs``: its repetition cap (None = none)."""
+    """A named shard set; ``max_epochs``: its repetition cap (None = none); ``manifest``: its manifest when the
+    caller has read and checked it already (the loader then does not read it again)."""
     name: str
     location: str
     max_epochs: Optional[float] = None
+    manifest: Optional[dict] = field(default=None, compare=False, repr=False)
 
 
 def as_sources(shards) -> list[Source]:

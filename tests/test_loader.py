@@ -317,3 +317,25 @@ def test_a_state_saved_at_the_very_end_of_a_slots_epoch_resumes_with_the_next_ep
         resumed.load_state_dict(state)
         assert _same(list(resumed), full[n:]), f"resumed after batch {n} of {len(full)}"
     assert len(at_end) == 1
+
+
+def test_the_loader_takes_the_manifest_it_is_given_and_reads_it_no_more(unique_set, tmp_path):
+    """The trainer hands the loader the manifests its resolved run read and checked: the loader of a set whose
+    manifest.json is gone gives the batches of one that reads it, and LoaderSettings builds the same loader."""
+    import shutil
+
+    from data_pipeline.loader import LoaderSettings
+    from data_pipeline.manifest import read_manifest
+    from data_pipeline.mixture import Source
+
+    copy = tmp_path / "set"
+    shutil.copytree(unique_set[0], copy)
+    manifest = read_manifest(copy)
+    (copy / "manifest.json").unlink()
+    settings = LoaderSettings(seq_len=64, micro_batch_size=2, num_workers=0, seed=1)
+    given = settings.build([Source("main", str(copy), None, manifest)])
+    read = ShardLoader(unique_set[0], seq_len=64, micro_batch_size=2, num_workers=0, seed=1)
+    for a, b in zip(_take(given, 3), _take(read, 3)):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+    with pytest.raises(DataError, match="manifest.json"):
+        settings.build([Source("main", str(copy))])  # without it the loader reads the file, which is gone

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from data_pipeline.loader import ShardLoader
+from data_pipeline.loader import LoaderSettings, ShardLoader
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.lineage import write_parent
 from roformer_dist.checkpoint.safe_load import weights_only_loads
@@ -40,14 +40,16 @@ log = logging.getLogger("roformer_dist.trainer")
 
 
 def build_loader(run: ResolvedRun, stage_index: int, dp_rank: int, dp_size: int, device_type: str) -> ShardLoader:
-    """The loader of ``run``'s training data, set for stage ``stage_index`` on data-parallel rank ``dp_rank``."""
+    """The loader of ``run``'s training data (the manifests it resolved), set for stage ``stage_index`` on
+    data-parallel rank ``dp_rank``."""
     cfg, plan, d = run.cfg, run.stages[stage_index], run.cfg.data
-    return ShardLoader(loader_sources(cfg), seq_len=plan.seq_len, micro_batch_size=plan.micro_batch_size,
-                       dp_rank=dp_rank, dp_size=dp_size, num_workers=d.num_workers, seed=cfg.trainer.seed,
-                       mlm_probability=plan.mlm_probability, whole_word_mask=d.whole_word_mask,
-                       skip_bad_shards=d.skip_bad_shards, pin_memory=torch.cuda.is_available(), packing=d.packing,
-                       weights=run.mixture.stage_weights(stage_index), mask_replace=d.mask_replace,
-                       prepare=None if cfg.parallel.pipeline > 1 else batch_plan(cfg.model, device_type))
+    settings = LoaderSettings(plan.seq_len, plan.micro_batch_size, num_workers=d.num_workers, seed=cfg.trainer.seed,
+                              mlm_probability=plan.mlm_probability, whole_word_mask=d.whole_word_mask,
+                              skip_bad_shards=d.skip_bad_shards, pin_memory=torch.cuda.is_available(),
+                              packing=d.packing, mask_replace=d.mask_replace)
+    return settings.build(loader_sources(cfg, run.manifests), dp_rank, dp_size,
+                          weights=run.mixture.stage_weights(stage_index),
+                          prepare=None if cfg.parallel.pipeline > 1 else batch_plan(cfg.model, device_type))
 
 
 def build_trainer(run: ResolvedRun, env: DistEnv, stop: Optional[StopFlag] = None, faults: Faults = NO_FAULTS,

@@ -157,6 +157,7 @@ def _capped_shares(targets: list[dict[str, float]], factor: dict[str, float]) ->
     return out
 
 
-def loader_sources(cfg: Config) -> list[Source]:
-    """``data.sources`` (or data.shards) as the loader's :class:`~data_pipeline.mixture.Source` s."""
-    return [Source(s.name, s.shards, s.max_epochs) for s in training_sources(cfg.data)]
+def loader_sources(cfg: Config, manifests: Optional[dict] = None) -> list[Source]:
+    """``data.sources`` (or data.shards) as the loader's :class:`~data_pipeline.mixture.Source` s; ``manifests``:
+    each source's manifest by name, as the resolved run read and checked them (the loader reads no other)."""
+    return [Source(s.name, s.shards, s.max_epochs, (manifests or {}).get(s.name)) for s in training_sources(cfg.data)]
