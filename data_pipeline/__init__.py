@@ -11,8 +11,9 @@ or at URLs), :mod:`.shards` (building, reading, verification), :mod:`.cluster` (
 tasks, and the merge), :mod:`.slots` (who reads which documents, slot state), :mod:`.mixture` (corpus
 mixtures: sources, token shares, the interleaving), :mod:`.batches` (a slot's packed, masked batches),
 :mod:`.loader` (``ShardLoader``), :mod:`.masking` (dynamic MLM masking); ``roformer-data``:
-:mod:`.cli` (the flags, ``main``), :mod:`.cli_prepare` (``prepare``, ``--source`` mixtures),
-:mod:`.cli_commands` (``tokenizer``, ``shards``, ``inspect``, ``--tasks``, the steps they share);
+:mod:`.cli` (the flags, turned into one typed :mod:`.options` object at the edge, ``main``), :mod:`.cli_prepare`
+(``prepare``, ``--source`` mixtures), :mod:`.cli_commands` (``tokenizer``, ``shards``, ``inspect``, ``--tasks``,
+the steps they share);
 :mod:`.pd_ner` (named entities from People's Daily's tags, for the demo's NER task); :mod:`.atomic`
 (atomic writes, staged directories); :mod:`.errors` (below); :mod:`.command_line` (the argument parser of
 every command of the project: options and positionals in any order, ``--version``).
@@ -21,7 +22,7 @@ Layers, top to bottom (``|``: modules that may not import each other; a module i
 layers below its own), a checked contract (``lint-imports``, ``pyproject.toml``)::
 
     cli > cli_prepare > cli_commands > cluster | loader > batches > shards > manifest > imported
-      > tokenizer | tario | source | corpus | mixture | masking | slots | pd_ner > formats
+      > tokenizer | tario | source | corpus | mixture | masking | slots | pd_ner | options > formats
       > lines | normalization > atomic | errors | command_line
 
 The pipeline imports nothing of roformer_dist or launcher (checked too), and knows none of their

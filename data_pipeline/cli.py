@@ -41,9 +41,11 @@ from .cli_commands import cmd_inspect, cmd_shards, cmd_tokenizer
 from .cli_prepare import TOKENIZER_FILES, cmd_prepare, sources_yaml, weighted_interleave
 from .command_line import CommandParser
 from .errors import OUTPUT, TOKENIZER, DataError, UsageError, run_command
-from .formats import AUTO, FORMATS
+from .formats import AUTO, FORMATS, ReadOptions
+from .lines import MAX_LINE_BYTES
+from .options import ClusterOptions, CorpusOptions, DataOptions, InspectOptions, ShardOptions, TokenizerTraining
 
-__all__ = ["main", "build_parser", "FLAGS", "cmd_tokenizer", "cmd_shards", "cmd_prepare", "cmd_inspect",
+__all__ = ["main", "build_parser", "options_of", "FLAGS", "cmd_tokenizer", "cmd_shards", "cmd_prepare", "cmd_inspect",
            "weighted_interleave", "sources_yaml", "TOKENIZER_FILES"]
 
 FLAGS = {TOKENIZER: "--tokenizer", OUTPUT: "--out"}
@@ -59,7 +61,9 @@ def _corpus_args(p: argparse.ArgumentParser, input_required: bool = True) -> Non
                         + " | ".join(f"{name}: {reader.help}" for name, reader in FORMATS.items()))
     g.add_argument("--doc-boundary", default="line", choices=("line", "blank"),
                    help="txt: one document per line, or documents separated by blank lines")
-    g.add_argument("--jsonl-field", default="text", help="jsonl: the field holding the text; parquet, arrow: the column holding it")
+    g.add_argument("--text-field", "--jsonl-field", dest="text_field", default="text", metavar="NAME",
+                   help="where the text is: jsonl, the field holding it; parquet, arrow, the column holding it "
+                        "(--jsonl-field: its older name)")
     g.add_argument("--strict", action="store_true",
                    help="stop at the first invalid UTF-8 / JSON line instead of skipping and counting it")
     g.add_argument("--jieba", action="store_true",
@@ -226,10 +230,29 @@ def build_parser() -> CommandParser:
     return ap
 
 
-def _in_flag_names(args) -> int:
-    """The command of ``args``; an error about one of :data:`FLAGS` names its flag."""
+def options_of(args: argparse.Namespace, run_tasks=None) -> DataOptions:
+    """The command line's options, typed (the one place that reads argparse's namespace)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - each command has its own flags
+    corpus = CorpusOptions(tuple(get("input") or ()), get("format", AUTO),
+                           ReadOptions(get("doc_boundary", "line"), get("text_field", "text"), get("strict", False),
+                                       get("max_line_bytes") or MAX_LINE_BYTES), get("jieba", False))
+    training = TokenizerTraining(get("vocab_size"), get("model_type", "unigram"), get("character_coverage", 0.9995),
+                                 not get("no_byte_fallback", False), get("input_sentence_size", 2_000_000),
+                                 get("num_threads", 1))
+    shards = ShardOptions(get("workers"), get("shard_size_mb", 64.0), get("max_docs_per_shard"),
+                          not get("no_progress", False))
+    cluster = ClusterOptions(get("tasks"), get("cluster"), get("profile"), get("partition"), get("account"),
+                             get("qos"), get("constraint"), get("time"), get("cpus_per_task"), get("mem"),
+                             get("sample_docs", 200_000))
+    inspect = InspectOptions(get("dir", ""), get("verify", False), get("samples", 3), get("url_timeout_s"))
+    return DataOptions(args.cmd, str(get("out") or ""), get("force", False), get("tokenizer"), corpus, training,
+                       shards, cluster, tuple(get("source") or ()), get("tokenizer_weights"), inspect, run_tasks)
+
+
+def _in_flag_names(fn, options: DataOptions) -> int:
+    """The command ``fn`` on ``options``; an error about one of :data:`FLAGS` names its flag."""
     try:
-        return args.fn(args)
+        return fn(options)
     except DataError as e:
         if e.input not in FLAGS:
             raise
@@ -241,14 +264,13 @@ def _in_flag_names(args) -> int:
 
 
 def main(argv=None, run_tasks=None) -> int:
-    """``roformer-data``. ``run_tasks(mode, spec, tasks, staging, args)`` runs the tasks of ``--tasks N``
+    """``roformer-data``. ``run_tasks(mode, spec, tasks, staging, options)`` runs the tasks of ``--tasks N``
     (the launcher passes its submitit runner: :func:`launcher.prepare.main`); without it ``--tasks`` is
     refused, so that this package needs nothing above it."""
     args = build_parser().parse_args(argv)
-    args.run_tasks = run_tasks
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_command(f"roformer-data {args.cmd}", lambda: _in_flag_names(args),
+    return run_command(f"roformer-data {args.cmd}", lambda: _in_flag_names(args.fn, options_of(args, run_tasks)),
                        interrupted="interrupted; nothing was written")
 
 

@@ -1,4 +1,5 @@
-"""``roformer-data tokenizer | shards | inspect`` (:mod:`.cli` parses the flags), ``--tasks N``
+"""``roformer-data tokenizer | shards | inspect`` (:mod:`.cli` turns the flags into :class:`~.options.DataOptions`),
+``--tasks N``
 (:func:`run_cluster`), and the steps ``prepare`` shares with them: the corpus's texts (:func:`corpus_texts`),
 the tokenizer trained on them (:func:`train`), a given ``--tokenizer`` (:func:`given_tokenizer`), a shard set
 written (:func:`build`).
@@ -13,27 +14,21 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import EXIT_DATA, EXIT_OK, TOKENIZER, DataError, UsageError
+from .options import DataOptions
 
-__all__ = ["cmd_tokenizer", "cmd_shards", "cmd_inspect", "run_cluster", "line_limit", "corpus_texts", "train",
-           "given_tokenizer", "build"]
+__all__ = ["cmd_tokenizer", "cmd_shards", "cmd_inspect", "run_cluster", "corpus_texts", "train", "given_tokenizer",
+           "build"]
 
 log = logging.getLogger("roformer-data")
 
 
-def line_limit(args) -> int:
-    """``--max-line-bytes``, or the default."""
-    from .corpus import MAX_LINE_BYTES
-
-    return args.max_line_bytes or MAX_LINE_BYTES
-
-
-def corpus_texts(args):
-    """(stats, texts): the normalised documents of ``--input`` as the corpus flags say, counted in stats."""
+def corpus_texts(o: DataOptions, inputs=None):
+    """(stats, texts): the normalised documents of ``inputs`` (default ``--input``) as the corpus options say,
+    counted in stats."""
     from .corpus import CorpusStats, read_documents
 
-    stats = CorpusStats()
-    return stats, (d.text for d in read_documents(args.input, args.format, args.doc_boundary, args.jsonl_field,
-                                                   args.strict, stats, max_line_bytes=line_limit(args)))
+    stats, c = CorpusStats(), o.corpus
+    return stats, (d.text for d in read_documents(c.inputs if inputs is None else inputs, c.fmt, c.read, stats))
 
 
 def _warn(stats) -> None:
@@ -41,18 +36,19 @@ def _warn(stats) -> None:
         log.warning("%s", w)
 
 
-def train(args, out_prefix: Path, texts=None, stats=None, warn: bool = True) -> Path:
+def train(o: DataOptions, out_prefix: Path, texts=None, stats=None, warn: bool = True) -> Path:
     """Train the tokenizer on ``texts`` (default: the documents of ``--input``); ``warn``: log the corpus
     warnings of ``stats`` (off where the shard build reads the whole corpus and warns itself)."""
     from .tokenizer import train_tokenizer
 
     if texts is None:
-        stats, texts = corpus_texts(args)
+        stats, texts = corpus_texts(o)
     report: dict = {}
-    model = train_tokenizer(texts, out_prefix, args.vocab_size, model_type=args.model_type,
-                            character_coverage=args.character_coverage, byte_fallback=not args.no_byte_fallback,
-                            input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
-                            jieba=args.jieba, report=report)
+    tr = o.training
+    model = train_tokenizer(texts, out_prefix, tr.vocab_size, model_type=tr.model_type,
+                            character_coverage=tr.character_coverage, byte_fallback=tr.byte_fallback,
+                            input_sentence_size=tr.input_sentence_size, num_threads=tr.num_threads,
+                            jieba=o.corpus.jieba, report=report)
     if warn:
         _warn(stats)
     print(f"tokenizer: {report['vocab_size']} pieces ({stats.summary()})")
@@ -66,17 +62,17 @@ def _summary(m: dict, out) -> str:
             f"{m['num_tokens'] / el / 1e3:.0f}k tokens/s")
 
 
-def given_tokenizer(args) -> Optional[tuple[Path, str]]:
+def given_tokenizer(o: DataOptions) -> Optional[tuple[Path, str]]:
     """(file, kind) of ``--tokenizer`` (None without it), loaded once so that a bad one fails before any work.
     An imported tokenizer that cannot be read or lacks a special token is a UsageError naming the file;
     a damaged SentencePiece model stays a DataError."""
     from .imported import SENTENCEPIECE, find_tokenizer_file, open_tokenizer
 
-    if args.tokenizer is None:
+    if o.tokenizer is None:
         return None
-    path, kind = find_tokenizer_file(args.tokenizer)
+    path, kind = find_tokenizer_file(o.tokenizer)
     try:
-        open_tokenizer(path, kind, args.jieba)
+        open_tokenizer(path, kind, o.corpus.jieba)
     except DataError as e:
         if kind == SENTENCEPIECE:
             raise
@@ -84,46 +80,45 @@ def given_tokenizer(args) -> Optional[tuple[Path, str]]:
     return path, kind
 
 
-def build(args, tokenizer: Path, kind: str, into: Path, warn_corpus: bool = True, inputs=None, out=None) -> dict:
+def build(o: DataOptions, tokenizer: Path, kind: str, into: Path, warn_corpus: bool = True, inputs=None,
+          out=None) -> dict:
     """Write the shard set of ``inputs`` (default ``--input``) into the existing directory ``into`` with the
     tokenizer file ``tokenizer`` of ``kind``; ``out``: where it will end up (default ``--out``), for the
     messages."""
     from .corpus import CorpusStats
     from .shards import write_shards
 
-    inputs = args.input if inputs is None else inputs
-    out = args.out if out is None else out
-    stats = CorpusStats()
-    m = write_shards(inputs, tokenizer, into, workers=args.workers or os.cpu_count() or 1,
-                     shard_size_mb=args.shard_size_mb,
-                     max_docs_per_shard=args.max_docs_per_shard, fmt=args.format, doc_boundary=args.doc_boundary,
-                     jsonl_field=args.jsonl_field, strict=args.strict, jieba=args.jieba,
-                     progress=not args.no_progress, stats=stats, warn_corpus=warn_corpus,
-                     progress_desc=f"shards -> {out}", max_line_bytes=line_limit(args), kind=kind)
+    inputs = o.corpus.inputs if inputs is None else inputs
+    out = o.out if out is None else out
+    stats, s = CorpusStats(), o.shards
+    m = write_shards(inputs, tokenizer, into, workers=s.workers or os.cpu_count() or 1, shard_size_mb=s.shard_size_mb,
+                     max_docs_per_shard=s.max_docs_per_shard, fmt=o.corpus.fmt, read=o.corpus.read,
+                     jieba=o.corpus.jieba, progress=s.progress, stats=stats, warn_corpus=warn_corpus,
+                     progress_desc=f"shards -> {out}", kind=kind)
     print(_summary(m, out))
     print(f"corpus: {stats.summary()}")
     return m
 
 
-def cmd_tokenizer(args) -> int:
+def cmd_tokenizer(o: DataOptions) -> int:
     import shutil
     import tempfile
 
     from .corpus import check_inputs
 
-    out = Path(args.out)
+    out = Path(o.out)
     prefix = out.with_suffix("") if out.suffix == ".model" else out
     targets = [Path(str(prefix) + ".model"), Path(str(prefix) + ".vocab")]
-    if targets[0].exists() and not args.force:
+    if targets[0].exists() and not o.force:
         raise UsageError(f"{targets[0]}: exists; pass --force to replace it")
-    check_inputs(args.input)
+    check_inputs(o.corpus.inputs)
     try:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.partial-", dir=prefix.parent))
     except OSError as e:
         raise UsageError(f"{out}: cannot write the tokenizer there ({e.strerror}: {e.filename})") from None
     try:
-        model = train(args, tmp / prefix.name)
+        model = train(o, tmp / prefix.name)
         os.replace(model.with_suffix(".vocab"), targets[1])
         os.replace(model, targets[0])     # the model last: it is what users load
     finally:
@@ -132,20 +127,20 @@ def cmd_tokenizer(args) -> int:
     return EXIT_OK
 
 
-def cmd_shards(args) -> int:
+def cmd_shards(o: DataOptions) -> int:
     from .corpus import check_inputs
     from .shards import stage_output
 
-    tokenizer, kind = given_tokenizer(args)
-    if args.tasks:
-        return run_cluster(args, tokenizer, kind)
-    with stage_output(args.out, args.force) as stage:
-        check_inputs(args.input)
-        build(args, tokenizer, kind, stage.path)
+    tokenizer, kind = given_tokenizer(o)
+    if o.cluster.tasks:
+        return run_cluster(o, tokenizer, kind)
+    with stage_output(o.out, o.force) as stage:
+        check_inputs(o.corpus.inputs)
+        build(o, tokenizer, kind, stage.path)
         stage.commit()
     return EXIT_OK
 
-def run_cluster(args, tokenizer: Optional[Path], kind: str) -> int:
+def run_cluster(o: DataOptions, tokenizer: Optional[Path], kind: str) -> int:
     """--tasks N: the tokenizer trained once on a sample (prepare; ``tokenizer`` None) or the given file of
     ``kind`` copied, the tasks, the merge (:mod:`.cluster`)."""
     import time
@@ -154,33 +149,34 @@ def run_cluster(args, tokenizer: Optional[Path], kind: str) -> int:
     from .corpus import check_inputs
     from .shards import stage_output
 
-    if args.tasks < 1:
-        raise UsageError(f"--tasks: expected a positive number, got {args.tasks}")
-    if args.run_tasks is None:
+    c = o.cluster
+    if c.tasks < 1:
+        raise UsageError(f"--tasks: expected a positive number, got {c.tasks}")
+    if o.run_tasks is None:
         raise UsageError("--tasks: preparing over tasks needs the cluster runner of the launcher; run the "
                          "roformer-data command (launcher.prepare.main), not data_pipeline.cli directly")
-    mode = args.cluster or ("slurm" if _has_sbatch() else "local")
-    spec = cluster.Spec.from_args(args, kind)
+    mode = c.cluster or ("slurm" if _has_sbatch() else "local")
+    spec = cluster.Spec.from_options(o, kind)
     t0 = time.time()
-    with stage_output(args.out, args.force) as stage:   # beside --out: every node must see it
-        check_inputs(args.input)
+    with stage_output(o.out, o.force) as stage:   # beside --out: every node must see it
+        check_inputs(o.corpus.inputs)
         if tokenizer is None:
-            stats, texts = cluster.sample_texts(spec, args.sample_docs)
-            train(args, stage.path / "tokenizer", texts, stats)
+            stats, texts = cluster.sample_texts(spec, c.sample_docs)
+            train(o, stage.path / "tokenizer", texts, stats)
         else:
             cluster.copy_tokenizer(tokenizer, stage.path, kind)
-        tasks = cluster.plan(spec, args.tasks)
-        if len(tasks) < args.tasks:
+        tasks = cluster.plan(spec, c.tasks)
+        if len(tasks) < c.tasks:
             log.warning("--tasks %d: the input makes only %d task(s) (compressed files and blank-line separated "
-                        "documents are not cut)", args.tasks, len(tasks))
+                        "documents are not cut)", c.tasks, len(tasks))
         for t in tasks:
             print(f"task {t.index + 1}/{len(tasks)}: {t.describe()}")
-        args.run_tasks(mode, spec, tasks, stage.path, args)
+        o.run_tasks(mode, spec, tasks, stage.path, o)
         m = cluster.merge(stage.path, tasks)
         stage.commit()
     for w in m["_stats"].warnings():
         log.warning("%s", w)
-    print(cluster.summary(m, time.time() - t0, args.out))
+    print(cluster.summary(m, time.time() - t0, o.out))
     return EXIT_OK
 
 
@@ -190,7 +186,7 @@ def _has_sbatch() -> bool:
     return shutil.which("sbatch") is not None
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(o: DataOptions) -> int:
     import numpy as np
 
     from dataclasses import replace
@@ -200,17 +196,18 @@ def cmd_inspect(args) -> int:
     from .shards import CorruptShardError, load_shard, verify_shard_set
     from .source import default_retry, set_default_retry
 
-    if args.url_timeout_s is not None:
-        if not args.url_timeout_s > 0:
-            raise UsageError(f"--url-timeout-s: expected a positive number of seconds, got {args.url_timeout_s}")
-        set_default_retry(replace(default_retry(), timeout_s=args.url_timeout_s))
-    m = read_manifest(args.dir)
-    print(f"shard set {args.dir}: format {m['format']}, {len(m['shards'])} shards, {m['num_docs']} documents, "
+    i = o.inspect
+    if i.url_timeout_s is not None:
+        if not i.url_timeout_s > 0:
+            raise UsageError(f"--url-timeout-s: expected a positive number of seconds, got {i.url_timeout_s}")
+        set_default_retry(replace(default_retry(), timeout_s=i.url_timeout_s))
+    m = read_manifest(i.dir)
+    print(f"shard set {i.dir}: format {m['format']}, {len(m['shards'])} shards, {m['num_docs']} documents, "
           f"{m['num_tokens']} tokens, vocab {m['vocab_size']} ({m['dtype']}), word marks: {m['wwm']}")
     print(f"tokenizer: {m['tokenizer']['path']} ({manifest_kind(m)}) sha256 {m['tokenizer']['sha256']}")
     print(f"special ids: {m['special_ids']}")
-    if args.verify:
-        problems = verify_shard_set(args.dir)
+    if i.verify:
+        problems = verify_shard_set(i.dir)
         for p in problems:
             print(f"ERROR: {p}", file=sys.stderr)
         if problems:
@@ -219,7 +216,7 @@ def cmd_inspect(args) -> int:
         print(f"verify: OK ({len(m['shards'])} shards re-hashed and parsed, totals match, tokenizer agrees)")
     first = m["shards"][0]
     try:
-        sd = load_shard(args.dir, m, 0, verify_hash=False)
+        sd = load_shard(i.dir, m, 0, verify_hash=False)
     except CorruptShardError as e:
         print(f"ERROR: {e}", file=sys.stderr)
         return EXIT_DATA
@@ -232,9 +229,9 @@ def cmd_inspect(args) -> int:
         for lo, hi, c in zip(edges[:-1], edges[1:], hist):
             if c:
                 print(f"  [{lo:>5}, {hi:>5}) {c:>8} {'#' * int(40 * c / hist.max())}")
-    if args.samples and m["tokenizer"]["path"] is not None:
-        tk = open_tokenizer(m["tokenizer"]["path"], manifest_kind(m), data=read_tokenizer(args.dir, m))
-        for i in range(min(args.samples, sd.num_docs)):
+    if i.samples and m["tokenizer"]["path"] is not None:
+        tk = open_tokenizer(m["tokenizer"]["path"], manifest_kind(m), data=read_tokenizer(i.dir, m))
+        for i in range(min(i.samples, sd.num_docs)):
             ids = sd.tokens[sd.tok_start[i]:sd.tok_start[i] + sd.lengths[i]]
             text = tk.decode(ids)
             print(f"  doc {i} ({len(ids)} tokens): {text[:120]}{'...' if len(text) > 120 else ''}")

@@ -10,42 +10,44 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Optional
 
-from .cli_commands import build, given_tokenizer, line_limit, run_cluster, train
+from .cli_commands import build, given_tokenizer, run_cluster, train
 from .errors import EXIT_OK, DataError, UsageError
 from .mixture import SOURCE_NAME
+from .options import DataOptions
 
 __all__ = ["cmd_prepare", "weighted_interleave", "sources_yaml", "TOKENIZER_FILES"]
 
 
-def cmd_prepare(args) -> int:
+def cmd_prepare(o: DataOptions) -> int:
     """``prepare``: a tokenizer (trained, or the given ``--tokenizer``) and the shard set of ``--input``, here
     or over ``--tasks``; or a mixture (``--source``)."""
     from .corpus import check_inputs
     from .imported import SENTENCEPIECE
     from .shards import stage_output
 
-    given = given_tokenizer(args)
-    if given is None and args.vocab_size is None:
+    given = given_tokenizer(o)
+    vocab_size = o.training.vocab_size
+    if given is None and vocab_size is None:
         raise UsageError("prepare: --vocab-size is required to train the tokenizer (or give an existing one "
                          "with --tokenizer)")
-    if given is not None and args.vocab_size is not None:
-        raise UsageError(f"--vocab-size {args.vocab_size} with --tokenizer {args.tokenizer}: the vocabulary is "
+    if given is not None and vocab_size is not None:
+        raise UsageError(f"--vocab-size {vocab_size} with --tokenizer {o.tokenizer}: the vocabulary is "
                          "the given tokenizer's; leave --vocab-size out")
-    sources = _sources(args)
+    sources = _sources(o)
     if sources is not None:
-        return _prepare_mixture(args, sources, given)
-    if args.tokenizer_weights is not None:
-        raise UsageError(f"--tokenizer-weights {args.tokenizer_weights}: weights are for a mixture; give the "
+        return _prepare_mixture(o, sources, given)
+    if o.tokenizer_weights is not None:
+        raise UsageError(f"--tokenizer-weights {o.tokenizer_weights}: weights are for a mixture; give the "
                          "corpora as --source NAME=INPUT")
     tokenizer, kind = given or (None, SENTENCEPIECE)
-    if args.tasks:
-        return run_cluster(args, tokenizer, kind)
-    with stage_output(args.out, args.force) as stage:   # fails now if --out exists or cannot be written
-        check_inputs(args.input)                        # and if an input cannot be read
+    if o.cluster.tasks:
+        return run_cluster(o, tokenizer, kind)
+    with stage_output(o.out, o.force) as stage:   # fails now if --out exists or cannot be written
+        check_inputs(o.corpus.inputs)             # and if an input cannot be read
         if tokenizer is None:
-            build(args, train(args, stage.path / "tokenizer"), kind, stage.path, warn_corpus=False)
+            build(o, train(o, stage.path / "tokenizer"), kind, stage.path, warn_corpus=False)
         else:
-            build(args, tokenizer, kind, stage.path)
+            build(o, tokenizer, kind, stage.path)
         stage.commit()
     return EXIT_OK
 
@@ -53,20 +55,20 @@ def cmd_prepare(args) -> int:
 # --------------------------------------------------------------------------- prepare --source (a mixture)
 
 
-def _sources(args) -> Optional[dict[str, list[str]]]:
+def _sources(o: DataOptions) -> Optional[dict[str, list[str]]]:
     """The ``--source NAME=INPUT`` flags as {name: [inputs]} in the order first given (a name given again
     adds inputs); None with ``--input``. UsageError: both or neither given, a malformed value or bad name,
     a cluster option."""
-    if args.source and args.input:
+    if o.sources and o.corpus.inputs:
         raise UsageError("--input and --source: give one or the other (--input: one shard set; --source "
                          "NAME=INPUT, repeated: a mixture of several sets sharing one tokenizer)")
-    if not args.source:
-        if not args.input:
+    if not o.sources:
+        if not o.corpus.inputs:
             raise UsageError("prepare: give the corpus as --input FILES (one shard set) or as --source NAME=INPUT, "
                              "repeated (a mixture)")
         return None
     sources: dict[str, list[str]] = {}
-    for value in args.source:
+    for value in o.sources:
         name, sep, inputs = value.partition("=")
         if not sep or not inputs:
             raise UsageError(f"--source {value}: expected NAME=INPUT (a file, directory or glob)")
@@ -74,7 +76,7 @@ def _sources(args) -> Optional[dict[str, list[str]]]:
             raise UsageError(f"--source {value}: the name {name!r} may hold only letters, digits, '_' and '-' "
                              "(it becomes a directory name and a metric tag)")
         sources.setdefault(name, []).append(inputs)
-    if args.tasks is not None or args.cluster is not None:
+    if o.cluster.tasks is not None or o.cluster.cluster is not None:
         raise UsageError("--source with --tasks/--cluster/--slurm: a mixture is not prepared over tasks; run "
                          "`roformer-data tokenizer` once (on a sample of all sources), then `roformer-data shards "
                          "--tokenizer MODEL` per source (each may use --tasks)")
@@ -156,14 +158,12 @@ def weighted_interleave(sources: Mapping[str, Iterable[str]], weights: Optional[
                 close()
 
 
-def _mixture_texts(args, sources: Mapping[str, list[str]], weights, counts: dict):
+def _mixture_texts(o: DataOptions, sources: Mapping[str, list[str]], weights, counts: dict):
     """(stats, texts): the tokenizer's training text of a mixture (:func:`weighted_interleave`)."""
     from .corpus import CorpusStats, read_documents
 
-    stats = CorpusStats()
-    streams = {name: (d.text for d in read_documents(inputs, args.format, args.doc_boundary, args.jsonl_field,
-                                                     args.strict, stats, max_line_bytes=line_limit(args)))
-               for name, inputs in sources.items()}
+    stats, c = CorpusStats(), o.corpus
+    streams = {name: (d.text for d in read_documents(inputs, c.fmt, c.read, stats)) for name, inputs in sources.items()}
     return stats, weighted_interleave(streams, weights, counts)
 
 
@@ -210,7 +210,7 @@ def sources_yaml(out, names: Iterable[str]) -> str:
     return "\n".join(lines)
 
 
-def _prepare_mixture(args, sources: dict[str, list[str]], given: Optional[tuple[Path, str]]) -> int:
+def _prepare_mixture(o: DataOptions, sources: dict[str, list[str]], given: Optional[tuple[Path, str]]) -> int:
     """``prepare --source``: one tokenizer trained on a sample of all sources (or ``given``: the file and kind
     of ``--tokenizer``, copied), then one shard set per source, all staged together and moved into ``--out``
     when every set is complete."""
@@ -219,28 +219,28 @@ def _prepare_mixture(args, sources: dict[str, list[str]], given: Optional[tuple[
     from .imported import SENTENCEPIECE
     from .shards import stage_output
 
-    if given is not None and args.tokenizer_weights is not None:
-        raise UsageError(f"--tokenizer-weights {args.tokenizer_weights} with --tokenizer {args.tokenizer}: the "
+    if given is not None and o.tokenizer_weights is not None:
+        raise UsageError(f"--tokenizer-weights {o.tokenizer_weights} with --tokenizer {o.tokenizer}: the "
                          "weights shape the sample a tokenizer is trained on, and the given one is not trained")
-    weights = _tokenizer_weights(args.tokenizer_weights, sources)
+    weights = _tokenizer_weights(o.tokenizer_weights, sources)
     counts: dict = {}
     # fails now if --out holds anything but a shard set or a mixture, or cannot be written
-    with stage_output(args.out, args.force, replaceable=(_is_mixture, "a mixture")) as stage:
+    with stage_output(o.out, o.force, replaceable=(_is_mixture, "a mixture")) as stage:
         for inputs in sources.values():
             check_inputs(inputs)                            # and if an input cannot be read
         if given is None:
-            stats, texts = _mixture_texts(args, sources, weights, counts)
-            model, kind = train(args, stage.path / "tokenizer", texts, stats, warn=weights is None), SENTENCEPIECE
+            stats, texts = _mixture_texts(o, sources, weights, counts)
+            model, kind = train(o, stage.path / "tokenizer", texts, stats, warn=weights is None), SENTENCEPIECE
             print(_sample_line(counts, weights))
         else:
             model, kind = copy_tokenizer(given[0], stage.path, given[1]), given[1]
         for name, inputs in sources.items():
             (stage.path / name).mkdir()
-            build(args, model, kind, stage.path / name, warn_corpus=weights is not None or given is not None,
-                   inputs=inputs, out=Path(args.out) / name)
+            build(o, model, kind, stage.path / name, warn_corpus=weights is not None or given is not None,
+                  inputs=inputs, out=Path(o.out) / name)
         stage.commit()
-    print(f"mixture: {args.out}: {len(sources)} shard sets ({', '.join(sources)}) sharing {args.out}/{model.name}")
+    print(f"mixture: {o.out}: {len(sources)} shard sets ({', '.join(sources)}) sharing {o.out}/{model.name}")
     print("for the trainer's config below; the training mixture is yours to weigh: add `weight: W` to each "
           "source for its share of the training tokens (--tokenizer-weights shaped only the tokenizer's sample)")
-    print(sources_yaml(args.out, sources))
+    print(sources_yaml(o.out, sources))
     return EXIT_OK

@@ -35,10 +35,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from .atomic import atomic_write_bytes, atomic_write_text
-from .corpus import MAX_LINE_BYTES, CorpusStats, InputRange, detect_format, expand_inputs, read_documents, splittable
+from .corpus import CorpusStats, InputRange, detect_format, expand_inputs, read_documents, splittable
 from .errors import DataError
+from .formats import ReadOptions
 from .imported import KINDS, SENTENCEPIECE
 from .manifest import MANIFEST, parse_manifest
+from .options import DataOptions
 from .shards import write_manifest, write_shards
 from .tokenizer import sha256_file
 
@@ -50,22 +52,20 @@ class Spec:
     """What every task needs to know (picklable: it travels to the tasks)."""
     inputs: tuple
     fmt: str = "auto"
-    doc_boundary: str = "line"
-    jsonl_field: str = "text"
-    strict: bool = False
+    read: ReadOptions = ReadOptions()
+    """How the inputs are read (a format's options, whole)."""
     jieba: bool = False
     workers: int = 1
     shard_size_mb: float = 64.0
     max_docs_per_shard: Optional[int] = None
-    max_line_bytes: int = MAX_LINE_BYTES
     tokenizer_kind: str = SENTENCEPIECE
     """The kind of the tokenizer in the staging directory (:data:`~data_pipeline.imported.KINDS`)."""
 
     @classmethod
-    def from_args(cls, args, tokenizer_kind: str = SENTENCEPIECE) -> "Spec":
-        return cls(tuple(args.input), args.format, args.doc_boundary, args.jsonl_field, args.strict, args.jieba,
-                   max(1, args.workers or 1), args.shard_size_mb, args.max_docs_per_shard,
-                   getattr(args, "max_line_bytes", None) or MAX_LINE_BYTES, tokenizer_kind)
+    def from_options(cls, o: DataOptions, tokenizer_kind: str = SENTENCEPIECE) -> "Spec":
+        c, s = o.corpus, o.shards
+        return cls(tuple(c.inputs), c.fmt, c.read, c.jieba, max(1, s.workers or 1), s.shard_size_mb,
+                   s.max_docs_per_shard, tokenizer_kind)
 
     @property
     def tokenizer_name(self) -> str:
@@ -93,7 +93,7 @@ def plan(spec: Spec, num_tasks: int) -> list[Task]:
     units: list[tuple[object, int]] = []
     for f, size in zip(files, sizes):
         fmt = detect_format(f) if spec.fmt == "auto" else spec.fmt
-        if size > share and splittable(f, fmt, spec.doc_boundary):
+        if size > share and splittable(f, fmt, spec.read.doc_boundary):
             cuts = list(range(0, size, share)) + [size]
             units += [(InputRange(f, a, b), b - a) for a, b in zip(cuts, cuts[1:])]
         else:
@@ -121,8 +121,7 @@ def sample_texts(spec: Spec, num_docs: int) -> tuple[CorpusStats, Iterator[str]]
 
     def texts():
         for f in files:
-            for d in read_documents(f, spec.fmt, spec.doc_boundary, spec.jsonl_field, spec.strict, stats,
-                                    limit=per_file, max_line_bytes=spec.max_line_bytes):
+            for d in read_documents(f, spec.fmt, spec.read, stats, limit=per_file):
                 yield d.text
 
     return stats, texts()
@@ -169,9 +168,8 @@ def run_task(spec: Spec, task: Task, staging: str) -> dict:
     stats = CorpusStats()
     m = write_shards(list(task.units), staging / spec.tokenizer_name, out, workers=spec.workers,
                      shard_size_mb=spec.shard_size_mb, max_docs_per_shard=spec.max_docs_per_shard, fmt=spec.fmt,
-                     doc_boundary=spec.doc_boundary, jsonl_field=spec.jsonl_field, strict=spec.strict,
-                     jieba=spec.jieba, progress=False, stats=stats, copy_tokenizer=False, on_progress=progress,
-                     allow_empty=True, max_line_bytes=spec.max_line_bytes, kind=spec.tokenizer_kind)
+                     read=spec.read, jieba=spec.jieba, progress=False, stats=stats, copy_tokenizer=False,
+                     on_progress=progress, allow_empty=True, kind=spec.tokenizer_kind)
     progress(m["num_docs"], m["num_tokens"], m["text_bytes"], final=True)
     result = {"task": task.index, "manifest": {k: v for k, v in m.items() if not k.startswith("_")},
               "stats": stats.to_dict(), "seconds": time.time() - t0, "host": socket.gethostname(),

@@ -223,9 +223,8 @@ def normalize_records(kind: str, records: list[str], stats: Optional[CorpusStats
     return keep, texts, words
 
 
-def _file_batches(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-                  strict: bool = False, stats: Optional[CorpusStats] = None,
-                  max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, list[str]]]:
+def _file_batches(path: Path | InputRange, fmt: str = "auto", options: ReadOptions = ReadOptions(),
+                  stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, list[str]]]:
     """The raw records of one file (or InputRange) in batches ``(kind, records)`` (one kind a file: its reader's),
     records not yet normalised; plain lines come a read block at a time (no per-line work)."""
     stats = stats if stats is not None else CorpusStats()
@@ -234,44 +233,37 @@ def _file_batches(path: Path | InputRange, fmt: str = "auto", doc_boundary: str 
         path, start, end = path.path, path.start, path.end
     if fmt != AUTO and fmt not in FORMATS:
         raise UsageError(f"format: expected one of {', '.join((AUTO, *FORMATS))}, got {fmt!r}")
-    if doc_boundary not in ("line", "blank"):
-        raise UsageError(f"doc_boundary: expected 'line' or 'blank', got {doc_boundary!r}")
-    if not isinstance(max_line_bytes, int) or max_line_bytes < 1:
-        raise UsageError(f"max_line_bytes: expected a positive number of bytes, got {max_line_bytes!r}")
     if fmt == AUTO:
         fmt = detect_format(path)
-    if end is not None and not splittable(path, fmt, doc_boundary):
+    if end is not None and not splittable(path, fmt, options.doc_boundary):
         raise UsageError(f"input {path}: a byte range of a compressed file or of blank-line separated documents")
     stats.files += start == 0
-    options = ReadOptions(doc_boundary, jsonl_field, strict, max_line_bytes)
     reader = FORMATS[fmt]
-    lines = Lines(path, stats, strict, start, end, max_line_bytes, _BLOCK_BYTES)
+    lines = Lines(path, stats, options.strict, start, end, options.max_line_bytes, _BLOCK_BYTES)
     for records in reader.records(lines, options):
         yield reader.kind, records
 
 
-def read_file(path: Path | InputRange, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-              strict: bool = False, stats: Optional[CorpusStats] = None,
-              max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
+def read_file(path: Path | InputRange, fmt: str = "auto", options: ReadOptions = ReadOptions(),
+              stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
     """Raw records ``(kind, text)`` of one file (or InputRange), kind ``text`` or a format's; not yet normalised
-    (a line comes without its newline). Lines (and blank-line separated documents) over ``max_line_bytes`` are
-    skipped (module docstring)."""
-    for kind, records in _file_batches(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
+    (a line comes without its newline). Lines (and blank-line separated documents) over
+    ``options.max_line_bytes`` are skipped (module docstring)."""
+    for kind, records in _file_batches(path, fmt, options, stats):
         for record in records:
             yield kind, record
 
 
-def iter_records(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-                 strict: bool = False, stats: Optional[CorpusStats] = None,
-                 max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
+def iter_records(inputs, fmt: str = "auto", options: ReadOptions = ReadOptions(),
+                 stats: Optional[CorpusStats] = None) -> Iterator[tuple[str, str]]:
     """Raw records of all inputs in sorted file order; :func:`to_document` finishes them."""
     stats = stats if stats is not None else CorpusStats()
     for path in expand_inputs(inputs):
-        yield from read_file(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes)
+        yield from read_file(path, fmt, options, stats)
 
 
-def iter_record_chunks(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-                       strict: bool = False, stats: Optional[CorpusStats] = None, max_line_bytes: int = MAX_LINE_BYTES,
+def iter_record_chunks(inputs, fmt: str = "auto", options: ReadOptions = ReadOptions(),
+                       stats: Optional[CorpusStats] = None,
                        size: int = CHUNK_RECORDS) -> Iterator[tuple[int, str, list[str]]]:
     """The records of :func:`iter_records` in chunks ``(index of the chunk's first record, kind, records)`` of
     ``size`` records, all of one file (a file's last chunk may be shorter); :func:`normalize_records` finishes
@@ -280,7 +272,7 @@ def iter_record_chunks(inputs, fmt: str = "auto", doc_boundary: str = "line", js
     first = 0
     for path in expand_inputs(inputs):
         buf: list[str] = []
-        for kind, records in _file_batches(path, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
+        for kind, records in _file_batches(path, fmt, options, stats):
             buf += records
             while len(buf) >= size:
                 yield first, kind, buf[:size]
@@ -291,13 +283,12 @@ def iter_record_chunks(inputs, fmt: str = "auto", doc_boundary: str = "line", js
             first += len(buf)
 
 
-def read_documents(inputs, fmt: str = "auto", doc_boundary: str = "line", jsonl_field: str = "text",
-                   strict: bool = False, stats: Optional[CorpusStats] = None,
-                   limit: Optional[int] = None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Document]:
+def read_documents(inputs, fmt: str = "auto", options: ReadOptions = ReadOptions(),
+                   stats: Optional[CorpusStats] = None, limit: Optional[int] = None) -> Iterator[Document]:
     """Normalised documents from files / directories / globs (see the module docstring)."""
     stats = stats if stats is not None else CorpusStats()
     n = 0
-    for record in iter_records(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes):
+    for record in iter_records(inputs, fmt, options, stats):
         doc = to_document(record, stats)
         if doc is None:
             continue

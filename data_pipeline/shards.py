@@ -27,9 +27,9 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from .atomic import StagedDir, atomic_write_bytes, atomic_write_text
-from .corpus import (CHUNK_RECORDS, MAX_LINE_BYTES, CorpusStats, check_inputs, iter_record_chunks,
-                     normalize_records)
+from .corpus import CHUNK_RECORDS, CorpusStats, check_inputs, iter_record_chunks, normalize_records
 from .errors import OUTPUT, DataError, UsageError
+from .formats import ReadOptions
 from .imported import KINDS, SENTENCEPIECE, open_tokenizer
 from .manifest import (FORMAT_VERSION, MANIFEST, as_source, check_tokenizer, dtype_for, read_manifest,
                        shard_byte_limit, tokenizer_path)
@@ -249,12 +249,10 @@ def _encode_chunk(job: tuple[int, str, list[str]]) -> tuple:
 
 def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int = 1,
                  shard_size_mb: float = 64.0, max_docs_per_shard: Optional[int] = None, fmt: str = "auto",
-                 doc_boundary: str = "line", jsonl_field: str = "text", strict: bool = False,
-                 jieba: bool = False, progress: bool = True, chunk_docs: int = CHUNK_RECORDS,
-                 stats: Optional[CorpusStats] = None, copy_tokenizer: bool = True,
+                 read: ReadOptions = ReadOptions(), jieba: bool = False, progress: bool = True,
+                 chunk_docs: int = CHUNK_RECORDS, stats: Optional[CorpusStats] = None, copy_tokenizer: bool = True,
                  progress_desc: Optional[str] = None, on_progress=None, warn_corpus: bool = True,
-                 allow_empty: bool = False, max_line_bytes: int = MAX_LINE_BYTES,
-                 kind: str = SENTENCEPIECE) -> dict:
+                 allow_empty: bool = False, kind: str = SENTENCEPIECE) -> dict:
     """Tokenise a corpus into shards + manifest inside the existing directory ``out_dir``.
 
     The building block of :func:`build_shards` (which stages the directory) and of the cluster
@@ -265,10 +263,10 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
     the set's).
     Shards are written in format 2 (:mod:`.tario`: blocks of documents) and the manifest says so.
     ``on_progress(docs, tokens, text_bytes)`` is called after each chunk. ``warn_corpus``: log the
-    corpus warnings (binary-looking files, many skipped lines, over-long lines). ``max_line_bytes``:
-    the longest input line read (:mod:`.corpus`). ``allow_empty``: no documents is not an error (a
-    cluster task whose input was all empty): the returned manifest then lists no shard and is not
-    written.
+    corpus warnings (binary-looking files, many skipped lines, over-long lines). ``read``: how the
+    inputs are read (a format's options, whole: :class:`~data_pipeline.formats.base.ReadOptions`).
+    ``allow_empty``: no documents is not an error (a cluster task whose input was all empty): the
+    returned manifest then lists no shard and is not written.
     Returns the manifest (plus ``_build_seconds``).
     """
     from tqdm import tqdm
@@ -282,7 +280,7 @@ def write_shards(inputs, tokenizer: str | os.PathLike, out_dir: str | os.PathLik
         model_path = Path(tokenizer)
         tok_entry = _tokenizer_entry(str(model_path.resolve()), sha256_file(model_path), kind)
     stats = stats if stats is not None else CorpusStats()
-    chunks = iter_record_chunks(inputs, fmt, doc_boundary, jsonl_field, strict, stats, max_line_bytes, chunk_docs)
+    chunks = iter_record_chunks(inputs, fmt, read, stats, chunk_docs)
     writer = ShardWriter(out_dir, tok.dtype, int(shard_size_mb * 1e6), max_docs_per_shard)
     t0 = time.perf_counter()
     text_bytes = tokens = docs = 0

@@ -29,6 +29,7 @@ import submitit
 
 from data_pipeline import cluster
 from data_pipeline.errors import DataError, TaskError, UsageError
+from data_pipeline.options import ClusterOptions, DataOptions
 
 __all__ = ["PrepareTask", "run_tasks", "slurm_parameters", "main"]
 
@@ -45,18 +46,18 @@ class PrepareTask(submitit.helpers.Checkpointable):
         return cluster.run_task(self.spec, task, self.staging)
 
 
-def slurm_parameters(args, num_tasks: int) -> tuple[dict, int, int]:
+def slurm_parameters(c: ClusterOptions, num_tasks: int) -> tuple[dict, int, int]:
     """(submitit SlurmExecutor parameters, CPUs per task, max_num_timeout) from the profile and flags."""
     from launcher import profiles
     from roformer_dist.config import load_config
 
-    items = [f"slurm={args.profile}"] if args.profile else []
-    for key, flag in (("partition", args.partition), ("account", args.account), ("qos", args.qos),
-                      ("constraint", args.constraint), ("time_min", args.time), ("cpus_per_task", args.cpus_per_task)):
+    items = [f"slurm={c.profile}"] if c.profile else []
+    for key, flag in (("partition", c.partition), ("account", c.account), ("qos", c.qos),
+                      ("constraint", c.constraint), ("time_min", c.time), ("cpus_per_task", c.cpus_per_task)):
         if flag is not None:
             items.append(f"slurm.{key}={flag}")
-    if args.mem:
-        items.append(f"slurm.mem_gb={profiles.parse_mem_gb(args.mem)}")
+    if c.mem:
+        items.append(f"slurm.mem_gb={profiles.parse_mem_gb(c.mem)}")
     try:
         cfg = load_config(None, items)
         profiles.check_submit_env(cfg.slurm)  # slurm.env_from: set here, passed on by sbatch
@@ -70,20 +71,20 @@ def slurm_parameters(args, num_tasks: int) -> tuple[dict, int, int]:
     return params, cpus, cfg.slurm.max_num_timeout
 
 
-def run_tasks(mode: str, spec: cluster.Spec, tasks: list, staging: Path, args) -> None:
+def run_tasks(mode: str, spec: cluster.Spec, tasks: list, staging: Path, o: DataOptions) -> None:
     """Submit ``tasks`` and wait for all of them (see the module docstring)."""
     folder = Path(staging) / "logs"
     if mode == "slurm":
         if shutil.which("sbatch") is None:
             raise UsageError("--cluster slurm: no sbatch on PATH (no SLURM here); use --cluster local")
-        params, cpus, max_timeouts = slurm_parameters(args, len(tasks))
+        params, cpus, max_timeouts = slurm_parameters(o.cluster, len(tasks))
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_timeouts)
         ex.update_parameters(**params)
-        workers = args.workers or cpus
+        workers = o.shards.workers or cpus
     else:
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=args.time or 7 * 24 * 60)
-        workers = args.workers or max(1, (os.cpu_count() or 1) // len(tasks))
+        ex.update_parameters(timeout_min=o.cluster.time or 7 * 24 * 60)
+        workers = o.shards.workers or max(1, (os.cpu_count() or 1) // len(tasks))
     spec = dataclasses.replace(spec, workers=workers)
     jobs = ex.map_array(PrepareTask(spec, str(staging)), tasks)
     ids = sorted({j.job_id.split("_")[0] for j in jobs})

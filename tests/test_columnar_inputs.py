@@ -18,6 +18,7 @@ import pytest
 
 from data_pipeline.corpus import CorpusStats, _pd_words, read_documents
 from data_pipeline.errors import EXIT_DATA, DataError
+from data_pipeline.formats import ReadOptions
 from data_pipeline.manifest import read_manifest
 from data_pipeline.shards import build_shards
 from test_prepare_cluster import documents
@@ -133,12 +134,29 @@ def test_roformer_data_reads_a_save_to_disk_directory_among_other_inputs(texts, 
     assert "corpus: 5 files, " in capsys.readouterr().out                # the .zst, 3 data files, the .parquet
 
 
-def test_the_text_column_is_the_jsonl_field(texts, tmp_path):
+def test_the_text_column_is_the_text_field(texts, tmp_path):
     src = _parquet(tmp_path / "c.parquet", texts, field="content")
-    assert [d.text for d in read_documents(src, jsonl_field="content")] == \
-        [d.text for d in read_documents(_write_jsonl(tmp_path / "c.jsonl", texts, "content"), jsonl_field="content")]
-    with pytest.raises(DataError, match=re.escape(f"{src}: no column 'text' (set --jsonl-field") + ".*'id', 'content'"):
+    content = ReadOptions(text_field="content")
+    assert [d.text for d in read_documents(src, options=content)] == \
+        [d.text for d in read_documents(_write_jsonl(tmp_path / "c.jsonl", texts, "content"), options=content)]
+    with pytest.raises(DataError, match=re.escape(f"{src}: no column 'text' (set --text-field") + ".*'id', 'content'"):
         list(read_documents(src))
+
+
+def test_one_text_field_flag_for_every_format_and_its_old_name_still_works(texts, tokenizer, reference, tmp_path):
+    """`--text-field content` names the column of Parquet and the field of JSON lines in one command; the flag's
+    old name `--jsonl-field` gives the same set."""
+    from data_pipeline import cli
+
+    d = tmp_path / "in"
+    d.mkdir()
+    _write_jsonl(d / "a.jsonl", texts[:300], "content")
+    _parquet(d / "b.parquet", texts[300:], field="content")
+    for flag in ("--text-field", "--jsonl-field"):
+        out = tmp_path / flag.strip("-")
+        assert cli.main(["shards", "--input", str(d), "--tokenizer", str(tokenizer), "--out", str(out), "--workers",
+                         "1", "--no-progress", "--max-docs-per-shard", "128", flag, "content"]) == 0
+        assert documents(out) == reference[0]
 
 
 def test_over_long_texts_are_skipped_and_counted_as_over_long_json_lines_are(tmp_path):
@@ -146,12 +164,12 @@ def test_over_long_texts_are_skipped_and_counted_as_over_long_json_lines_are(tmp
     src = _parquet(tmp_path / "c.parquet", rows, row_group_size=2)
     ref = _write_jsonl(tmp_path / "c.jsonl", rows)
     got, want = CorpusStats(), CorpusStats()
-    assert [d.text for d in read_documents(src, stats=got, max_line_bytes=80)] == \
-        [d.text for d in read_documents(ref, stats=want, max_line_bytes=80)] == ["短", "也短"]
+    assert [d.text for d in read_documents(src, stats=got, options=ReadOptions(max_line_bytes=80))] == \
+        [d.text for d in read_documents(ref, stats=want, options=ReadOptions(max_line_bytes=80))] == ["短", "也短"]
     assert got.long_lines == want.long_lines == 2 and "longer than 80 bytes were skipped" in got.warnings()[0]
     with pytest.raises(DataError, match=r"c\.parquet: row 3: a text of 120 bytes in column 'text', longer than the "
                                         r"limit of 100 bytes"):
-        list(read_documents(src, strict=True, max_line_bytes=100))
+        list(read_documents(src, options=ReadOptions(strict=True, max_line_bytes=100)))
 
 
 def _bad_inputs(d: Path, texts: list[str]) -> dict:
@@ -179,7 +197,7 @@ def _bad_inputs(d: Path, texts: list[str]) -> dict:
     (d / "not_zstd.txt.zst").write_bytes(b"plain text, not compressed\n")
     return {
         "parquet: missing column": (_parquet(d / "content.parquet", rows, field="content"),
-                                    r"content\.parquet: no column 'text' \(set --jsonl-field"),
+                                    r"content\.parquet: no column 'text' \(set --text-field"),
         "parquet: null": (_parquet(d / "null.parquet", with_null),
                           r"null\.parquet: row 130: column 'text' is null, expected a string"),
         "parquet: number": (_parquet(d / "number.parquet", list(range(300))),

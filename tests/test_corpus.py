@@ -6,6 +6,7 @@ import pytest
 
 from data_pipeline.corpus import CorpusStats, normalize, read_documents
 from data_pipeline.errors import DataError
+from data_pipeline.formats import ReadOptions
 
 
 def test_normalize_nfkc_fullwidth_controls_whitespace():
@@ -46,19 +47,19 @@ def test_invalid_utf8_strict_names_file_and_line(tmp_path):
     f = tmp_path / "c.txt"
     f.write_bytes(b"ok\n\xff\n")
     with pytest.raises(ValueError, match=r"c\.txt:2: invalid UTF-8"):
-        list(read_documents(f, strict=True))
+        list(read_documents(f, options=ReadOptions(strict=True)))
 
 
 def test_jsonl_gz_blank_boundary_dir_and_glob(tmp_path):
     with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as g:
         g.write(json.dumps({"content": "你好 世界"}) + "\n\n" + json.dumps({"content": "再见"}) + "\n")
-    assert [d.text for d in read_documents(tmp_path / "a.jsonl.gz", jsonl_field="content")] == ["你好 世界", "再见"]
+    assert [d.text for d in read_documents(tmp_path / "a.jsonl.gz", options=ReadOptions(text_field="content"))] == ["你好 世界", "再见"]
     with pytest.raises(ValueError, match=r"a\.jsonl\.gz:1: expected a JSON object with a string field 'text'"):
         list(read_documents(tmp_path / "a.jsonl.gz"))
     d = tmp_path / "txt"
     d.mkdir()
     (d / "b.txt").write_text("第一段\n第一段续\n\n第二段\n", encoding="utf-8")
-    assert [x.text for x in read_documents(d, doc_boundary="blank")] == ["第一段 第一段续", "第二段"]
+    assert [x.text for x in read_documents(d, options=ReadOptions(doc_boundary="blank"))] == ["第一段 第一段续", "第二段"]
     assert [x.text for x in read_documents(str(d / "*.txt"))] == ["第一段", "第一段续", "第二段"]
 
 
@@ -151,17 +152,17 @@ def test_block_reader_equals_reading_line_by_line(tmp_path, monkeypatch):
     for block in (5, 64, 1 << 20):
         monkeypatch.setattr(corpus, "_BLOCK_BYTES", block)
         st = CorpusStats()
-        got = [t for _, t in iter_records(f, fmt="txt", stats=st, max_line_bytes=50)]
+        got = [t for _, t in iter_records(f, fmt="txt", stats=st, options=ReadOptions(max_line_bytes=50))]
         assert got == by_line(50), block
         assert (st.lines, st.invalid_utf8_lines, st.long_lines) == (28, 3, 3)
         cuts = [0, 7, 100, 101, 230, size]
         ranged = [t for a, b in zip(cuts, cuts[1:])
-                  for _, t in iter_records(InputRange(f, a, b), fmt="txt", max_line_bytes=50)]
+                  for _, t in iter_records(InputRange(f, a, b), fmt="txt", options=ReadOptions(max_line_bytes=50))]
         assert ranged == got, block
     with pytest.raises(DataError, match=r"mixed\.txt:4: invalid UTF-8"):
-        list(iter_records(f, fmt="txt", strict=True))
+        list(iter_records(f, fmt="txt", options=ReadOptions(strict=True)))
     with pytest.raises(DataError, match=r"mixed\.txt: the line at byte 63: a line of 71 bytes"):
-        list(iter_records(InputRange(f, 60, size), fmt="txt", strict=True, max_line_bytes=50))
+        list(iter_records(InputRange(f, 60, size), fmt="txt", options=ReadOptions(strict=True, max_line_bytes=50)))
 
 
 def test_record_chunks_equal_the_records_one_file_at_a_time(tmp_path, peoples_daily):

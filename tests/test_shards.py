@@ -9,6 +9,7 @@ import pytest
 from data_pipeline import cli
 from data_pipeline.corpus import read_documents
 from data_pipeline.errors import DataError, UsageError
+from data_pipeline.formats import ReadOptions
 from data_pipeline.loader import ShardLoader
 from data_pipeline.shards import (CorruptShardError, build_shards, check_tokenizer, read_manifest, read_shard,
                                   verify_shard_set)
@@ -90,8 +91,8 @@ def test_failed_rebuild_keeps_the_old_set_and_leaves_nothing(tmp_path, small_sha
     with pytest.raises(UsageError, match="a shard set is already there; pass --force"):
         build_shards(small_shards.eval_source, small_shards.tokenizer, out, progress=False)
     with pytest.raises(DataError, match=r"bad\.txt:401: invalid UTF-8"):
-        build_shards(bad, small_shards.tokenizer, out, max_docs_per_shard=100, progress=False, strict=True,
-                     force=True)
+        build_shards(bad, small_shards.tokenizer, out, max_docs_per_shard=100, progress=False,
+                     force=True, read=ReadOptions(strict=True))
     assert read_manifest(out)["shards"] == good["shards"] and verify_shard_set(out) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "set"]       # no staging left behind
     again = build_shards(small_shards.eval_source, small_shards.tokenizer, out, max_docs_per_shard=50,

@@ -34,6 +34,7 @@ import pytest
 from data_pipeline import cluster
 from data_pipeline.corpus import CorpusStats, InputRange, detect_format, read_documents
 from data_pipeline.errors import DataError, UsageError
+from data_pipeline.formats import ReadOptions
 from data_pipeline.loader import ShardLoader, shard_sizes
 from data_pipeline.manifest import (MAX_VOCAB_SIZE, check_training_data, parse_manifest, read_manifest,
                                     read_tokenizer, shard_byte_limit)
@@ -451,8 +452,8 @@ def test_a_long_line_is_never_read_whole(tmp_path):
                for w in stats.warnings())
     with pytest.raises(DataError, match=r"big\.txt:2: a line of 25165825 bytes \(newline included\), longer "
                                         r"than the limit of 1048576"):
-        list(read_documents(f, strict=True))
-    assert [d.text for d in read_documents(f, max_line_bytes=30 << 20)][1] == "x" * (24 << 20)
+        list(read_documents(f, options=ReadOptions(strict=True)))
+    assert [d.text for d in read_documents(f, options=ReadOptions(max_line_bytes=30 << 20))][1] == "x" * (24 << 20)
     # a byte range starting inside the long line, and format detection, read past it the same way
     assert [d.text for d in read_documents(InputRange(f, 100, f.stat().st_size))] == ["最后一行"]
     g = tmp_path / "first_long.txt"
@@ -464,10 +465,10 @@ def test_a_long_blank_line_document_is_skipped(tmp_path):
     f = tmp_path / "docs.txt"
     f.write_text("a short one\n\n" + ("many lines\n" * 2000) + "\nthe last\n", encoding="utf-8")
     stats = CorpusStats()
-    docs = [d.text for d in read_documents(f, doc_boundary="blank", stats=stats, max_line_bytes=1000)]
+    docs = [d.text for d in read_documents(f, stats=stats, options=ReadOptions(doc_boundary="blank", max_line_bytes=1000))]
     assert docs == ["a short one", "the last"] and stats.long_lines == 1
     with pytest.raises(DataError, match=r"docs\.txt:3: a document \(up to the next blank line\) longer than"):
-        list(read_documents(f, doc_boundary="blank", strict=True, max_line_bytes=1000))
+        list(read_documents(f, options=ReadOptions(doc_boundary="blank", strict=True, max_line_bytes=1000)))
 
 
 def test_deeply_nested_json(small_shards, tmp_path):
@@ -485,7 +486,7 @@ def test_deeply_nested_json(small_shards, tmp_path):
     stats = CorpusStats()
     assert [x.text for x in read_documents(f, stats=stats)] == ["fine"] and stats.invalid_json_lines == 1
     with pytest.raises(DataError, match=r"c\.jsonl:2: invalid JSON \(nested too deeply\)"):
-        list(read_documents(f, strict=True))
+        list(read_documents(f, options=ReadOptions(strict=True)))
 
 
 # --------------------------------------------------------------------------- 5. fuzz

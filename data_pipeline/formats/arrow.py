@@ -1,5 +1,5 @@
 """``arrow``: Arrow IPC files, as Hugging Face ``datasets`` writes them, the text in a string column
-(``jsonl_field``, default ``text``). ``auto`` takes ``.arrow`` files for it, and a directory written by
+(``text_field``, default ``text``). ``auto`` takes ``.arrow`` files for it, and a directory written by
 ``Dataset.save_to_disk`` is read as its data files (:func:`saved_dataset_files`: ``state.json`` lists them,
 ``dataset_info.json`` lies beside it).
 
@@ -35,7 +35,7 @@ _FILE_MAGIC = b"ARROW1"
 
 class ArrowIpc:
     help = ("Arrow IPC (Hugging Face datasets' save_to_disk directories), the text in a string column "
-            "(--jsonl-field), auto for .arrow files and save_to_disk directories")
+            "(--text-field), auto for .arrow files and save_to_disk directories")
     suffixes = (".arrow",)
     kind = TEXT
 

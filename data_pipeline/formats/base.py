@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol
 
+from ..errors import UsageError
 from ..lines import MAX_LINE_BYTES
 
 if TYPE_CHECKING:
@@ -37,15 +38,23 @@ TEXT = "text"
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """How to read the inputs (``roformer-data``'s corpus flags)."""
+    """How to read the inputs (``roformer-data``'s corpus flags), handed whole to every format's reader."""
     doc_boundary: str = "line"
     """txt: ``line`` (a document per line) or ``blank`` (documents separated by blank lines)."""
-    jsonl_field: str = "text"
-    """jsonl: the field holding the text; parquet, arrow: the column holding it."""
+    text_field: str = "text"
+    """Where the text is: jsonl, the field holding it; parquet, arrow, the column holding it (``--text-field``)."""
     strict: bool = False
     """Stop at the first invalid line (a DataError naming it) instead of skipping and counting it."""
     max_line_bytes: int = MAX_LINE_BYTES
     """The longest line (or blank-line separated document) read, in bytes without the newline."""
+
+    def __post_init__(self):
+        if self.doc_boundary not in ("line", "blank"):
+            raise UsageError(f"doc_boundary: expected 'line' or 'blank', got {self.doc_boundary!r}")
+        if not isinstance(self.max_line_bytes, int) or self.max_line_bytes < 1:
+            raise UsageError(f"max_line_bytes: expected a positive number of bytes, got {self.max_line_bytes!r}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise UsageError(f"text_field: expected the name of a field or column, got {self.text_field!r}")
 
 
 class Reader(Protocol):

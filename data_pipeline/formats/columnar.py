@@ -1,7 +1,7 @@
 """What the columnar formats (``parquet``, ``arrow``) share: pyarrow, imported when a file of theirs is read,
 and the texts of one column of a batch of rows, checked the way ``jsonl`` checks its field.
 
-The text is the column named by ``jsonl_field`` (``--jsonl-field``, default ``text``). A file without that
+The text is the column named by ``text_field`` (``--text-field``, default ``text``). A file without that
 column, a column that does not hold strings (numbers, lists, binary), a null in it, or a file pyarrow cannot
 read is a DataError naming the file, the column and the row (rows are counted from 0 in the file, as
 ``datasets`` and pyarrow index them). A text longer than ``max_line_bytes`` in UTF-8 is skipped and counted
@@ -40,10 +40,10 @@ def import_pyarrow(fmt: str, path: Path):
 
 def column_of(schema: pa.Schema, path: Path, options: ReadOptions) -> int:
     """The index of the text column in ``schema``; DataError naming the file and the columns it has."""
-    index = schema.get_field_index(options.jsonl_field)
+    index = schema.get_field_index(options.text_field)
     if index < 0:
         names = schema.names
-        raise DataError(f"{path}: no column {options.jsonl_field!r} (set --jsonl-field to the column holding the "
+        raise DataError(f"{path}: no column {options.text_field!r} (set --text-field to the column holding the "
                         f"text); its columns: {names[:20]}{' ...' if len(names) > 20 else ''}")
     return index
 
@@ -52,13 +52,13 @@ def texts(pa, column: pa.Array | pa.ChunkedArray, path: Path, first_row: int, op
           stats: CorpusStats) -> list[str]:
     """The texts of ``column``, rows ``first_row ...`` of ``path``: strings, over-long ones left out (and
     counted); DataError naming the row for a value that is not a string (the module docstring)."""
-    field = options.jsonl_field
+    field = options.text_field
     kind = column.type
     if pa.types.is_dictionary(kind) and _is_string(pa, kind.value_type):
         column, kind = column.dictionary_decode(), kind.value_type
     if not _is_string(pa, kind):
         raise DataError(f"{path}: row {first_row}: column {field!r} holds {kind} values, expected strings (set "
-                        "--jsonl-field to the column holding the text)")
+                        "--text-field to the column holding the text)")
     if column.null_count:
         at = first_row + pa.compute.index(column.is_null(), True).as_py()
         raise DataError(f"{path}: row {at}: column {field!r} is null, expected a string")

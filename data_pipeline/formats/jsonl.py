@@ -1,4 +1,4 @@
-"""``jsonl``: one JSON object per line, the text in a string field (``jsonl_field``, default ``text``).
+"""``jsonl``: one JSON object per line, the text in a string field (``text_field``, default ``text``).
 ``auto`` takes ``.jsonl`` and ``.json`` files (also ``.gz``) for it.
 
 A line that is not JSON (also: nested too deeply for the parser, an integer of too many digits) is skipped and
@@ -19,7 +19,7 @@ __all__ = ["JsonLines", "READER"]
 
 
 class JsonLines:
-    help = "one JSON object per line, the text in a field (--jsonl-field), auto for .jsonl and .json files"
+    help = "one JSON object per line, the text in a field (--text-field), auto for .jsonl and .json files"
     suffixes = (".jsonl", ".json")
     kind = TEXT
 
@@ -30,7 +30,7 @@ class JsonLines:
         return True
 
     def records(self, lines: Lines, options: ReadOptions) -> Iterator[list[str]]:
-        field, stats = options.jsonl_field, lines.stats
+        field, stats = options.text_field, lines.stats
         for at, line in lines.numbered():
             if not line.strip():
                 stats.empty_docs += 1
@@ -46,7 +46,7 @@ class JsonLines:
                 continue
             if not isinstance(obj, dict) or field not in obj:
                 raise DataError(f"{lines.where(at)}: expected a JSON object with a string field {field!r} (set "
-                                f"--jsonl-field), got "
+                                f"--text-field), got "
                                 f"{'keys ' + str(sorted(obj)[:20]) if isinstance(obj, dict) else type(obj).__name__}")
             value = obj[field]
             if not isinstance(value, str):

@@ -1,4 +1,4 @@
-"""``parquet``: Apache Parquet files, the text in a string column (``jsonl_field``, default ``text``). ``auto``
+"""``parquet``: Apache Parquet files, the text in a string column (``text_field``, default ``text``). ``auto``
 takes ``.parquet`` files for it.
 
 Read with pyarrow (:mod:`.columnar`), that column only, a row group at a time and :data:`~.columnar.BATCH_ROWS`
@@ -25,7 +25,7 @@ __all__ = ["Parquet", "READER", "row_groups"]
 
 
 class Parquet:
-    help = "Apache Parquet, the text in a string column (--jsonl-field), a row group at a time, auto for .parquet"
+    help = "Apache Parquet, the text in a string column (--text-field), a row group at a time, auto for .parquet"
     suffixes = (".parquet",)
     kind = TEXT
 
@@ -50,7 +50,7 @@ class Parquet:
         try:
             column_of(pf.schema_arrow, path, options)
             for group, first_row in row_groups(pf.metadata, lines.start, lines.end):
-                columns = _group_batches(pa, pf, path, group, first_row, options.jsonl_field)
+                columns = _group_batches(pa, pf, path, group, first_row, options.text_field)
                 yield from column_records(pa, columns, path, first_row, options, stats)
         finally:
             pf.close()
