@@ -183,3 +183,49 @@ def test_a_schedule_is_one_shape_and_one_name(monkeypatch):
     peak = cfg.optim.lr
     assert lrs[0] == peak / 2 and lrs[1] == lrs[2] == peak and lrs[-1] == pytest.approx(0.1 * peak)
     assert sorted(set(round(x / peak, 6) for x in lrs[2:])) == [0.1, 1.0]
+
+
+# --------------------------------------------------------------------------- a per-stage value
+
+
+def test_a_per_stage_value_is_one_field_and_where_the_switch_applies_it(tmp_path):
+    """``StageConfig.hidden_dropout_prob`` was added this way: its field (``stage_override("model.hidden_dropout_prob")``
+    in config/schema.py) and its effect in the stage switch (loop/stage.py). The rest is the framework's: the
+    check (as model.hidden_dropout_prob's, naming the stage), the stage plans and the resolved run's JSON, the
+    resume's note of a changed value."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from roformer_dist.checkpoint.compat import changed_settings
+    from roformer_dist.config import stage_plans, to_dict, validate
+    from roformer_dist.launch.resolved import ResolvedRun
+    from roformer_dist.loop.callback import Callbacks
+    from roformer_dist.loop.trainer import Trainer
+    from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.runtime.process_group import DistEnv
+
+    cfg = cfg_with("model.hidden_dropout_prob=0.1")
+    stages = list(cfg.curriculum.stages)
+
+    def with_stage(**own):
+        st = stages[:1] + [dataclasses.replace(stages[1], **own)] + stages[2:]
+        return replace(cfg, **{"curriculum.stages": tuple(st)})
+
+    with pytest.raises(ConfigError, match=r"curriculum.stages\[1\] \(s256\).hidden_dropout_prob: expected a "
+                                          r"probability in \[0, 1\), got 1.5"):
+        validate(with_stage(hidden_dropout_prob=1.5))
+    tuned = with_stage(hidden_dropout_prob=0.0)
+    assert [p.settings["model.hidden_dropout_prob"] for p in stage_plans(tuned, 1)] == [0.1, 0.0, 0.1]
+    run = run_of(tuned)
+    assert ResolvedRun.from_json(json.loads(json.dumps(run.to_json())), "x").stages[1].settings == run.stages[1].settings
+    assert "curriculum.stages[1].hidden_dropout_prob: None in the checkpoint, 0.0 now" in \
+        changed_settings(to_dict(cfg), tuned)
+
+    runner = FakeRunner([])
+    runner.engine = SimpleNamespace(module=RoFormerForMaskedLM(tuned.model))
+    tr = Trainer(run, DistEnv(0, 1, 0), runner, FakeLoader(), Callbacks({}))
+    dropouts = [m for m in runner.engine.module.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and {m.p for m in dropouts} == {0.1}
+    for index, p in ((0, 0.1), (1, 0.0), (2, 0.1)):
+        tr.switch_stage(index)
+        assert {m.p for m in dropouts} == {p}, index

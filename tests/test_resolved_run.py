@@ -46,7 +46,7 @@ def test_a_resolved_run_round_trips_through_the_run_directory(small_shards, tmp_
 
 def test_a_damaged_resolved_run_is_one_error_naming_the_file(small_shards, tmp_path):
     from roformer_dist.runtime.rundir import RunDir
-    from roformer_dist.launch.resolved import ResolvedRun, resolve_run
+    from roformer_dist.launch.resolved import FORMAT, ResolvedRun, resolve_run
 
     run = resolve_run(make_cfg(small_shards, tmp_path / "run"))
     run.write()
@@ -56,7 +56,7 @@ def test_a_damaged_resolved_run_is_one_error_naming_the_file(small_shards, tmp_p
     with pytest.raises(ConfigError, match=r"resolved_run.json: damaged resolved run \(KeyError"):
         ResolvedRun.read(run.run_dir)
     run.run_dir.resolved_run.write_text(json.dumps({**data, "format": 99}))
-    with pytest.raises(ConfigError, match="not a resolved run of format 1"):
+    with pytest.raises(ConfigError, match=f"not a resolved run of format {FORMAT}"):
         ResolvedRun.read(run.run_dir)
     with pytest.raises(ConfigError, match="missing: rank 0 writes it"):
         ResolvedRun.read(RunDir(tmp_path / "elsewhere"))

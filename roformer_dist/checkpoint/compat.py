@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from roformer_dist.config import ROPE_KEYS, Config, ModelConfig, build, to_dict, training_sources
+from roformer_dist.config import ROPE_KEYS, Config, ModelConfig, build, stage_override_keys, to_dict, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError
 
 FREE_MODEL_KEYS = frozenset({"rotary_backend", "hidden_dropout_prob", "attention_probs_dropout_prob",
@@ -122,12 +122,12 @@ CHANGEABLE = ("data.packing", "model.document_positions", "model.rotary_backend"
               "data.size_alpha", "data.mlm_probability", "data.eval_mlm_probability", "data.mask_replace",
               "model.max_position_embeddings", *(f"model.{k}" for k in ROPE_KEYS))
 """Settings that change what a resumed run computes without touching its parameters: logged when they differ
-(and the mixture's weights and caps and the stages' masking rates, :func:`_stage_settings`)."""
+(and the mixture's weights and caps and the stages' own values of run settings, :func:`_stage_settings`)."""
 
 
 def _stage_settings(config: dict) -> dict:
-    """The mixture's weights and caps and each stage's own masking rate in a config dict, by dotted key (a
-    config that predates them: none)."""
+    """The mixture's weights and caps and each stage's own values of run settings (``schema.stage_override``: a
+    masking rate, a rotary base, ...) in a config dict, by dotted key (a config that predates them: none)."""
     data = config.get("data") or {}
     out = {}
     for src in data.get("sources") or []:
@@ -136,7 +136,8 @@ def _stage_settings(config: dict) -> dict:
     for i, st in enumerate(_get(config, "curriculum", "stages", default=[]) or []):
         for name, w in ((st or {}).get("weights") or {}).items():
             out[f"curriculum.stages[{i}].weights.{name}"] = w
-        out[f"curriculum.stages[{i}].mlm_probability"] = (st or {}).get("mlm_probability")
+        for name in stage_override_keys():
+            out[f"curriculum.stages[{i}].{name}"] = (st or {}).get(name)
     return out
 
 

@@ -21,6 +21,7 @@ import from ``roformer_dist.config``, not from its modules.
 
 from roformer_dist.config.derived import (ROPE_KEYS, RopeSettings, StagePlan, data_parallel_size, effective_sinks,
                                           micro_batch_size, parse_lengths, parse_mode, rope_settings, stage_plans,
+                                          stage_override_keys, stage_overrides,
                                           training_sources, wsd_decay_steps)
 from roformer_dist.config.load import (CONFIGS_DIR, PRESET_DIRS, build, dump_yaml, fork_overrides, from_dict,
                                        load_config, parse_overrides, replace, save_config, to_dict)
@@ -54,5 +55,6 @@ __all__ = [
     "validate", "validate_model", "validate_rope", "validate_layout", "check_tensor_split", "ConfigError",
     # derived values
     "data_parallel_size", "micro_batch_size", "ROPE_KEYS", "RopeSettings", "rope_settings", "StagePlan", "stage_plans",
+    "stage_override_keys", "stage_overrides",
     "training_sources", "effective_sinks", "parse_mode", "parse_lengths", "wsd_decay_steps",
 ]

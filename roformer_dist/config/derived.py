@@ -75,6 +75,24 @@ def rope_settings(m: ModelConfig, stage: Optional[StageConfig] = None) -> RopeSe
     return RopeSettings(**out)
 
 
+def stage_override_keys() -> dict[str, str]:
+    """Each StageConfig field that overrides a run setting, with the setting's key (``schema.stage_override``)."""
+    return {f.name: f.metadata["overrides"] for f in dataclasses.fields(StageConfig) if "overrides" in f.metadata}
+
+
+def stage_overrides(stage: StageConfig) -> dict[str, Any]:
+    """The run settings ``stage`` sets itself, by the setting's key (``{"data.mlm_probability": 0.3}``)."""
+    return {key: getattr(stage, name) for name, key in stage_override_keys().items()
+            if getattr(stage, name) is not None}
+
+
+def stage_settings(cfg: Config, stage: StageConfig) -> dict[str, Any]:
+    """Every overridable setting's value in ``stage``: its own, else the run's."""
+    own = stage_overrides(stage)
+    return {key: own[key] if key in own else getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+            for key in stage_override_keys().values()}
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """One curriculum stage as the ranks run it: its config and the values derived from it at the run's
@@ -87,6 +105,8 @@ class StagePlan:
     rope: RopeSettings
     mlm_probability: float
     """The masking rate of the stage's batches."""
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Every setting a stage may override (``schema.stage_override``), by key: the stage's value or the run's."""
 
     @property
     def name(self) -> str:
@@ -107,8 +127,9 @@ def stage_plans(cfg: Config, world_size: Optional[int] = None) -> tuple[StagePla
     out = []
     for i, st in enumerate(cfg.curriculum.stages):
         mbs = micro_batch_size(cfg, st, world_size)
+        settings = stage_settings(cfg, st)
         out.append(StagePlan(i, st, mbs, max(1, st.global_batch_size // (mbs * dp)), rope_settings(cfg.model, st),
-                             cfg.data.mlm_probability if st.mlm_probability is None else st.mlm_probability))
+                             settings["data.mlm_probability"], settings))
     return tuple(out)
 
 

@@ -190,6 +190,13 @@ class DataConfig:
     and counts as a transient failure (retried)."""
 
 
+def stage_override(key: str) -> Any:
+    """A stage's own value of the run's setting ``key`` (``section.name``); None: the run's. Checked as ``key`` is,
+    resolved into each stage's plan (``StagePlan.settings``), logged when a resume changes it; where it takes
+    effect is the stage switch's (``loop/stage.py``): docs/architecture/changing-things.md."""
+    return field(default=None, metadata={"overrides": key})
+
+
 @dataclass(frozen=True)
 class StageConfig:
     name: str = "stage"
@@ -208,19 +215,21 @@ class StageConfig:
     """Re-warmup steps when lr is set."""
     eval_lengths: tuple[int, ...] = ()
     """Eval sequence lengths in this stage; empty = the stage's own seq_len."""
-    mlm_probability: Optional[float] = None
+    mlm_probability: Optional[float] = stage_override("data.mlm_probability")
     """This stage's masking rate in training; None = data.mlm_probability."""
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights of this stage by source name (``{news: 0.3, books: 0.7}``); a source not named keeps
     its data.sources weight."""
-    rope_theta: Optional[float] = None
+    rope_theta: Optional[float] = stage_override("model.rope_theta")
     """This stage's rotary base; None = model.rope_theta."""
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: Optional[RopeScaling] = stage_override("model.rope_scaling")
     """This stage's rotary scaling; None = model.rope_scaling."""
-    rope_scaling_factor: Optional[float] = None
+    rope_scaling_factor: Optional[float] = stage_override("model.rope_scaling_factor")
     """This stage's scaling factor; None = model.rope_scaling_factor."""
-    rope_original_max_position: Optional[int] = None
+    rope_original_max_position: Optional[int] = stage_override("model.rope_original_max_position")
     """This stage's original length; None = model.rope_original_max_position."""
+    hidden_dropout_prob: Optional[float] = stage_override("model.hidden_dropout_prob")
+    """This stage's dropout on the embeddings' and layers' outputs; None = model.hidden_dropout_prob."""
 
 
 @dataclass(frozen=True)

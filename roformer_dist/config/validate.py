@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 
 from data_pipeline.mixture import SOURCE_NAME
 from roformer_dist.config.derived import (RopeSettings, data_parallel_size, micro_batch_size, parse_mode, rope_settings,
+                                          stage_override_keys, stage_overrides,
                                           training_sources, wsd_decay_steps)
 from roformer_dist.config.schema import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig, InitConfig,
                                          LoggingConfig, LogLevel, ModelConfig, OptimConfig, RopeScaling, SlurmConfig,
@@ -298,9 +299,35 @@ def _validate_curriculum(cfg: Config, world_size: Optional[int] = None) -> None:
                 f"data-parallel size {dp} (dist.world_size {ws} / (parallel.tensor x parallel.pipeline))")
         if st.lr is not None:
             _positive(st.lr, f"{key}.lr")
-        if st.mlm_probability is not None:
-            _rate(st.mlm_probability, f"{key}.mlm_probability")
-        validate_rope(rope_settings(m, st), m, key)
+        _check_overrides(cfg, st, key)
+
+
+SECTION_CHECKS = {"model": lambda cfg: validate_model(cfg.model), "data": lambda cfg: _validate_data(cfg.data),
+                  "optim": lambda cfg: _validate_optim(cfg.optim)}
+"""The checks a stage's own value of a setting of that section goes through."""
+
+
+def _check_overrides(cfg: Config, st, key: str) -> None:
+    """A stage's own values of run settings (``schema.stage_override``) checked together, as the run's settings are:
+    the section's checks on the config with the stage's values in; an error names the stage's field."""
+    own = stage_overrides(st)
+    if not own:
+        return
+    names = {target: name for name, target in stage_override_keys().items()}
+    by_section: dict[str, dict] = {}
+    for target, value in own.items():
+        section, name = target.split(".")
+        by_section.setdefault(section, {})[name] = value
+    as_stage = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **values)
+                                           for s, values in by_section.items()})
+    for section in sorted(by_section):
+        try:
+            SECTION_CHECKS[section](as_stage)
+        except ConfigError as e:
+            message = str(e)
+            for target in sorted(own, key=len, reverse=True):  # model.rope_scaling_factor before model.rope_scaling
+                message = message.replace(target, f"{key}.{names[target]}")
+            raise ConfigError(message) from None
 
 
 def _validate_init(i: InitConfig) -> None:

@@ -47,7 +47,7 @@ __all__ = ["ResolvedRun", "Resume", "resolve_run", "config_sha256", "hand_down",
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """The version of ``resolved_run.json``'s layout."""
 
 
@@ -135,7 +135,8 @@ class ResolvedRun:
             "manifests": self.manifests,
             "mixture": dataclasses.asdict(self.mixture),
             "stages": [{"index": s.index, "name": s.name, "micro_batch_size": s.micro_batch_size,
-                        "accumulation": s.accumulation, "rope": s.rope.to_dict(), "mlm_probability": s.mlm_probability}
+                        "accumulation": s.accumulation, "rope": s.rope.to_dict(), "mlm_probability": s.mlm_probability,
+                        "settings": dict(s.settings)}
                        for s in self.stages],
             "resume": {"checkpoint": None if found is None else {**dataclasses.asdict(found), "dir": str(found.dir)},
                        "warm_start": None if self.resume.warm_start is None else
@@ -157,7 +158,8 @@ class ResolvedRun:
                 tuple(SourcePlan(**{**s, "targets": tuple(s["targets"]), "shares": tuple(s["shares"])})
                       for s in mix["sources"]), tuple(mix["stage_names"]), tuple(mix["budgets"]))
             stages = tuple(StagePlan(s["index"], cfg.curriculum.stages[s["index"]], s["micro_batch_size"],
-                                     s["accumulation"], RopeSettings.from_dict(s["rope"]), s["mlm_probability"])
+                                     s["accumulation"], RopeSettings.from_dict(s["rope"]), s["mlm_probability"],
+                                     s["settings"])
                            for s in data["stages"])
             found, parent = data["resume"]["checkpoint"], data["resume"]["warm_start"]
             branch = data["resume"].get("branch")

@@ -1,5 +1,6 @@
 """The one place a curriculum stage switch happens: the loader, the runner (micro-batch, accumulation, rotary
-settings and kernel, compilation), the masking rate; then the stage hooks.
+settings and kernel, compilation), the masking rate, the stage's own values of run settings
+(``StagePlan.settings``: the hidden dropout here); then the stage hooks.
 
 The loop switches at a stage boundary and at its first step; the evaluation of a step a stop skipped switches
 to that step's stage first, and a loss-spike rollback points the loader at each stage it skips batches of
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Optional
+
+import torch
 
 from data_pipeline.shards import CorruptShardError
 from roformer_dist.config import rope_settings
@@ -29,10 +32,12 @@ log = logging.getLogger("roformer_dist.trainer")
 class StageSwitch:
     """Which stage a trainer's loader and runner are set for (``index``), and the switch between stages."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, hidden_dropout: float):
         self.index = index
         self.rope = None
         """The rotary settings in force (a stage may change them); None before the first switch."""
+        self.hidden_dropout = hidden_dropout
+        """The dropout probability the model's ``nn.Dropout`` modules hold."""
 
     def point_loader(self, tr: "Trainer", index: int) -> None:
         """Point the loader at stage ``index``: its length, micro-batch, source weights and masking rate."""
@@ -49,6 +54,13 @@ class StageSwitch:
         if st.mlm_probability != was.mlm_probability:
             log.info("stage %r: masking %g of the tokens (was %g)", st.name, st.mlm_probability, was.mlm_probability)
         self.point_loader(tr, index)
+        dropout = st.settings["model.hidden_dropout_prob"]
+        if dropout != self.hidden_dropout:  # before the stage compiles
+            for module in tr.engine.module.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = dropout
+            log.info("stage %r: hidden dropout %g (was %g)", st.name, dropout, self.hidden_dropout)
+            self.hidden_dropout = dropout
         tr.progress("stage.switch", first_step=True)  # measures the rotary kernel; the stage's first step compiles
         tr.runner.set_stage(st, choose_kernel=req.choose_kernel)  # the stage's rotary settings too
         if st.rope != self.rope and (st.rope != rope_settings(tr.cfg.model) or self.rope is not None):

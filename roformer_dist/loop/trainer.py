@@ -56,7 +56,7 @@ class Trainer:
         self.policy = LoopPolicy.from_config(self.cfg)
         self.total = total_steps(self.cfg.curriculum.stages)
         self.state = TrainCounters()
-        self.stage = StageSwitch(stage_index)
+        self.stage = StageSwitch(stage_index, self.cfg.model.hidden_dropout_prob)
         self.last_good: Optional[int] = None
         """The last step whose update was applied (for the non-finite stop's message)."""
         self.resumed_dir: Optional[Path] = None
