@@ -108,7 +108,7 @@ def test_an_attention_kind_is_one_module_and_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="model.attention: 'sigmoid' has no HF RoFormer equivalent"):
         check_exportable(cfg.model)
     with pytest.raises(ConfigError, match="model.document_attention: sigmoid attention does not run flex"):
-        check_attention(replace(cfg, **{"model.document_attention": "flex"}).model)
+        check_attention("sigmoid", "flex")
     with pytest.raises(ConfigError, match="model.attention: 'cosine' is not an attention kind; expected one of "
                                           "softmax, linear, sigmoid"):
         RoFormerForMaskedLM(replace(cfg, **{"model.attention": "cosine"}).model)
@@ -229,3 +229,21 @@ def test_a_per_stage_value_is_one_field_and_where_the_switch_applies_it(tmp_path
     for index, p in ((0, 0.1), (1, 0.0), (2, 0.1)):
         tr.switch_stage(index)
         assert {m.p for m in dropouts} == {p}, index
+
+
+def test_the_chapter_names_a_test_for_every_change_and_two_files_each():
+    """docs/architecture/changing-things.md's table: every change names two package files and a test that
+    exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    rows = [line for line in (root / "docs" / "architecture" / "changing-things.md").read_text().splitlines()
+            if line.startswith("| ") and "`" in line.split("|")[3]]
+    assert len(rows) == 6
+    for row in rows:
+        change, files, test = (cell.strip() for cell in row.split("|")[1:4])
+        assert files.count(";") == 1, change                                   # two files
+        path, _, name = test.strip("`").rpartition("::")
+        source = (root / (path or "tests/test_changing_things.py")).read_text()
+        assert re.search(rf"^def {name}\(", source, re.M), f"{change}: no test {test}"

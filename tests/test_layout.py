@@ -207,3 +207,22 @@ def test_a_private_name_used_across_modules_is_found(tmp_path):
     assert cross_module_private_uses(tmp_path, ("roformer_dist",)) == [
         "roformer_dist/mixin.py:3: ._due", "roformer_dist/user.py:1: import roformer_dist.host._helper",
         "roformer_dist/user.py:5: ._due"]
+
+
+def test_only_roformer_datas_command_line_reads_its_argparse_namespace():
+    """The flags become one typed DataOptions in data_pipeline/cli.py (options_of); no module below it, and not the
+    launcher's task runner, imports argparse or reads an ``args.<flag>``."""
+    edge = {"data_pipeline/cli.py", "data_pipeline/command_line.py"}
+    found = []
+    for path in sorted([*(ROOT / "data_pipeline").rglob("*.py"), ROOT / "launcher" / "prepare.py"]):
+        rel = str(path.relative_to(ROOT))
+        if rel in edge:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "argparse" in \
+                    [a.name for a in node.names] + [getattr(node, "module", None)]:
+                found.append(f"{rel}:{node.lineno}: imports argparse")
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args" \
+                    and node.attr != "args":
+                found.append(f"{rel}:{node.lineno}: args.{node.attr}")
+    assert not found, "\n".join(found)

@@ -325,7 +325,7 @@ def test_the_document_kernel_is_chosen_by_device_and_asked_for_kernels_are_check
     with pytest.raises(ConfigError, match="model.document_attention: varlen needs flash-attn"):
         batch_plan(tiny(document_attention="varlen"), "cpu")
     with pytest.raises(ConfigError, match="model.document_attention: linear attention does not run flex; linear attention keeps documents apart in blocks"):
-        check_attention(tiny(attention="linear", document_attention="flex"))
+        check_attention("linear", "flex")
     with pytest.raises(ConfigError, match="model.document_attention"):
         load_config(None, ["model=debug", "model.document_attention=sparse"])
     assert batch_plan(tiny(), "cpu").args[1] == "blocks"

@@ -71,7 +71,7 @@ def _load(path: str, overrides: list[str]) -> Config:
         cfg = load_config(p, overrides)
     except OSError as e:  # unreadable (permissions, I/O)
         raise ConfigError(f"--config: cannot read {path}: {e.strerror or e}") from None
-    check_attention(cfg.model)  # the attention kinds' table (no torch): before anything starts
+    check_attention(cfg.model.attention, cfg.model.document_attention)  # the kinds' table (no torch)
     return cfg
 
 
@@ -113,10 +113,8 @@ def _run(args, stop: StopFlag) -> int:
     # torch and DeepSpeed come in here, after the stop handlers are in place (main's first line)
     if as_rank:
         from roformer_dist.launch.entry import run_rank
-        from roformer_dist.observe.metrics import run_sinks
 
-        run_sinks(cfg)  # an unknown sink is refused before anything starts
-        return run_rank(cfg, stop=stop)  # global rank 0 resolves the run; the others read it
+        return run_rank(cfg, stop=stop)  # global rank 0 resolves the run (the sinks checked first); the others read it
     from roformer_dist.launch.spawn import LocalRanks
 
     # the ranks start first and import torch and DeepSpeed while this process resolves the run (a refused run
@@ -131,11 +129,9 @@ def _run(args, stop: StopFlag) -> int:
 
     try:
         from roformer_dist.checkpoint.store import check_writable
-        from roformer_dist.observe.metrics import run_sinks
         from roformer_dist.launch.resolved import resolve_run
 
-        run_sinks(cfg)  # an unknown sink is refused before anything is written
-        run = resolve_run(cfg, take_lock=take_lock)  # manifests, mixture, stage plans, resume decision: once
+        run = resolve_run(cfg, take_lock=take_lock)  # sinks, manifests, mixture, stage plans, resume decision: once
         check_writable(run.run_dir.checkpoints, "the checkpoint directory")
         run.write()
         handed = True

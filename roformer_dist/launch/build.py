@@ -29,7 +29,6 @@ from roformer_dist.loop.trainer import Trainer
 from roformer_dist.nn.model import RoFormerForMaskedLM, batch_plan
 from roformer_dist.parallel.runner import build_parallel_engine
 from roformer_dist.plan.curriculum import stage_at, total_steps
-from roformer_dist.plan.mixture import loader_sources
 from roformer_dist.runtime.faults import NO_FAULTS, Faults
 from roformer_dist.runtime.process_group import DistEnv, TorchComm
 from roformer_dist.runtime.stop import StopFlag
@@ -47,7 +46,7 @@ def build_loader(run: ResolvedRun, stage_index: int, dp_rank: int, dp_size: int,
                               mlm_probability=plan.mlm_probability, whole_word_mask=d.whole_word_mask,
                               skip_bad_shards=d.skip_bad_shards, pin_memory=torch.cuda.is_available(),
                               packing=d.packing, mask_replace=d.mask_replace)
-    return settings.build(loader_sources(cfg, run.manifests), dp_rank, dp_size,
+    return settings.build(run.mixture.loader_sources(run.manifests), dp_rank, dp_size,
                           weights=run.mixture.stage_weights(stage_index),
                           prepare=None if cfg.parallel.pipeline > 1 else batch_plan(cfg.model, device_type))
 

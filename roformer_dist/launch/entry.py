@@ -120,7 +120,7 @@ def run_rank(run: Union[ResolvedRun, Config], *, stop: Optional[StopFlag] = None
     if not isinstance(run, ResolvedRun):
         run, lock = _resolve_as_rank(cfg, env, stop)
     try:
-        setup_logging(run.cfg, env.rank)
+        setup_logging(run.run_dir.logs, run.cfg.logging.level, env.rank)
         trainer = build_trainer(run, env, stop=stop, faults=faults, on_hang=on_hang)
         try:
             code = trainer.fit()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
-from roformer_dist.config import Config
 from roformer_dist.errors import StorageError
-from roformer_dist.runtime.rundir import RunDir
 
 __all__ = ["setup_logging"]
 
@@ -27,8 +26,9 @@ class _FileHandler(logging.FileHandler):
                   file=sys.stderr, flush=True)
 
 
-def setup_logging(cfg: Config, rank: int) -> None:
-    logs = RunDir.of(cfg).logs
+def setup_logging(logs: Path, level: str, rank: int) -> None:
+    """This process's log: ``logs/rank<rank>.log`` at ``level`` (``logging.level``), and the console (rank 0 at
+    ``level``, the other ranks' warnings)."""
     try:
         logs.mkdir(parents=True, exist_ok=True)
         fh = _FileHandler(logs / f"rank{rank}.log")
@@ -41,9 +41,9 @@ def setup_logging(cfg: Config, rank: int) -> None:
     fh.setFormatter(fmt)
     sh = logging.StreamHandler(sys.stdout)
     sh.setFormatter(fmt)
-    sh.setLevel(cfg.logging.level.upper() if rank == 0 else logging.WARNING)
+    sh.setLevel(level.upper() if rank == 0 else logging.WARNING)
     root.addHandler(fh)
     root.addHandler(sh)
-    root.setLevel(cfg.logging.level.upper())
+    root.setLevel(level.upper())
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "compilers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

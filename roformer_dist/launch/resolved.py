@@ -37,6 +37,7 @@ from roformer_dist.checkpoint.compat import check_compatible
 from roformer_dist.checkpoint.lineage import Parent
 from roformer_dist.config import Config, RopeSettings, StagePlan, dump_yaml, from_dict, stage_plans, to_dict, validate
 from roformer_dist.errors import ConfigError, StorageError, exit_status
+from roformer_dist.observe.metrics import run_sinks
 from roformer_dist.runtime.rundir import RunDir, prepare_run_dir
 from roformer_dist.plan.curriculum import describe_schedule
 from roformer_dist.plan.decay_branch import BranchPoint, branch_config, branch_point, describe_decay, seed_branch
@@ -94,6 +95,8 @@ class ResolvedRun:
     notes: tuple[tuple[str, int, str], ...] = ()
     """What resolving logged (logger name, level, message): a checkpoint ignored or marked BAD. Rank 0 logs them
     again into the run's log (:meth:`log_notes`); the process that resolved may have had no log of its own."""
+    sinks: tuple[str, ...] = ("jsonl", "tensorboard")
+    """The metric sinks in force (``observe.metrics.run_sinks``: checked against the sink table)."""
 
     def log_notes(self) -> None:
         for name, level, message in self.notes:
@@ -131,6 +134,7 @@ class ResolvedRun:
         return {
             "format": FORMAT, "launch": self.launch, "world_size": self.world_size,
             "config_sha256": self.config_sha256, "run_dir": str(self.run_dir.root), "notes": self.notes,
+            "sinks": list(self.sinks),
             "config": to_dict(self.cfg),
             "manifests": self.manifests,
             "mixture": dataclasses.asdict(self.mixture),
@@ -166,7 +170,8 @@ class ResolvedRun:
             resume = Resume(None if found is None else ckpt.Found(**{**found, "dir": Path(found["dir"])}),
                             None if parent is None else Parent(**parent), None if branch is None else Parent(**branch))
             return cls(cfg, int(data["world_size"]), data["config_sha256"], data["manifests"], mixture, stages, resume,
-                       RunDir(data["run_dir"]), data["launch"], tuple((n, int(lv), m) for n, lv, m in data["notes"]))
+                       RunDir(data["run_dir"]), data["launch"], tuple((n, int(lv), m) for n, lv, m in data["notes"]),
+                       tuple(data["sinks"]))
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ConfigError(f"{where}: damaged resolved run ({type(e).__name__}: {e}); start the run again with "
                               "roformer-train, which writes it") from None
@@ -226,6 +231,7 @@ def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Option
     (a damaged checkpoint may be marked BAD and ``latest`` pointed at the one chosen). ``read_only`` (a dry run,
     no lock): the same decisions, nothing written anywhere."""
     world_size = cfg.dist.world_size if world_size is None else world_size
+    sinks = run_sinks(cfg)  # an unknown sink is refused before anything is written
     run_dir = RunDir.of(cfg)
     with _recorded() as notes:
         resolved, manifests = resolve_data(cfg)
@@ -240,7 +246,7 @@ def resolve_run(cfg: Config, world_size: Optional[int] = None, take_lock: Option
             take_lock()
         resume = _resume(resolved, world_size, next(iter(manifests.values())), run_dir, read_only, branch)
     return ResolvedRun(resolved, world_size, config_sha256(cfg), manifests, mixture, stage_plans(resolved, world_size),
-                       resume, run_dir, secrets.token_hex(8), tuple(notes))
+                       resume, run_dir, secrets.token_hex(8), tuple(notes), sinks)
 
 
 @contextlib.contextmanager

@@ -339,7 +339,7 @@ class RoFormerForMaskedLM(nn.Module):
             raise ValueError(f"model.vocab_size: the model needs an integer, got {cfg.vocab_size!r} "
                              "(resolve 'auto' from the shard manifest first)")
         validate_model(cfg)
-        check_attention(cfg)
+        check_attention(cfg.attention, cfg.document_attention)
         self.config = cfg
         # Modules draw their default init from the RNG; rewind it so that the weights depend only
         # on init_weights(): seed s -> same weights as ``torch.manual_seed(s); model.init_weights()``.

@@ -28,7 +28,7 @@ from data_pipeline.mixture import Source
 from roformer_dist.config import Config, training_sources
 from roformer_dist.errors import ConfigError
 
-__all__ = ["SourcePlan", "MixturePlan", "plan_mixture", "loader_sources"]
+__all__ = ["SourcePlan", "MixturePlan", "plan_mixture"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class SourcePlan:
     max_epochs: Optional[float]
     capped: bool
     """Its share was lowered to keep it within max_epochs."""
+    shards: str = ""
+    """Where its shard set is (``data.sources[].shards``)."""
 
     @property
     def epochs(self) -> float:
@@ -57,6 +59,11 @@ class MixturePlan:
     stage_names: tuple[str, ...]
     budgets: tuple[int, ...]
     """Tokens each stage draws."""
+
+    def loader_sources(self, manifests: dict) -> list[Source]:
+        """The sources as the loader's :class:`~data_pipeline.mixture.Source` s, with the manifests the resolved run
+        read and checked (by name; the loader reads no other)."""
+        return [Source(s.name, s.shards, s.max_epochs, manifests.get(s.name)) for s in self.sources]
 
     def stage_weights(self, index: int) -> dict[str, float]:
         """Source name -> share in stage ``index`` (what the loader is given)."""
@@ -142,7 +149,8 @@ def plan_mixture(cfg: Config, manifests: dict[str, dict]) -> MixturePlan:
                 f"data.sources: stage {stages[i].name!r} draws {budgets[i] / 1e6:.3f} M tokens, more than the "
                 f"max_epochs caps of its sources allow; raise a cap, add a source or shorten the stage")
     plans = tuple(SourcePlan(s.name, tokens[s.name], tuple(t[s.name] for t in targets),
-                             tuple(sh[s.name] for sh in shares), draws[s.name], s.max_epochs, s.name in factor)
+                             tuple(sh[s.name] for sh in shares), draws[s.name], s.max_epochs, s.name in factor,
+                             s.shards)
                   for s in sources)
     return MixturePlan(plans, tuple(st.name for st in stages), budgets)
 
@@ -157,7 +165,4 @@ def _capped_shares(targets: list[dict[str, float]], factor: dict[str, float]) ->
     return out
 
 
-def loader_sources(cfg: Config, manifests: Optional[dict] = None) -> list[Source]:
-    """``data.sources`` (or data.shards) as the loader's :class:`~data_pipeline.mixture.Source` s; ``manifests``:
-    each source's manifest by name, as the resolved run read and checked them (the loader reads no other)."""
-    return [Source(s.name, s.shards, s.max_epochs, (manifests or {}).get(s.name)) for s in training_sources(cfg.data)]
+

@@ -16,7 +16,7 @@ import torch
 
 from roformer_dist.config import dump_yaml
 from roformer_dist.loop.callback import Callback, StepDone
-from roformer_dist.observe.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops, run_sinks
+from roformer_dist.observe.metrics import MetricsWriter, matmul_precision, max_mem_gb, peak_flops
 
 if TYPE_CHECKING:
     from roformer_dist.checkpoint.trainer_state import TrainerState
@@ -45,7 +45,7 @@ class Recording(Callback):
     def open(self, tr: "Trainer", resumed: bool) -> None:
         """The sinks, at the counters' step (after a resume: its events after that step are dropped)."""
         cfg = self.run.cfg
-        self.metrics = MetricsWriter(self.run.run_dir.root, self.rank, tr.state.step, run_sinks(cfg), cfg.logging)
+        self.metrics = MetricsWriter(self.run.run_dir.root, self.rank, tr.state.step, self.run.sinks, cfg.logging)
         if self.rank == 0 and not resumed:
             self.metrics.text("config", "```\n" + dump_yaml(cfg) + "\n```")
             self.metrics.text("mixture", "```\n" + self.run.mixture.table() + "\n```")

@@ -45,11 +45,11 @@ def attention_kind(name: str) -> AttentionKind:
                           f"{', '.join(ATTENTION)}") from None
 
 
-def check_attention(model) -> AttentionKind:
-    """``model.attention`` and the ``model.document_attention`` it runs with (a ``ModelConfig``); ConfigError
+def check_attention(name: str, document_attention: str = "auto") -> AttentionKind:
+    """``model.attention``'s kind, and the ``model.document_attention`` it runs packed documents with; ConfigError
     naming the key."""
-    kind = attention_kind(model.attention)
-    setting = model.document_attention
+    kind = attention_kind(name)
+    setting = document_attention
     if setting != "auto" and setting not in kind.document_kernels:
         raise ConfigError(f"model.document_attention: {kind.name} attention does not run {setting}; "
                           f"{kind.document_note or 'use one of ' + ', '.join(('auto', *kind.document_kernels))}")
