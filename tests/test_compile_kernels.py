@@ -130,13 +130,14 @@ def test_the_rotary_kernel_runs_the_way_the_stage_measures_it(packing, tmp_path,
     compiled_run = rotary_runs_compiled(run)
     assert compiled_run == (packing == "cross_document")
     seen = []
-    real = A.run_kernel
+    real = R.run_kernel
 
     def spy(*args, **kwargs):
         seen.append(torch.compiler.is_compiling())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(A, "run_kernel", spy)
+    monkeypatch.setattr(A, "run_kernel", spy)  # rotary on v and flash-attn's varlen form
+    monkeypatch.setattr(R, "run_kernel", spy)  # q and k, rotated by the attention kind (nn/attention_kinds/)
     cfg = tiny(num_hidden_layers=1)
     model = make(cfg)
     set_rotary_kernel(model, R.model_kernel("reference", "cpu"))
