@@ -46,9 +46,6 @@ class Trainer:
 
     def __init__(self, run: "ResolvedRun", env: "DistEnv", runner, loader, callbacks: Callbacks,
                  stop: Optional[StopFlag] = None, stage_index: int = 0):
-        if run.world_size != env.world_size:
-            raise ValueError(f"Trainer: the run was resolved for {run.world_size} rank(s), this rank is one of "
-                             f"{env.world_size}")
         self.run, self.cfg, self.env = run, run.cfg, env
         self.runner, self.loader, self.callbacks = runner, loader, callbacks
         self.stop = stop if stop is not None else StopFlag()
