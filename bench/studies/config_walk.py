@@ -12,7 +12,8 @@ figure compares with the same walk on an older checkout (``--root``). Prints the
     python bench/studies/config_walk.py --shards DIR --eval-shards DIR
     CONFIG_WALK_ROOT=../old-checkout python bench/studies/config_walk.py ...   # the same walk on another tree
 
-It answered one question (issue "Resolve a run once"): it is quoted in that issue's closing note only.
+It answers one question, asked twice (issues "Resolve a run once" and "The loop and its listeners"): it is quoted
+in those issues' closing notes only.
 """
 
 from __future__ import annotations
