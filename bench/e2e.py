@@ -456,10 +456,10 @@ def bare_worker(a) -> None:
     import torch
 
     from data_pipeline.loader import ShardLoader
-    from roformer_dist.plan.curriculum import lr_at
     from roformer_dist.config import stage_plans
-    from roformer_dist.parallel.engine import build_engine, param_groups
     from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.parallel.engine import build_engine, param_groups
+    from roformer_dist.plan.curriculum import lr_at
 
     # all cores unless OMP_NUM_THREADS says otherwise: what roformer-train's ranks do (trainer.run_rank)
     C.torch_setup("cpu", 0 if "OMP_NUM_THREADS" in os.environ else os.cpu_count() or 1)

@@ -53,8 +53,8 @@ def copy_built_op(name: str, extensions: Path) -> None:
 def rank_processes(launcher_pid: int) -> list[int]:
     """The ranks ``roformer-train`` (pid ``launcher_pid``) forked, in rank order: its children named
     ``roformer-rank<r>`` (Linux ``/proc``; [] before they are forked)."""
-    from roformer_dist.runtime.stop import children
     from roformer_dist.launch.spawn import RANK_NAME
+    from roformer_dist.runtime.stop import children
 
     found = {}
     for pid in children(launcher_pid):

@@ -22,8 +22,8 @@ from trainer_runs import make_cfg
                                        ["model=small", "model.embedding_size=128"],
                                        ["model=tiny", "model.position_embedding=absolute"]])
 def test_the_estimates_parameter_count_is_the_models(overrides):
-    from roformer_dist.nn.model import RoFormerForMaskedLM
     from roformer_dist.launch.memory_estimate import parameter_count
+    from roformer_dist.nn.model import RoFormerForMaskedLM
 
     cfg = load_config(None, [*overrides, "model.vocab_size=3001"])
     outer, layer = parameter_count(cfg.model)
@@ -114,9 +114,9 @@ def test_packed_documents_cost_no_score_mask_where_a_kernel_takes_them_without_o
     """On CUDA flex attention (or flash-attn's varlen) takes packed documents without an S x S mask, so the
     estimate leaves out the bias per row and layer; with attention dropout, on CPU, or with the blocks asked
     for, it stays in."""
-    from roformer_dist.nn.documents import flash_varlen_available
     from roformer_dist.launch.memory_estimate import maskless as _maskless
     from roformer_dist.launch.memory_estimate import estimate_stage
+    from roformer_dist.nn.documents import flash_varlen_available
 
     def cfg(*overrides):
         return load_config(None, ["model=base", "model.vocab_size=21128", "deepspeed.precision=bf16",
@@ -135,8 +135,8 @@ def test_packed_documents_cost_no_score_mask_where_a_kernel_takes_them_without_o
 def test_the_reduce_buckets_follow_the_deepspeed_keys():
     """The estimate's bucket is ``deepspeed.reduce_bucket_size`` elements, two of them with ``overlap_comm``
     (ZeRO-2 double-buffers); what DeepSpeed is handed carries the same keys."""
-    from roformer_dist.parallel.engine import deepspeed_config
     from roformer_dist.launch.memory_estimate import estimate_stage
+    from roformer_dist.parallel.engine import deepspeed_config
 
     def at(*overrides):
         cfg = load_config(None, ["model=base", "model.vocab_size=21128", "deepspeed.precision=bf16", *overrides])

@@ -100,8 +100,8 @@ def test_baselines_at_the_eval_positions(small_shards):
 def test_eval_does_not_depend_on_the_data_parallel_size(small_shards):
     """Replicas split the eval batches; their summed result equals one process's, and each replica
     runs the same number of forwards (an odd batch count makes one replica discard a forward)."""
-    from roformer_dist.observe.evaluation import Evaluator, model_eval_step
     from roformer_dist.nn.model import RoFormerForMaskedLM
+    from roformer_dist.observe.evaluation import Evaluator, model_eval_step
 
     cfg = debug_cfg(small_shards, "data.eval_batches=3")
     torch.manual_seed(0)

@@ -49,10 +49,10 @@ CASES = [(form, attention, tensor) for tensor in (1, 2) for attention in ("softm
 
 
 def _watch(rank, world_size, cases, shards, root):
+    from roformer_dist.launch.entry import run_rank
+    from roformer_dist.loop import trainer as trainer_module
     from roformer_dist.nn import documents
     from roformer_dist.parallel import runner as runner_module
-    from roformer_dist.loop import trainer as trainer_module
-    from roformer_dist.launch.entry import run_rank
 
     found = {}
     real_step, real_on = trainer_module.Trainer.train_step, runner_module._on

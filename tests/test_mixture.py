@@ -285,8 +285,8 @@ def test_trainer_on_a_mixture_resumes_exactly_logs_shares_and_evaluates_per_sour
     draws the new shares from the resume step on."""
     import shutil
 
-    from roformer_dist.runtime.stop import EXIT_DONE
     from roformer_dist.runtime.events import read_scalars
+    from roformer_dist.runtime.stop import EXIT_DONE
     from trainer_runs import assert_traces_equal, trace, train
 
     ref = tmp_path / "ref"

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roformer_dist.nn import attention as A
-from roformer_dist.nn.attention_kinds.softmax import eager_softmax_attention
-from roformer_dist.nn import rotary as R
 from roformer_dist.config import ModelConfig
+from roformer_dist.nn import attention as A
+from roformer_dist.nn import rotary as R
+from roformer_dist.nn.attention_kinds.softmax import eager_softmax_attention
 from roformer_dist.nn.model import RoFormerForMaskedLM
 
 VOCAB = 101

@@ -12,8 +12,8 @@ import torch
 
 from roformer_dist.config import load_config, stage_plans
 from roformer_dist.errors import ConfigError
-from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM
 from roformer_dist.launch.memory_estimate import estimate_stage
+from roformer_dist.nn.model import IGNORE_INDEX, RoFormerForMaskedLM
 from roformer_dist.launch.preflight import (forward_backward, mean_document_length, preflight_batch, run_copy,
                                            verdict, worst_stage, _refusal)
 from trainer_runs import DEBUG

@@ -21,8 +21,8 @@ import pytest
 
 from roformer_dist.config import fork_overrides, replace
 from roformer_dist.errors import ConfigError
-from roformer_dist.observe.length_report import evaluate_checkpoint
 from roformer_dist.launch.resolved import resolve_run
+from roformer_dist.observe.length_report import evaluate_checkpoint
 from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.stop import EXIT_DONE
 from trainer_runs import flip_byte, make_cfg, records, train

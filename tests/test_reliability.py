@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from roformer_dist.testing import DistributedTestError
 from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.errors import EXIT_ABORTED, EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DATA, EXIT_LOCKED, EXIT_STORAGE
 from roformer_dist.runtime.runlock import HOLDER_FILE
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
+from roformer_dist.testing import DistributedTestError
 from trainer_runs import (SCHEDULE, assert_traces_equal, children, cli_overrides, copy_run, finish, flip_byte,
                           live_group_members, make_cfg, rank_pids, reference_run, run_cli, steps_done, train, trace,
                           wait_for_group_gone, wait_for_step)

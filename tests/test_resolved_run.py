@@ -45,8 +45,8 @@ def test_a_resolved_run_round_trips_through_the_run_directory(small_shards, tmp_
 
 
 def test_a_damaged_resolved_run_is_one_error_naming_the_file(small_shards, tmp_path):
-    from roformer_dist.runtime.rundir import RunDir
     from roformer_dist.launch.resolved import FORMAT, ResolvedRun, resolve_run
+    from roformer_dist.runtime.rundir import RunDir
 
     run = resolve_run(make_cfg(small_shards, tmp_path / "run"))
     run.write()

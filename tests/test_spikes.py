@@ -17,8 +17,8 @@ import pytest
 
 from roformer_dist.config import load_config
 from roformer_dist.errors import ConfigError
-from roformer_dist.runtime.stop import EXIT_DONE
 from roformer_dist.loop.spikes import SpikeGuard
+from roformer_dist.runtime.stop import EXIT_DONE
 from trainer_runs import assert_traces_equal, make_cfg, records, train
 
 SPIKES = "10,14"

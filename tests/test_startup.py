@@ -51,8 +51,8 @@ def test_the_launcher_resolves_and_writes_a_fresh_run_without_torch(small_shards
         import sys
         from roformer_dist.checkpoint.store import check_writable
         from roformer_dist.config import load_config
-        from roformer_dist.observe.metrics import run_sinks
         from roformer_dist.launch.resolved import resolve_run
+        from roformer_dist.observe.metrics import run_sinks
 
         cfg = load_config({str(DEBUG)!r}, {over!r})
         run_sinks(cfg)

@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from roformer_dist.testing import run_distributed
 from roformer_dist.config import load_config
 from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.stop import EXIT_DONE, EXIT_REQUEUE
+from roformer_dist.testing import run_distributed
 from trainer_runs import (DEBUG, SCHEDULE, assert_traces_equal, make_cfg, records, reference_run, train,
                           trace)
 from trainer_runs import cli_overrides as _cli_overrides

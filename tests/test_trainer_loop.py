@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from roformer_dist.config import load_config, replace, to_dict
-from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, CheckpointError, DataError
-from roformer_dist.runtime.faults import NO_FAULTS, Faults
-from roformer_dist.parallel.runner import StepStats
-from roformer_dist.loop.policies import LoopPolicy
 from roformer_dist.checkpoint.compat import differences
 from roformer_dist.checkpoint.trainer_state import FORMAT_VERSION, TrainCounters, TrainerState
+from roformer_dist.config import load_config, replace, to_dict
+from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE, CheckpointError, DataError
+from roformer_dist.loop.policies import LoopPolicy
+from roformer_dist.parallel.runner import StepStats
+from roformer_dist.runtime.faults import NO_FAULTS, Faults
 
 DEBUG = Path(__file__).resolve().parent.parent / "configs" / "experiments" / "debug.yaml"
 
@@ -28,9 +28,9 @@ def cfg_with(*overrides):
 def run_of(cfg):
     """A ResolvedRun of ``cfg`` for one rank without data (the loop's tests give the trainer fakes of it)."""
     from roformer_dist.config import stage_plans
-    from roformer_dist.runtime.rundir import RunDir
-    from roformer_dist.plan.mixture import MixturePlan
     from roformer_dist.launch.resolved import ResolvedRun, Resume
+    from roformer_dist.plan.mixture import MixturePlan
+    from roformer_dist.runtime.rundir import RunDir
 
     return ResolvedRun(cfg, 1, "", {"main": {"tokenizer": {"sha256": "ab" * 32}}}, MixturePlan((), (), ()), stage_plans(cfg, 1), Resume(),
                        RunDir(cfg.run_dir))

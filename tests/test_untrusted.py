@@ -25,8 +25,8 @@ from roformer_dist.checkpoint.safe_load import check_archive, load, weights_only
 from roformer_dist.checkpoint.weights import load_checkpoint_weights
 from roformer_dist.config import load_config, to_dict
 from roformer_dist.errors import CheckpointError, ConfigError
-from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.rundir import prepare_run_dir
+from roformer_dist.runtime.runlock import RunLock
 from test_checkpoint_files import DEBUG, TorchSaveRunner, payload, save
 
 BIN = Path(sys.executable).parent

@@ -11,8 +11,8 @@ import torch
 
 from roformer_dist.config import ModelConfig
 from roformer_dist.errors import ConfigError
-from roformer_dist.nn.model import RoFormerForMaskedLM
 from roformer_dist.launch.warm_start import adapt, read_parent
+from roformer_dist.nn.model import RoFormerForMaskedLM
 from trainer_runs import make_cfg, records, train
 
 VOCAB = 300

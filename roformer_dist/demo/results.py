@@ -13,9 +13,9 @@ from pathlib import Path
 
 from data_pipeline.atomic import atomic_write_text
 from roformer_dist.finetune.run import run as finetune_run
+from roformer_dist.observe.plots import line_plot
 from roformer_dist.runtime.events import read_scalars
 from roformer_dist.runtime.rundir import RunDir
-from roformer_dist.observe.plots import line_plot
 
 
 def machine() -> dict:

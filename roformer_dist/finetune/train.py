@@ -22,8 +22,8 @@ import torch
 from data_pipeline.atomic import StagedDir
 from roformer_dist.finetune.tasks import Encoded
 from roformer_dist.hf.export import share_with_group
-from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.observe.sinks import SinkContext, open_sinks
+from roformer_dist.runtime.rundir import RunDir
 
 FINETUNE_SINKS = ("tensorboard",)
 """Where fine-tuning's curves go (``observe.sinks``): TensorBoard under ``out_dir/tb``; the epochs' records are

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from roformer_dist.nn.attention_kinds import attention_kind
 from roformer_dist.checkpoint.weights import model_from_state_dict
 from roformer_dist.config import ModelConfig, RopeSettings, build, rope_settings
 from roformer_dist.errors import ConfigError
+from roformer_dist.nn.attention_kinds import attention_kind
 from roformer_dist.nn.model import RoFormerForMaskedLM, rotary_cache
 from roformer_dist.nn.rotary import DEFAULT_ROPE
 

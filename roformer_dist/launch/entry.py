@@ -26,6 +26,10 @@ import torch.distributed as dist
 from roformer_dist.checkpoint.store import check_writable
 from roformer_dist.config import Config
 from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE
+from roformer_dist.launch.build import build_trainer
+from roformer_dist.launch.logs import setup_logging
+from roformer_dist.launch.resolved import ResolvedRun, hand_down, resolve_run
+from roformer_dist.loop.callbacks.heartbeat import last_barrier_watch
 from roformer_dist.parallel.engine import SHM_COMM, load_op
 from roformer_dist.runtime.deepspeed_import import import_deepspeed
 from roformer_dist.runtime.faults import Faults
@@ -33,10 +37,6 @@ from roformer_dist.runtime.jit_builds import use_environment_extensions_dir, wai
 from roformer_dist.runtime.process_group import DistEnv, TorchComm, init_process_group
 from roformer_dist.runtime.runlock import RunLock
 from roformer_dist.runtime.stop import StopFlag, ignore_late_stop_signals
-from roformer_dist.launch.logs import setup_logging
-from roformer_dist.launch.build import build_trainer
-from roformer_dist.launch.resolved import ResolvedRun, hand_down, resolve_run
-from roformer_dist.loop.callbacks.heartbeat import last_barrier_watch
 
 __all__ = ["run_rank", "init_distributed"]
 

@@ -27,8 +27,8 @@ import torch
 
 from roformer_dist.config import Config, StagePlan
 from roformer_dist.errors import ConfigError
-from roformer_dist.nn.model import IGNORE_INDEX, batch_plan, document_kernel
 from roformer_dist.launch.memory_estimate import HEADROOM, StageMemory, estimate_stage, format_bytes, maskless
+from roformer_dist.nn.model import IGNORE_INDEX, batch_plan, document_kernel
 
 __all__ = ["preflight", "worst_stage", "preflight_batch", "run_copy", "Verdict", "needed_bytes", "verdict",
            "mean_document_length"]

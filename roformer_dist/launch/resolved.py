@@ -38,11 +38,11 @@ from roformer_dist.checkpoint.lineage import Parent
 from roformer_dist.config import Config, RopeSettings, StagePlan, dump_yaml, from_dict, stage_plans, to_dict, validate
 from roformer_dist.errors import ConfigError, StorageError, exit_status
 from roformer_dist.observe.metrics import run_sinks
-from roformer_dist.runtime.rundir import RunDir, prepare_run_dir
 from roformer_dist.plan.curriculum import describe_schedule
-from roformer_dist.plan.decay_branch import BranchPoint, branch_config, branch_point, describe_decay, seed_branch
 from roformer_dist.plan.data import resolve_data
+from roformer_dist.plan.decay_branch import BranchPoint, branch_config, branch_point, describe_decay, seed_branch
 from roformer_dist.plan.mixture import MixturePlan, SourcePlan, plan_mixture
+from roformer_dist.runtime.rundir import RunDir, prepare_run_dir
 
 __all__ = ["ResolvedRun", "Resume", "resolve_run", "config_sha256", "hand_down", "FORMAT"]
 

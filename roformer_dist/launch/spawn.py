@@ -52,10 +52,10 @@ def _rank_main(rank: int, world_size: int, port: int, launcher_pid: int, job_dir
     stop = StopFlag.install(quiet_abort=True)  # the launcher says it once
     # while the launcher resolves the run: what every rank imports (imported already where the ranks were forked)
     import roformer_dist.launch.preload  # noqa: F401
-    from roformer_dist.runtime.deepspeed_import import import_deepspeed
-    from roformer_dist.runtime.process_group import peer_lost
     from roformer_dist.launch.entry import run_rank
     from roformer_dist.launch.resolved import ResolvedRun
+    from roformer_dist.runtime.deepspeed_import import import_deepspeed
+    from roformer_dist.runtime.process_group import peer_lost
 
     import_deepspeed()
     if os.read(0, len(GO)) != GO:  # (the ranks may share one stdin: each takes its own line, no more)

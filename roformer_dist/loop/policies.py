@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from roformer_dist.config import Config
-from roformer_dist.plan.curriculum import stage_boundaries, total_steps
 from roformer_dist.errors import EXIT_DONE, EXIT_NONFINITE, EXIT_REQUEUE
+from roformer_dist.plan.curriculum import stage_boundaries, total_steps
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from roformer_dist.checkpoint.weights import load_checkpoint_weights, model_from
 from roformer_dist.config import Config, replace, training_sources
 from roformer_dist.errors import CheckpointError, ConfigError, DataError
 from roformer_dist.nn.model import RoFormerForMaskedLM
+from roformer_dist.observe.evaluation import Evaluator, evaluate_model
 from roformer_dist.plan.curriculum import trained_max_len
 from roformer_dist.plan.decay_branch import describe_decay
-from roformer_dist.observe.evaluation import Evaluator, evaluate_model
 
 __all__ = ["Row", "Report", "Opened", "length_note", "load_model", "open_checkpoint", "evaluate_checkpoint", "format_report",
            "format_comparison"]

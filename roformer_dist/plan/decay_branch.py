@@ -30,8 +30,8 @@ from roformer_dist.checkpoint import store as ckpt
 from roformer_dist.checkpoint.lineage import Parent, config_digest, read_parent_record, write_parent
 from roformer_dist.config import Config, build, replace
 from roformer_dist.errors import CheckpointError, ConfigError
-from roformer_dist.runtime.rundir import RunDir
 from roformer_dist.plan.curriculum import lr_at
+from roformer_dist.runtime.rundir import RunDir
 
 __all__ = ["BranchPoint", "branch_point", "branch_config", "seed_branch", "describe_decay"]
 
