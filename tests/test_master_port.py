@@ -10,10 +10,12 @@ from __future__ import annotations
 import datetime
 import socket
 
+import pytest
 import torch.distributed as dist
 
 from launcher.job import MASTER_PORTS, _master_port
-from roformer_dist.runtime.process_group import peer_lost, port_in_use
+from roformer_dist.errors import EXIT_ENVIRONMENT, EnvironmentSetupError, exit_status
+from roformer_dist.runtime.process_group import DistEnv, init_process_group, peer_lost, port_in_use
 
 
 def test_master_ports_are_drawn_below_the_ephemeral_range_the_same_on_every_task(monkeypatch):
@@ -47,3 +49,23 @@ def test_a_held_master_port_is_said_as_such_not_as_a_lost_peer():
     assert "EADDRINUSE" in str(raised) and port_in_use(raised) and not peer_lost(raised), raised
     gone = dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
     assert peer_lost(gone) and not port_in_use(gone)
+
+
+def test_rank_0_on_a_held_port_is_one_error_naming_the_port_not_a_traceback(monkeypatch):
+    """A local launch draws a free port and hands it to its ranks; another process may take it before rank 0
+    listens (two launches on one machine). Rank 0 then says so (the launcher prints the message, the launch exits
+    EXIT_ENVIRONMENT) instead of raising torch's DistNetworkError."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    try:
+        with pytest.raises(EnvironmentSetupError, match=rf"rank 0: MASTER_PORT {port} on 127.0.0.1 is held by another "
+                                                        r"process \(EADDRINUSE\).*Run the same command again") as got:
+            init_process_group(DistEnv(0, 2, 0), "gloo", timeout_s=10)
+    finally:
+        holder.close()
+    assert not dist.is_initialized()
+    assert exit_status(got.value) == EXIT_ENVIRONMENT and port_in_use(got.value) and not peer_lost(got.value)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from roformer_dist.errors import EnvironmentSetupError
 from roformer_dist.runtime.ports import free_port
 
 __all__ = ["DistEnv", "free_port", "resolve_backend", "init_process_group", "TorchComm", "gloo_interface"]
@@ -110,8 +111,17 @@ def init_process_group(env: DistEnv, backend: str = "auto", timeout_s: float = 1
         torch.cuda.set_device(env.local_rank)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if not port_in_use(e):
+                raise
+            # (EADDRINUSE stays in the message: port_in_use still tells it from a lost peer)
+            raise EnvironmentSetupError(
+                f"rank {env.rank}: MASTER_PORT {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is "
+                "held by another process (EADDRINUSE): the process group cannot form. Run the same command again (a "
+                "local launch draws another free port); under torchrun or SLURM, another MASTER_PORT") from None
     return backend
 
 
