@@ -32,6 +32,7 @@ names an error's input or argument (a role, :mod:`.errors`) by its flag (:data:`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -230,23 +231,24 @@ def build_parser() -> CommandParser:
     return ap
 
 
+def _given(cls, args: argparse.Namespace, **derived):
+    """``cls`` from the flags of ``args`` named as its fields (a command without a flag: the field's default), with
+    ``derived`` values over them (``--cluster`` is a field of ClusterOptions, not DataOptions' ``cluster``)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **derived})
+
+
 def options_of(args: argparse.Namespace, run_tasks=None) -> DataOptions:
     """The command line's options, typed (the one place that reads argparse's namespace)."""
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - each command has its own flags
-    corpus = CorpusOptions(tuple(get("input") or ()), get("format", AUTO),
-                           ReadOptions(get("doc_boundary", "line"), get("text_field", "text"), get("strict", False),
-                                       get("max_line_bytes") or MAX_LINE_BYTES), get("jieba", False))
-    training = TokenizerTraining(get("vocab_size"), get("model_type", "unigram"), get("character_coverage", 0.9995),
-                                 not get("no_byte_fallback", False), get("input_sentence_size", 2_000_000),
-                                 get("num_threads", 1))
-    shards = ShardOptions(get("workers"), get("shard_size_mb", 64.0), get("max_docs_per_shard"),
-                          not get("no_progress", False))
-    cluster = ClusterOptions(get("tasks"), get("cluster"), get("profile"), get("partition"), get("account"),
-                             get("qos"), get("constraint"), get("time"), get("cpus_per_task"), get("mem"),
-                             get("sample_docs", 200_000))
-    inspect = InspectOptions(get("dir", ""), get("verify", False), get("samples", 3), get("url_timeout_s"))
-    return DataOptions(args.cmd, str(get("out") or ""), get("force", False), get("tokenizer"), corpus, training,
-                       shards, cluster, tuple(get("source") or ()), get("tokenizer_weights"), inspect, run_tasks)
+    read = _given(ReadOptions, args, max_line_bytes=getattr(args, "max_line_bytes", None) or MAX_LINE_BYTES)
+    corpus = _given(CorpusOptions, args, inputs=tuple(getattr(args, "input", None) or ()),
+                    fmt=getattr(args, "format", AUTO), read=read)
+    training = _given(TokenizerTraining, args, byte_fallback=not getattr(args, "no_byte_fallback", False))
+    shards = _given(ShardOptions, args, progress=not getattr(args, "no_progress", False))
+    return _given(DataOptions, args, command=args.cmd, out=str(getattr(args, "out", None) or ""), corpus=corpus,
+                  training=training, shards=shards, cluster=_given(ClusterOptions, args),
+                  sources=tuple(getattr(args, "source", None) or ()), inspect=_given(InspectOptions, args),
+                  run_tasks=run_tasks)
 
 
 def _in_flag_names(fn, options: DataOptions) -> int:

@@ -23,7 +23,7 @@ from roformer_dist.errors import EXIT_DONE, EXIT_REQUEUE, DataError
 from roformer_dist.loop.callback import Callbacks, StepDone, StepRequest
 from roformer_dist.loop.policies import LoopPolicy, Stop
 from roformer_dist.loop.stage import StageSwitch
-from roformer_dist.plan.curriculum import lr_at, stage_at, total_steps
+from roformer_dist.plan.curriculum import lr_at, stage_at
 from roformer_dist.plan.data import data_error
 from roformer_dist.runtime.process_group import TorchComm
 from roformer_dist.runtime.stop import StopFlag
@@ -51,7 +51,6 @@ class Trainer:
         self.stop = stop if stop is not None else StopFlag()
         self.comm = TorchComm()
         self.policy = LoopPolicy.from_config(self.cfg)
-        self.total = total_steps(self.cfg.curriculum.stages)
         self.state = TrainCounters()
         self.stage = StageSwitch(stage_index, self.cfg.model.hidden_dropout_prob)
         self.last_good: Optional[int] = None
@@ -109,7 +108,7 @@ class Trainer:
         s = self.state
         if self.policy.done(s.step):
             log.info("nothing to do: step %d already reached (stop at %d of %d)", s.step, self.policy.last_step,
-                     self.total)
+                     self.policy.total_steps)
             return EXIT_DONE
         self.callbacks.run_start(self)
         self.switch_stage(stage_at(self.cfg.curriculum.stages, s.step).index)

@@ -105,7 +105,7 @@ class Recording(Callback):
             shown = "nan (skipped)" if stats.nonfinite else \
                 f"{stats.loss:.4f}" + (" (spike, skipped)" if stats.skipped else "")
             log.info("step %d/%d [%s len %d] loss %s acc %.3f lr %.2e %.0f tok/s %.2f s/step", done.step,
-                     tr.total, st.name, st.seq_len, shown, stats.mlm_acc, done.lr, toks_per_s, step_time)
+                     tr.policy.total_steps, st.name, st.seq_len, shown, stats.mlm_acc, done.lr, toks_per_s, step_time)
 
     def _mixture_scalars(self, tr: "Trainer") -> dict:
         """Per source: tokens drawn so far by the whole job, and its share of the tokens since the last
